@@ -1,0 +1,46 @@
+"""The Executor interface: how the engine core reaches the model, wherever it runs."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from llmsvc.config import EngineConfig
+from llmsvc.wire import ModelRunnerOutput, SchedulerOutput
+
+
+class ExecutorError(RuntimeError):
+    """A worker died or failed; the engine cannot continue (server maps to UNAVAILABLE)."""
+
+
+class Executor(ABC):
+    """Owns the workers (in this process or children). The engine owns the executor.
+
+    Construction loads the model on every worker and returns only when all are ready.
+    Calls come from one thread (the engine loop), one at a time.
+    """
+
+    name: str = "?"
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def determine_num_kv_blocks(self) -> int:
+        """Number of KV blocks every worker can hold (min over workers)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` KV blocks on every worker and warm the model up."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; return rank 0's sampled tokens.
+
+        Raises ExecutorError if a worker has died or failed."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise ExecutorError if any worker is dead."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop workers and free their resources. Idempotent."""

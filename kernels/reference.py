@@ -1,0 +1,112 @@
+"""Torch reference implementation of every op: the CPU path and the tests' ground truth.
+
+Layouts (shared with the Triton kernels):
+  k_cache, v_cache:  [num_blocks, block_size, num_kv_heads, head_dim]
+  slot_mapping:      [num_tokens] int64, slot = block_id * block_size + offset; -1 = skip
+  block_tables:      [num_seqs, max_blocks_per_seq] int32 (physical block ids, padded)
+  query_start_loc:   [num_seqs + 1] int32, cumulative query lengths (tokens of this step)
+  seq_lens:          [num_seqs] int32, context length per sequence *including* this step's tokens
+  cos_sin_cache:     [max_position, rotary_dim] (cos in the first half, sin in the second)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [num_tokens, hidden]; computed in fp32, returned in x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # returns (rms_norm(x + residual), x + residual); the sum is rounded to x.dtype first, as HF does
+    s = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm(s, weight, eps), s
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    # x: [num_tokens, 2 * d] (gate | up) -> [num_tokens, d]
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_size: int) -> None:
+    """Neox-style RoPE applied in place. query: [T, Hq * head_size], key: [T, Hkv * head_size]."""
+    cos_sin = cos_sin_cache.index_select(0, positions)  # [T, rotary_dim]
+    cos, sin = cos_sin.chunk(2, dim=-1)  # [T, rotary_dim / 2] each
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rot = cos_sin_cache.shape[-1]
+    for x in (query, key):
+        xv = x.view(x.shape[0], -1, head_size)  # [T, H, head_size]
+        xr = xv[..., :rot].float()
+        x1, x2 = xr.chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        xv[..., :rot] = out.to(x.dtype)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key, value: [T, Hkv, D] written to the cache slots named by slot_mapping (in place)."""
+    nb, bs, h, d = k_cache.shape
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a flattened batch over the paged cache.
+
+    query: [T, Hq, D]. Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1]
+    (its last q_len tokens); query row j of it attends to cache positions 0..ctx-q_len+j,
+    ctx = seq_lens[i]. The new tokens' K/V must already be in the cache (store_kv first).
+    Decode rows (q_len == 1) are batched into one call; longer chunks run one by one.
+    Returns [T, Hq, D] in query.dtype.
+    """
+    num_tokens, hq, d = query.shape
+    _, bs, hkv, _ = k_cache.shape
+    out = torch.empty_like(query)
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode:
+        idx = torch.tensor(decode)
+        rows = query_start_loc[idx].long()
+        ctx = seq_lens[idx]
+        nblk = (max(lens[i] for i in decode) + bs - 1) // bs
+        bt = block_tables[idx, :nblk].long()  # [B, nblk]
+        k = k_cache[bt].flatten(1, 2).transpose(1, 2)  # [B, Hkv, nblk*bs, D]
+        v = v_cache[bt].flatten(1, 2).transpose(1, 2)
+        mask = torch.arange(nblk * bs) < ctx[:, None]  # [B, S]
+        q = query[rows].unsqueeze(2)  # [B, Hq, 1, D]
+        o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask[:, None, None, :],
+                                           scale=scale, enable_gqa=hq != hkv)
+        out[rows] = o.squeeze(2).to(out.dtype)
+    for i, q_len in enumerate(q_lens):
+        if q_len <= 1:
+            continue
+        ctx = lens[i]
+        nblk = (ctx + bs - 1) // bs
+        bt = block_tables[i, :nblk].long()
+        k = k_cache[bt].flatten(0, 1)[:ctx].transpose(0, 1)  # [Hkv, ctx, D]
+        v = v_cache[bt].flatten(0, 1)[:ctx].transpose(0, 1)
+        q = query[qsl[i]:qsl[i + 1]].transpose(0, 1)  # [Hq, q_len, D]
+        if q_len == ctx:
+            o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, is_causal=True, scale=scale,
+                                               enable_gqa=hq != hkv)
+        else:  # bottom-right aligned causal mask: row j sees keys < ctx - q_len + j + 1
+            mask = (torch.arange(ctx)[None, :]
+                    <= torch.arange(ctx - q_len, ctx)[:, None])  # [q_len, ctx]
+            o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=hq != hkv)
+        out[qsl[i]:qsl[i + 1]] = o.transpose(0, 1).to(out.dtype)
+    return out

@@ -1,0 +1,73 @@
+"""What the engine hands to its front ends (offline LLM, gRPC server). Torch-free.
+
+With RequestOutputKind.DELTA, `text`, `token_ids` and `logprobs` of a CompletionOutput
+carry only what is new since the previous output for that index; otherwise everything
+so far. Concatenating every delta's text gives exactly the final text.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# finish reasons (strings, as vLLM)
+STOP, LENGTH, CONTEXT, ABORT, TIME_LIMIT = "stop", "length", "context", "abort", "time_limit"
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1-based
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # one dict per token: sampled + top-k
+    finish_reason: str | None = None  # None while running
+    # what matched: int = EOS or stop token id, str = stop string, None otherwise
+    stop_reason: int | str | None = None
+    num_output_tokens: int = 0  # cumulative, also in DELTA mode
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float  # time.time() when the engine accepted the request
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    metrics: RequestMetrics | None = None
+    abort_reason: str = ""
+    error: str | None = None  # set when the engine failed this request (server: INTERNAL/UNAVAILABLE)
+    seed: int | None = None  # the seed actually used when sampling
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    prefix_cache_hit_rate: float = 0.0  # 0..1, over all prompt tokens looked up
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    extra: dict = field(default_factory=dict)

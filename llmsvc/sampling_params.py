@@ -1,0 +1,104 @@
+"""SamplingParams: per-request sampling and stopping, named as in vLLM (torch-free).
+
+`verify()` raises ValueError naming the field and the allowed range; the server maps
+that to INVALID_ARGUMENT. Nothing is clamped silently.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries everything so far
+    DELTA = 1  # every output carries only what is new (streaming)
+    FINAL_ONLY = 2  # one output, when the request finishes (offline generate)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0  # 0 => greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 => disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None => up to max_model_len (finish reason "context")
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: none; 0: sampled token only; k: + top-k
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    time_limit_ms: int | None = None  # graceful: finish "time_limit", output kept
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.verify()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def verify(self, max_logprobs: int = 20) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name} {why}")
+
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "temperature", "top_p", "min_p"):
+            if not math.isfinite(getattr(self, name)):
+                bad(name, f"must be a finite number, got {getattr(self, name)}")
+        if self.n < 1:
+            bad("n", f"must be >= 1, got {self.n}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0.0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.temperature < 0.0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            bad("top_k", f"must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if any(not s for s in self.stop):
+            bad("stop", "must not contain an empty string")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= max_logprobs:
+                bad(name, f"must be in [0, {max_logprobs}], got {v}")
+        if self.seed is not None and self.seed < 0:
+            bad("seed", f"must be >= 0, got {self.seed}")
+        if self.time_limit_ms is not None and self.time_limit_ms < 0:
+            bad("time_limit_ms", f"must be >= 0, got {self.time_limit_ms}")
+        if self.logit_bias:
+            for tok, b in self.logit_bias.items():
+                if tok < 0:
+                    bad("logit_bias", f"token id must be >= 0, got {tok}")
+                if not math.isfinite(b) or not -100.0 <= b <= 100.0:
+                    bad("logit_bias", f"bias for token {tok} must be in [-100, 100], got {b}")

@@ -1,0 +1,89 @@
+"""Data that crosses the engine/executor boundary, once per step (torch-free, picklable).
+
+`SchedulerOutput` is a diff, not a snapshot: a request is sent in full once
+(`NewRequestData`, also when it resumes after preemption), afterwards only what changed
+(`CachedRequestData`). Workers keep a per-request state keyed by `req_id` and drop it
+when the id shows up in `finished_req_ids` (finished, aborted or preempted).
+
+Worker-side invariant, per scheduled request r after applying the diff:
+    tokens(r) = prompt_token_ids + output_token_ids (+ new_token_ids appended each step)
+    the step computes tokens(r)[num_computed_tokens : num_computed_tokens + num_scheduled_tokens[r]]
+    r samples a token this step iff num_computed_tokens + num_scheduled_tokens[r] == len(tokens(r))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmsvc.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when resuming after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the request's whole block table so far
+    num_computed_tokens: int  # prefix-cache hits (and nothing else) are already computed
+
+    @classmethod
+    def from_request(cls, request, block_ids: list[int]) -> "NewRequestData":
+        return cls(
+            req_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=list(block_ids),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+
+@dataclass
+class CachedRequestData:
+    """Parallel lists, one entry per already-known request scheduled this step."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)  # sampled since the worker last saw it
+    new_block_ids: list[list[int]] = field(default_factory=list)  # appended to its block table
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def make_empty(cls) -> "CachedRequestData":
+        return cls()
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # workers drop these states (finished, aborted, preempted)
+
+    @classmethod
+    def make_empty(cls) -> "SchedulerOutput":
+        return cls([], CachedRequestData.make_empty(), {}, 0, set())
+
+
+@dataclass
+class SampleLogprobs:
+    """Logprobs of one sampled token. `top_*` are sorted by logprob, descending."""
+
+    logprob: float
+    rank: int  # 1-based rank of the sampled token in the (processed) distribution
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]  # requests that sampled this step, in batch order
+    sampled_token_ids: list[int]  # one per req_id
+    logprobs: list[SampleLogprobs | None] | None = None  # per req_id, when asked
+    # prompt logprobs for prompt positions computed this step: req_id -> one entry per
+    # position (None for the first prompt token), when SamplingParams.prompt_logprobs is set
+    prompt_logprobs: dict[str, list[SampleLogprobs | None]] = field(default_factory=dict)
+
+    @classmethod
+    def make_empty(cls) -> "ModelRunnerOutput":
+        return cls([], [])

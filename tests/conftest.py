@@ -1,0 +1,11 @@
+import os
+import sys
+
+# Triton reads TRITON_INTERPRET when @triton.jit runs, i.e. when `kernels` is imported:
+# set it before anything imports the project. Real CUDA tensors never occur here.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
