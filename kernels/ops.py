@@ -1,15 +1,94 @@
 """The one dispatch point between the torch reference and the Triton kernels.
 
-Model code calls only these functions. Today every op runs the torch reference
-(`kernels/reference.py`); the Triton implementations plug in here for CUDA tensors.
+Model code calls only these functions. Each op runs its Triton kernel (through the
+`llmsvc::*` custom op, see `kernels/custom_ops.py`) when the tensors are on CUDA, or when
+the Triton path is forced (env LLMSVC_FORCE_TRITON=1 or `with force_triton():`, meant for
+tests under TRITON_INTERPRET=1); otherwise the torch reference in `kernels/reference.py` is
+called directly, with no custom-op layer in between (it costs ~10x a small CPU op).
+Importing this module works without a GPU and without triton (then only the reference runs).
 """
 from __future__ import annotations
 
-from kernels import reference as _ref
+import contextlib
+import os
+from typing import Iterator, Optional
 
-rms_norm = _ref.rms_norm
-fused_add_rms_norm = _ref.fused_add_rms_norm
-silu_and_mul = _ref.silu_and_mul
-rotary_embedding = _ref.rotary_embedding
-store_kv = _ref.store_kv
-paged_attention = _ref.paged_attention
+import torch
+
+from kernels import reference as _ref
+from kernels.triton_ops import HAS_TRITON, INTERPRET
+
+if HAS_TRITON:
+    from kernels import custom_ops as _tri
+else:  # pragma: no cover
+    _tri = None
+
+_forced = HAS_TRITON and os.environ.get("LLMSVC_FORCE_TRITON", "0") not in ("", "0")
+
+
+@contextlib.contextmanager
+def force_triton(enabled: bool = True) -> Iterator[None]:
+    """Run the Triton kernels for CPU tensors too (needs TRITON_INTERPRET=1 set before import)."""
+    global _forced
+    if enabled and not HAS_TRITON:
+        raise RuntimeError("force_triton: triton is not installed")
+    if enabled and not INTERPRET:
+        raise RuntimeError("force_triton: set TRITON_INTERPRET=1 before importing kernels")
+    prev, _forced = _forced, enabled
+    try:
+        yield
+    finally:
+        _forced = prev
+
+
+def triton_forced() -> bool:
+    return _forced
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return _forced or (t.is_cuda and _tri is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _use_triton(x):
+        return _tri.rms_norm(x, weight, eps)
+    return _ref.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_triton(x):
+        return _tri.fused_add_rms_norm(x, residual, weight, eps)
+    return _ref.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if _use_triton(x):
+        return _tri.silu_and_mul(x)
+    return _ref.silu_and_mul(x)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_size: int) -> None:
+    if _use_triton(query):
+        return _tri.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
+    return _ref.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    if _use_triton(key):
+        return _tri.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    return _ref.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, *, max_query_len: Optional[int] = None,
+                    max_seq_len: Optional[int] = None) -> torch.Tensor:
+    """max_query_len / max_seq_len: optional host-side hints (saves a device sync on CUDA)."""
+    if _use_triton(query):
+        return _tri.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc,
+                                    seq_lens, scale, max_query_len, max_seq_len)
+    return _ref.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc,
+                                seq_lens, scale)

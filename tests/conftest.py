@@ -9,3 +9,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    """The default SmolLM2-135M-Instruct, converted once from its GGUF into $LLMSVC_CACHE."""
+    from llmsvc.models.resolve import resolve_model_dir
+
+    return resolve_model_dir(None)

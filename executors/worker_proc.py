@@ -1,0 +1,86 @@
+"""Entry point of a worker process (multiproc and tensor-parallel executors).
+
+Control flow per call: the driver sends (method, args) to rank 0 over a pipe; with more than
+one rank, rank 0 broadcasts it to the others over torch.distributed (a gloo group, so it also
+reaches ranks on other machines); every rank runs it; rank 0 replies ("OK", result) or
+("FAILURE", message). A rank that fails mid-collective exits non-zero rather than leave the
+others waiting; the driver watches every local process and fails fast.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+import traceback
+
+READY, OK, FAILURE = "READY", "OK", "FAILURE"
+
+
+def _watch_parent(death_reader) -> None:
+    """Exit as soon as the driver dies: its end of the death pipe closes and recv() raises EOF."""
+    try:
+        death_reader.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(1)
+
+
+def worker_main(config, rank: int, world_size: int, local_rank: int, init_method: str,
+                conn, death_reader, num_threads: int, log_level: int) -> None:
+    logging.basicConfig(level=log_level, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s [rank{rank}] %(name)s: %(message)s")
+    log = logging.getLogger("llmsvc.worker")
+    if death_reader is not None:
+        threading.Thread(target=_watch_parent, args=(death_reader,), daemon=True).start()
+    import torch
+
+    torch.set_num_threads(num_threads)
+    from llmsvc.worker.worker import Worker
+
+    try:
+        worker = Worker(config, rank=rank, world_size=world_size,
+                        distributed_init_method=init_method, local_rank=local_rank)
+        worker.init_device()
+        worker.load_model()
+    except BaseException:
+        msg = traceback.format_exc()
+        log.error("worker failed to start:\n%s", msg)
+        if conn is not None:
+            conn.send((FAILURE, msg))
+        os._exit(1)
+    if conn is not None:
+        conn.send((READY, os.getpid()))
+    if world_size > 1:
+        import torch.distributed as dist
+
+        group = worker.cpu_group
+    while True:
+        if rank == 0:
+            try:
+                call = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                os._exit(1)
+            if world_size > 1:
+                dist.broadcast_object_list([call], src=0, group=group)
+        else:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=group)
+            call = box[0]
+        method, args = call
+        try:
+            result = getattr(worker, method)(*args)
+        except BaseException:
+            msg = traceback.format_exc()
+            log.error("%s failed:\n%s", method, msg)
+            if rank == 0:
+                conn.send((FAILURE, msg))
+            if world_size > 1 or method == "shutdown":
+                os._exit(1)  # peers may be blocked in a collective: die loudly instead
+            continue
+        if rank == 0:
+            conn.send_bytes(pickle.dumps((OK, result), protocol=pickle.HIGHEST_PROTOCOL))
+        if method == "shutdown":
+            break
+    os._exit(0)

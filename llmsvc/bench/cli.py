@@ -1,0 +1,177 @@
+"""`llmsvc bench`: standard or custom workloads, offline and/or over gRPC, with the HF peer and the
+machine's arithmetic ceiling measured in the same run, printed as ratios."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+from llmsvc.bench.metrics import fmt_ms, summarize
+from llmsvc.bench.workloads import (Workload, arrival_offsets, build_prompts, load_workloads,
+                                    ordinary_vocab, workloads_path)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--workload", action="append", help=f"name in {workloads_path()} (repeatable); default W2")
+    p.add_argument("--workloads-file", default=None)
+    g = p.add_argument_group("custom workload (overrides fields of --workload, or defines one)")
+    for name, typ in (("num-requests", int), ("input-len", int), ("output-len", int), ("rate", float),
+                      ("concurrency", int), ("shared-prefix-len", int), ("seed", int)):
+        g.add_argument(f"--{name}", type=typ, default=None)
+    p.add_argument("--mode", choices=["serve", "offline", "both"], default="serve",
+                   help="serve: over gRPC; offline: in-process engine; both: and print the gRPC cost")
+    p.add_argument("--server", default=None, help="HOST:PORT of a running server (else one is started)")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none", help="also run HF transformers generate")
+    p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument("--ceiling", action="store_true", help="measure GEMM FLOP/s and print the tokens/s ceiling")
+    p.add_argument("--compare-prefix-caching", action="store_true", help="run again with prefix caching off")
+    p.add_argument("--sweep-rate", default=None, help="comma list of Poisson rates (req/s) to sweep")
+    p.add_argument("--sweep-concurrency", default=None, help="comma list of concurrency caps to sweep")
+    p.add_argument("--json", default=None, help="write all results to this file")
+    p.add_argument("--plot", default=None, help="write a PNG of the sweep (or throughput bars)")
+    e = p.add_argument_group("engine (passed to the server it starts, or used offline)")
+    e.add_argument("--dtype", default="float32")
+    e.add_argument("--executor", default="uniproc")
+    e.add_argument("--tensor-parallel-size", type=int, default=1)
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--kv-cache-memory", default=None)
+
+
+def _serve_args(a, prefix_caching: bool = True) -> list[str]:
+    out = ([a.model] if a.model else []) + ["--dtype", a.dtype, "--executor", a.executor,
+                                            "--tensor-parallel-size", str(a.tensor_parallel_size)]
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
+        if getattr(a, flag) is not None:
+            out += ["--" + flag.replace("_", "-"), str(getattr(a, flag))]
+    return out + ([] if prefix_caching else ["--no-prefix-caching"])
+
+
+def _workloads(a) -> list[Workload]:
+    table = load_workloads(a.workloads_file)
+    names = a.workload or (["custom"] if a.input_len else ["W2"])
+    out = []
+    for name in names:
+        w = table.get(name) or Workload(name, 16, 128, 128)
+        over = {k: getattr(a, k) for k in ("num_requests", "input_len", "output_len", "rate", "concurrency",
+                                            "shared_prefix_len", "seed") if getattr(a, k) is not None}
+        if over.get("rate"):
+            over["arrival"] = "poisson"
+        out.append(dataclasses.replace(w, **over))
+    return out
+
+
+def _offline_engine(a, prefix_caching: bool = True):
+    from llmsvc.server.cli import engine_config_from_args  # same flags -> same EngineConfig as serve
+    from llmsvc.engine.llm_engine import LLMEngine
+
+    ns = argparse.Namespace(**vars(a))
+    ns.no_prefix_caching = not prefix_caching
+    return LLMEngine.from_config(engine_config_from_args(ns))
+
+
+def _line(tag: str, s: dict) -> str:
+    return (f"  {tag:<28} {s['output_tok_s']:8.1f} out tok/s  {s['input_tok_s']:8.1f} in tok/s  "
+            f"{s['request_throughput']:6.2f} req/s  TTFT {fmt_ms(s['ttft_s'])}  TPOT {fmt_ms(s['tpot_s'])}"
+            + (f"  FAILED {s['failed']}: {s['errors']}" if s["failed"] else ""))
+
+
+def _prefill_tok_s(records) -> float:
+    """Prompt tokens over the time until the last request got its first token."""
+    start = min(r.start for r in records)
+    return sum(r.prompt_len for r in records) / (max(r.token_times[0] for r in records) - start)
+
+
+def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict) -> None:
+    from llmsvc.bench.runners import run_offline, run_serving
+    from llmsvc.bench.server_proc import running_server
+
+    prompts = build_prompts(w, vocab)
+    offsets = arrival_offsets(w)
+    res = results.setdefault(w.name, {"workload": dataclasses.asdict(w)})
+    print(f"\n== {w.name}: {w.num_requests} requests x {w.input_len} in / {w.output_len} out, "
+          f"{w.arrival}{f' {w.rate}/s' if w.rate else ''}")
+
+    def serve(prefix_caching=True, rate=None, concurrency=None):
+        offs = offsets if rate is None else arrival_offsets(dataclasses.replace(w, arrival="poisson", rate=rate))
+        conc = concurrency or w.concurrency
+        if a.server:
+            recs, wall = run_serving(a.server, prompts, w.output_len, offs, conc)
+        else:
+            with running_server(_serve_args(a, prefix_caching)) as target:
+                recs, wall = run_serving(target, prompts, w.output_len, offs, conc)
+        return recs, summarize(recs, wall)
+
+    if a.mode in ("offline", "both"):
+        engine = _offline_engine(a)
+        try:
+            recs, wall = run_offline(engine, prompts, w.output_len, offsets)
+        finally:
+            engine.shutdown()
+        res["offline"] = summarize(recs, wall)
+        print(_line("llmsvc offline", res["offline"]))
+    if a.mode in ("serve", "both"):
+        recs, res["serve"] = serve()
+        res["serve"]["prefill_tok_s"] = _prefill_tok_s([r for r in recs if r.token_times])
+        print(_line("llmsvc gRPC", res["serve"]))
+        if a.mode == "both":
+            res["grpc_cost"] = 1 - res["serve"]["output_tok_s"] / res["offline"]["output_tok_s"]
+            print(f"  gRPC streaming cost vs offline: {100 * res['grpc_cost']:.1f}% of output tok/s")
+    ours = res.get("serve") or res["offline"]
+    if a.compare_prefix_caching:
+        recs, off = serve(prefix_caching=False)
+        off["prefill_tok_s"] = _prefill_tok_s([r for r in recs if r.token_times])
+        res["serve_no_prefix_caching"] = off
+        on = ours.get("prefill_tok_s") or _prefill_tok_s(recs)
+        res["prefix_caching_prefill_speedup"] = on / off["prefill_tok_s"]
+        print(_line("llmsvc gRPC, no prefix cache", off))
+        print(f"  prefill throughput with / without prefix caching: {on:.0f} / {off['prefill_tok_s']:.0f} "
+              f"tok/s = {res['prefix_caching_prefill_speedup']:.2f}x")
+    if a.baseline == "hf":
+        from llmsvc.bench.hf_baseline import run_hf
+
+        recs, wall = run_hf(model_dir, prompts, w.output_len, a.dtype, a.hf_batch_size)
+        res["hf"] = summarize(recs, wall)
+        res["ratio_vs_hf"] = ours["output_tok_s"] / res["hf"]["output_tok_s"]
+        print(_line("HF transformers generate", res["hf"]))
+        print(f"  llmsvc / HF output tok/s: {res['ratio_vs_hf']:.2f}x")
+    if a.ceiling:
+        from llmsvc.bench.ceiling import ceiling, gemm_flops, param_counts
+
+        c = ceiling(w, param_counts(model_dir), gemm_flops(a.dtype))
+        c["fraction"] = ours["output_tok_s"] / c["output_tok_s"]
+        res["ceiling"] = c
+        print(f"  ceiling ({a.dtype} GEMM {c['gemm_gflops']:.0f} GFLOP/s, {c['workload_tflop']:.2f} TFLOP): "
+              f"{c['output_tok_s']:.0f} out tok/s; llmsvc reaches {100 * c['fraction']:.0f}%")
+    for kind, values in (("rate", a.sweep_rate), ("concurrency", a.sweep_concurrency)):
+        if values:
+            sweep = res.setdefault(f"sweep_{kind}", {})
+            for v in [float(x) for x in values.split(",")]:
+                _, s = serve(**{kind: v if kind == "rate" else int(v)})
+                sweep[str(v)] = s
+                print(_line(f"{kind}={v:g}", s))
+
+
+def main(a) -> int:
+    from llmsvc.config import ModelConfig
+    from llmsvc.models.resolve import resolve_model_config
+    from transformers import AutoTokenizer
+
+    mc = resolve_model_config(ModelConfig(model=a.model))
+    vocab = ordinary_vocab(AutoTokenizer.from_pretrained(mc.model_dir))
+    results = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": {k: v for k, v in vars(a).items()
+                                                                       if not k.startswith("_")}}
+    for w in _workloads(a):
+        run_workload(a, w, mc.model_dir, vocab, results)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+        print(f"\nwrote {a.json}")
+    if a.plot:
+        from llmsvc.bench.plot import plot_results
+
+        plot_results(results, a.plot)
+        print(f"wrote {a.plot}")
+    return 0

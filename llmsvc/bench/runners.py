@@ -1,0 +1,84 @@
+"""Run a workload offline (in-process LLMEngine) or over gRPC (streaming Generate calls)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tqdm import tqdm
+
+from llmsvc.bench.metrics import RequestRecord
+
+
+def run_offline(engine, prompts: list[list[int]], output_len: int, offsets: list[float]
+                ) -> tuple[list[RequestRecord], float]:
+    """Drive LLMEngine.step() directly; requests are added when their arrival offset is due."""
+    from llmsvc.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    order = sorted(range(len(prompts)), key=lambda i: offsets[i])
+    records: dict[str, RequestRecord] = {}
+    bar = tqdm(total=len(prompts), desc="offline", unit="req")
+    t0 = time.perf_counter()
+    nxt = 0
+    while nxt < len(order) or engine.has_unfinished_requests():
+        now = time.perf_counter()
+        while nxt < len(order) and t0 + offsets[order[nxt]] <= now:
+            i = order[nxt]
+            records[f"bench-{i}"] = RequestRecord(len(prompts[i]), now)
+            engine.add_request(f"bench-{i}", prompts[i], params)
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, t0 + offsets[order[nxt]] - time.perf_counter()))
+            continue
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            rec = records[o.request_id]
+            rec.token_times += [now] * len(o.outputs[0].token_ids)
+            if o.finished:
+                rec.end = now
+                bar.update(1)
+    bar.close()
+    return [records[f"bench-{i}"] for i in range(len(prompts))], time.perf_counter() - t0
+
+
+async def _serve(target: str, prompts, output_len, offsets, concurrency: int | None):
+    import grpc
+
+    from llmsvc.v1 import llmsvc_pb2 as pb
+    from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
+
+    sem = asyncio.Semaphore(concurrency or len(prompts))
+    records = [RequestRecord(len(p), 0.0) for p in prompts]
+    bar = tqdm(total=len(prompts), desc=f"serve {target}", unit="req")
+    async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
+        stub = pb_grpc.LlmServiceStub(ch)
+        t0 = time.perf_counter()
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
+            async with sem:
+                rec = records[i]
+                rec.start = time.perf_counter()
+                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompts[i]), stream=True,
+                                         sampling=pb.SamplingParams(temperature=0.0),
+                                         stopping=pb.StoppingCriteria(max_tokens=output_len, ignore_eos=True))
+                try:
+                    async for msg in stub.Generate(req):
+                        now = time.perf_counter()
+                        rec.token_times += [now] * len(msg.token_ids)
+                    rec.end = time.perf_counter()
+                except grpc.aio.AioRpcError as e:
+                    rec.error = f"{e.code().name}: {e.details()}"
+                bar.update(1)
+
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        wall = time.perf_counter() - t0
+    bar.close()
+    return records, wall
+
+
+def run_serving(target: str, prompts: list[list[int]], output_len: int, offsets: list[float],
+                concurrency: int | None = None) -> tuple[list[RequestRecord], float]:
+    return asyncio.run(_serve(target, prompts, output_len, offsets, concurrency))

@@ -1,0 +1,56 @@
+"""Start `llmsvc serve` as a child process on a free loopback port for a benchmark, and stop it."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(target: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {proc.returncode} during start-up")
+            try:
+                r = stub.Check(health_pb2.HealthCheckRequest(service="llmsvc.v1.LlmService"), timeout=2)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"{target} not SERVING after {timeout:.0f}s")
+
+
+@contextlib.contextmanager
+def running_server(serve_args: list[str], timeout: float = 900.0):
+    """Yield "127.0.0.1:PORT" of a fresh `llmsvc serve` child; SIGTERM (then SIGKILL) it afterwards."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "llmsvc", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=dict(os.environ))
+    target = f"127.0.0.1:{port}"
+    try:
+        wait_serving(target, timeout, proc)
+        yield target
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,164 @@
+"""asyncio llmsvc client: the same methods as `Client`, awaitable (grpc.aio channel).
+
+    async with AsyncClient("localhost:50051") as c:
+        async for delta in c.generate_stream("Hello", max_tokens=16):
+            print(delta.text, end="")
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from llmsvc.client import channel as ch
+from llmsvc.client.client import _UNSET, ClientBase
+from llmsvc.client.errors import from_rpc_error
+from llmsvc.client.request import (build_detokenize_request, build_generate_request,
+                                   build_tokenize_request)
+from llmsvc.client.result import GenerateResult, ResultBuilder
+from llmsvc.v1 import llmsvc_pb2 as pb
+from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
+
+
+class AsyncGenerateStream:
+    """An in-flight streamed Generate: `async for` it for GenerateResponse deltas.
+
+    `await wait_request_id()` returns the id before any token (from the server's initial
+    metadata when the server made it). Leaving the iteration early cancels the call.
+    """
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, request_id: str | None):
+        self._call = call
+        self.request_id = request_id or None
+        self._builder = ResultBuilder(request_id or "")
+
+    async def wait_request_id(self) -> str | None:
+        if self.request_id is None:
+            try:
+                self.request_id = ch.request_id_from_metadata(await self._call.initial_metadata())
+            except grpc.RpcError as err:
+                raise from_rpc_error(err) from None
+        return self.request_id
+
+    async def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for msg in self._call:
+                if self.request_id is None and msg.request_id:
+                    self.request_id = msg.request_id
+                self._builder.add(msg)
+                yield msg
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.request_id) from None
+        finally:
+            self._call.cancel()  # no-op once the call has completed
+
+    @property
+    def result(self) -> GenerateResult:
+        return self._builder.result
+
+    async def until_done(self) -> GenerateResult:
+        async for _ in self:
+            pass
+        return self.result
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    async def __aenter__(self) -> AsyncGenerateStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.cancel()
+
+
+class AsyncClient(ClientBase):
+    """Client over a grpc.aio channel; create it inside the event loop that uses it."""
+
+    def __init__(self, target: str, *, timeout: float | None = None, credentials: ch.Credentials = None,
+                 token: str | None = None, compression: grpc.Compression | str | None = None,
+                 metadata: Sequence[tuple[str, str]] = (), options: Sequence[tuple[str, Any]] = ()):
+        super().__init__(target, timeout=timeout, credentials=credentials, token=token,
+                         compression=compression, metadata=metadata)
+        opts = (*ch.CHANNEL_OPTIONS, *options)
+        if self._creds is None:
+            self._channel = grpc.aio.insecure_channel(target, options=opts)
+        else:
+            self._channel = grpc.aio.secure_channel(target, self._creds, options=opts)
+        self.stub = pb_grpc.LlmServiceStub(self._channel)
+
+    async def _unary(self, method, request, timeout, metadata=None):
+        try:
+            return await method(request, **self._kw(timeout, metadata))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def generate_stream(self, prompt: str | Sequence[int] | None = None, *, messages=None,
+                        request_id: str | None = None, timeout: float | None = _UNSET,
+                        metadata: Sequence[tuple[str, str]] | None = None, **fields) -> AsyncGenerateStream:
+        """Start a streamed Generate (stream=true); `async for` the returned stream."""
+        req = build_generate_request(prompt, messages=messages, request_id=request_id, stream=True, **fields)
+        return AsyncGenerateStream(self.stub.Generate(req, **self._kw(timeout, metadata)), request_id)
+
+    async def generate(self, prompt: str | Sequence[int] | None = None, *, messages=None,
+                       request_id: str | None = None, timeout: float | None = _UNSET,
+                       metadata: Sequence[tuple[str, str]] | None = None, **fields) -> GenerateResult:
+        """One non-streamed Generate (stream=false)."""
+        req = build_generate_request(prompt, messages=messages, request_id=request_id, stream=False, **fields)
+        stream = AsyncGenerateStream(self.stub.Generate(req, **self._kw(timeout, metadata)), request_id)
+        return await stream.until_done()
+
+    async def abort(self, request_ids: str | Sequence[str], reason: str = "", *,
+                    timeout: float | None = _UNSET) -> list[str]:
+        """Abort in-flight requests by id; returns the ids the server did not find."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        resp = await self._unary(self.stub.Abort, pb.AbortRequest(request_ids=ids, reason=reason), timeout)
+        return list(resp.not_found)
+
+    async def tokenize(self, text: str | None = None, *, messages=None, timeout: float | None = _UNSET,
+                       **kwargs) -> pb.TokenizeResponse:
+        req = build_tokenize_request(text, messages=messages, **kwargs)
+        return await self._unary(self.stub.Tokenize, req, timeout)
+
+    async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None,
+                         timeout: float | None = _UNSET) -> str:
+        req = build_detokenize_request(token_ids, skip_special_tokens=skip_special_tokens)
+        return (await self._unary(self.stub.Detokenize, req, timeout)).text
+
+    async def model_info(self, *, timeout: float | None = _UNSET) -> pb.GetModelInfoResponse:
+        return await self._unary(self.stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+
+    async def server_info(self, *, timeout: float | None = _UNSET) -> pb.GetServerInfoResponse:
+        return await self._unary(self.stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
+
+    async def health(self, service: str = "", *, timeout: float | None = _UNSET) -> str:
+        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... (NotFound for an unknown service)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        resp = await self._unary(stub.Check, health_pb2.HealthCheckRequest(service=service), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    async def health_watch(self, service: str = "", *, timeout: float | None = None) -> AsyncIterator[str]:
+        """grpc.health.v1 Watch: yields the status name on every change until cancelled."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        call = health_pb2_grpc.HealthStub(self._channel).Watch(
+            health_pb2.HealthCheckRequest(service=service), **self._kw(timeout))
+        try:
+            async for resp in call:
+                yield health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

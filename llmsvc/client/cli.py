@@ -1,0 +1,137 @@
+"""`llmsvc generate "prompt" --server HOST:PORT [--stream] [sampling flags]`.
+
+Prints the completion (with --stream: the text as it arrives). --json prints the final result
+as one JSON object, or with --stream one JSON object per GenerateResponse. On an error the
+status code and message go to stderr and the exit code is 1 (130 on Ctrl-C).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from llmsvc.client.cli_common import add_connection_arguments, print_error
+
+# flag dest == proto field name; passed to Client.generate only when given
+_FIELD_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("max_tokens", int, "maximum generated tokens (default: fill the context)"),
+    ("min_tokens", int, "minimum generated tokens before a stop may end the output"),
+    ("temperature", float, "0 = greedy"),
+    ("top_p", float, "nucleus mass in (0, 1]"),
+    ("top_k", int, "keep the k most likely tokens (0/-1: off)"),
+    ("min_p", float, "minimum probability relative to the top token"),
+    ("presence_penalty", float, "[-2, 2]"),
+    ("frequency_penalty", float, "[-2, 2]"),
+    ("repetition_penalty", float, "> 0, 1 = off"),
+    ("seed", int, "sampling seed"),
+    ("n", int, "number of parallel samples"),
+    ("logprobs", int, "return logprobs of sampled tokens plus the top N"),
+    ("priority", int, "lower runs sooner"),
+    ("truncate_prompt_tokens", int, "keep only the last N prompt tokens"),
+    ("time_limit_ms", int, "graceful time limit (finish reason time_limit)"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help='prompt text ("-" reads stdin)')
+    add_connection_arguments(parser)
+    parser.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user chat message (the model's chat template applies)")
+    parser.add_argument("--system", default=None, help="system message (with --chat)")
+    parser.add_argument("--json", action="store_true", help="machine-readable JSON output")
+    parser.add_argument("--request-id", default=None, help="request id (default: made by the server)")
+    for name, typ, help_ in _FIELD_FLAGS:
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
+    parser.add_argument("--stop", action="append", default=None, metavar="S",
+                        help="stop string (repeatable)")
+    parser.add_argument("--stop-token-id", dest="stop_token_ids", action="append", type=int,
+                        default=None, metavar="ID", help="stop token id (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past EOS")
+    parser.add_argument("--include-stop-str", dest="include_stop_str_in_output", action="store_true",
+                        default=None, help="keep the matched stop string in the output")
+
+
+def request_kwargs(args: argparse.Namespace) -> dict:
+    """The Client.generate keyword arguments the flags ask for (unset flags are left out)."""
+    names = [name for name, _, _ in _FIELD_FLAGS]
+    names += ["stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output"]
+    kwargs = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    if args.chat:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        kwargs["messages"] = messages + [{"role": "user", "content": args.prompt}]
+    else:
+        if args.system:
+            raise SystemExit("llmsvc generate: --system needs --chat")
+        kwargs["prompt"] = args.prompt
+    return kwargs
+
+
+def _result_json(result) -> dict:
+    from google.protobuf import json_format
+
+    def msg(m):
+        return json_format.MessageToDict(m, preserving_proto_field_name=True) if m is not None else None
+
+    return {
+        "request_id": result.request_id,
+        "prompt": msg(result.prompt),
+        "outputs": [
+            {"index": o.index, "text": o.text, "token_ids": o.token_ids,
+             "finish_reason": o.finish_reason, "finish": msg(o.finish),
+             "logprobs": [msg(lp) for lp in o.logprobs]}
+            for o in result.outputs
+        ],
+    }
+
+
+def _run(client, args, kwargs, out) -> None:
+    if not args.stream:
+        result = client.generate(request_id=args.request_id, **kwargs)
+        if args.json:
+            print(json.dumps(_result_json(result), ensure_ascii=False), file=out)
+        else:
+            for o in result.outputs:
+                header = f"--- [{o.index}] ---\n" if len(result.outputs) > 1 else ""
+                print(header + o.text, file=out)
+        return
+    stream = client.generate_stream(request_id=args.request_id, **kwargs)
+    if args.json:
+        from google.protobuf import json_format
+
+        for msg in stream:
+            line = json_format.MessageToDict(msg, preserving_proto_field_name=True)
+            print(json.dumps(line, ensure_ascii=False), file=out, flush=True)
+        return
+    many = (args.n or 1) > 1
+    for msg in stream:
+        if not many:
+            out.write(msg.text)
+            out.flush()
+    if many:  # interleaved deltas: print each output once it is complete
+        for o in stream.result.outputs:
+            print(f"--- [{o.index}] ---\n{o.text}", file=out)
+    else:
+        out.write("\n")
+        out.flush()
+
+
+def main(args: argparse.Namespace) -> int:
+    from llmsvc.client.client import Client
+    from llmsvc.client.errors import LlmsvcError
+
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
+    try:
+        kwargs = request_kwargs(args)
+        with Client(args.server, timeout=args.timeout, credentials=args.tls_ca, token=args.token) as client:
+            _run(client, args, kwargs, sys.stdout)
+    except LlmsvcError as err:
+        print_error("llmsvc generate", err)
+        return 1
+    except (TypeError, ValueError) as err:  # a flag value protobuf rejects (e.g. negative uint)
+        print(f"llmsvc generate: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,191 @@
+"""Synchronous llmsvc client: `Client(target).generate("Hello", max_tokens=16)`.
+
+Every method raises a subclass of `llmsvc.client.errors.LlmsvcError` on a non-OK status.
+Keyword arguments of generate()/generate_stream() are proto field names (see request.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from llmsvc.client import channel as ch
+from llmsvc.client.errors import from_rpc_error
+from llmsvc.client.request import (build_detokenize_request, build_generate_request,
+                                   build_tokenize_request)
+from llmsvc.client.result import GenerateResult, ResultBuilder
+from llmsvc.v1 import llmsvc_pb2 as pb
+from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
+
+_UNSET: Any = object()
+
+
+class ClientBase:
+    """Settings shared by Client and AsyncClient: default timeout, token, per-call options."""
+
+    def __init__(self, target: str, *, timeout: float | None = None, credentials: ch.Credentials = None,
+                 token: str | None = None, compression: grpc.Compression | str | None = None,
+                 metadata: Sequence[tuple[str, str]] = ()):
+        self.target = target
+        self.timeout = timeout
+        self._creds = ch.channel_credentials(credentials)
+        self._token = token
+        self._compression = ch.compression_of(compression)
+        self._metadata = tuple(metadata)
+
+    def _kw(self, timeout: float | None, metadata: Sequence[tuple[str, str]] | None = None,
+            request_id: str | None = None) -> dict[str, Any]:
+        """Keyword arguments for one stub call."""
+        return {
+            "timeout": self.timeout if timeout is _UNSET else timeout,
+            "metadata": ch.call_metadata(self._token, (*self._metadata, *(metadata or ())), request_id),
+            "compression": self._compression,
+        }
+
+
+class GenerateStream:
+    """An in-flight streamed Generate: iterate it for GenerateResponse deltas.
+
+    `request_id` is known before any token: it is the id you gave, else the server's initial
+    metadata `x-request-id` (see `wait_request_id()`), else the first message's. `result`
+    accumulates everything received so far. Leaving the iteration early cancels the call,
+    which aborts the request on the server.
+    """
+
+    def __init__(self, call, request_id: str | None):
+        self._call = call
+        self.request_id = request_id or None
+        self._builder = ResultBuilder(request_id or "")
+
+    def wait_request_id(self) -> str | None:
+        """Block until the server's initial metadata arrives (before prefill) and return the id."""
+        if self.request_id is None:
+            try:
+                self.request_id = ch.request_id_from_metadata(self._call.initial_metadata())
+            except grpc.RpcError as err:
+                raise from_rpc_error(err) from None
+        return self.request_id
+
+    def __iter__(self) -> Iterator[pb.GenerateResponse]:
+        try:
+            for msg in self._call:
+                if self.request_id is None and msg.request_id:
+                    self.request_id = msg.request_id
+                self._builder.add(msg)
+                yield msg
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.request_id) from None
+        finally:
+            self._call.cancel()  # no-op once the call has completed
+
+    @property
+    def result(self) -> GenerateResult:
+        return self._builder.result
+
+    def until_done(self) -> GenerateResult:
+        """Consume the rest of the stream and return the accumulated result."""
+        for _ in self:
+            pass
+        return self.result
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def __enter__(self) -> GenerateStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()
+
+
+class Client(ClientBase):
+    """Blocking client over one grpc channel. Use as a context manager or call close()."""
+
+    def __init__(self, target: str, *, timeout: float | None = None, credentials: ch.Credentials = None,
+                 token: str | None = None, compression: grpc.Compression | str | None = None,
+                 metadata: Sequence[tuple[str, str]] = (), options: Sequence[tuple[str, Any]] = ()):
+        super().__init__(target, timeout=timeout, credentials=credentials, token=token,
+                         compression=compression, metadata=metadata)
+        opts = (*ch.CHANNEL_OPTIONS, *options)
+        if self._creds is None:
+            self._channel = grpc.insecure_channel(target, options=opts)
+        else:
+            self._channel = grpc.secure_channel(target, self._creds, options=opts)
+        self.stub = pb_grpc.LlmServiceStub(self._channel)
+
+    def _unary(self, method, request, timeout, metadata=None):
+        try:
+            return method(request, **self._kw(timeout, metadata))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def generate_stream(self, prompt: str | Sequence[int] | None = None, *, messages=None,
+                        request_id: str | None = None, timeout: float | None = _UNSET,
+                        metadata: Sequence[tuple[str, str]] | None = None, **fields) -> GenerateStream:
+        """Start a streamed Generate (stream=true) and return it for iteration."""
+        req = build_generate_request(prompt, messages=messages, request_id=request_id, stream=True, **fields)
+        call = self.stub.Generate(req, **self._kw(timeout, metadata))
+        return GenerateStream(call, request_id)
+
+    def generate(self, prompt: str | Sequence[int] | None = None, *, messages=None,
+                 request_id: str | None = None, timeout: float | None = _UNSET,
+                 metadata: Sequence[tuple[str, str]] | None = None, **fields) -> GenerateResult:
+        """One non-streamed Generate (stream=false): the final text, token ids, finish and usage."""
+        req = build_generate_request(prompt, messages=messages, request_id=request_id, stream=False, **fields)
+        return GenerateStream(self.stub.Generate(req, **self._kw(timeout, metadata)), request_id).until_done()
+
+    def abort(self, request_ids: str | Sequence[str], reason: str = "", *,
+              timeout: float | None = _UNSET) -> list[str]:
+        """Abort in-flight requests by id; returns the ids the server did not find."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        resp = self._unary(self.stub.Abort, pb.AbortRequest(request_ids=ids, reason=reason), timeout)
+        return list(resp.not_found)
+
+    def tokenize(self, text: str | None = None, *, messages=None, timeout: float | None = _UNSET,
+                 **kwargs) -> pb.TokenizeResponse:
+        """Tokenize text (or chat messages); kwargs: add_special_tokens, add_generation_prompt,
+        return_offsets, return_pieces."""
+        return self._unary(self.stub.Tokenize, build_tokenize_request(text, messages=messages, **kwargs), timeout)
+
+    def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None,
+                   timeout: float | None = _UNSET) -> str:
+        req = build_detokenize_request(token_ids, skip_special_tokens=skip_special_tokens)
+        return self._unary(self.stub.Detokenize, req, timeout).text
+
+    def model_info(self, *, timeout: float | None = _UNSET) -> pb.GetModelInfoResponse:
+        return self._unary(self.stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+
+    def server_info(self, *, timeout: float | None = _UNSET) -> pb.GetServerInfoResponse:
+        return self._unary(self.stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
+
+    def health(self, service: str = "", *, timeout: float | None = _UNSET) -> str:
+        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... (NotFound for an unknown service)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc  # only needed here
+
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        resp = self._unary(stub.Check, health_pb2.HealthCheckRequest(service=service), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def health_watch(self, service: str = "", *, timeout: float | None = None) -> Iterator[str]:
+        """grpc.health.v1 Watch: yields the status name on every change until cancelled."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        call = health_pb2_grpc.HealthStub(self._channel).Watch(
+            health_pb2.HealthCheckRequest(service=service), **self._kw(timeout))
+        try:
+            for resp in call:
+                yield health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,296 @@
+"""AsyncEngine: an LLMEngine driven by ONE dedicated thread, consumed from asyncio. Torch-free.
+
+Threads and ownership:
+- The engine thread is the only caller of the wrapped engine (add_request, abort_request,
+  step, get_stats, shutdown). It sleeps on a condition variable when there is nothing to do.
+- The event loop owns the per-request `RequestStream`s. Adds and aborts from asyncio are
+  queued as commands to the engine thread; each step's outputs come back in one
+  `loop.call_soon_threadsafe` callback and are merged into the streams (coalescing).
+- A request id is reserved from `generate()` until the engine reports the request finished
+  (normally or by abort), so a cancelled id cannot be reused while its KV blocks still exist.
+
+If the engine thread dies (step raised), every in-flight stream raises EngineDeadError,
+`is_healthy` turns False and new requests are refused.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from typing import AsyncIterator
+
+from llmsvc.engine.errors import DuplicateRequestError, QueueFullError
+from llmsvc.engine.output_stream import RequestStream
+from llmsvc.outputs import EngineStats, RequestOutput
+from llmsvc.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngineError(RuntimeError):
+    """Base of the errors AsyncEngine itself raises."""
+
+
+class EngineDeadError(AsyncEngineError):
+    """The engine loop died; nothing can be served by this engine any more (UNAVAILABLE)."""
+
+
+class EngineStoppedError(AsyncEngineError):
+    """The engine is shutting down and takes no new requests (UNAVAILABLE)."""
+
+
+class OutputBacklogError(AsyncEngineError):
+    """The consumer read too slowly; the request was aborted (RESOURCE_EXHAUSTED)."""
+
+
+class AsyncEngine:
+    def __init__(self, engine, *, max_waiting_requests: int | None = None,
+                 max_backlog_bytes: int = 4 << 20, max_backlog_age_s: float = 60.0) -> None:
+        self.engine = engine
+        if max_waiting_requests is None:
+            sched = getattr(getattr(engine, "config", None), "scheduler_config", None)
+            max_waiting_requests = getattr(sched, "max_waiting_requests", 4096)
+        self.max_waiting_requests = max_waiting_requests
+        self.max_backlog_bytes = max_backlog_bytes
+        self.max_backlog_age_s = max_backlog_age_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._commands: deque = deque()  # ("add", kwargs, future) | ("abort", ids)
+        self._stop = False
+        self._streams: dict[str, RequestStream] = {}  # event-loop side
+        self._stats = EngineStats()
+        self._dead: BaseException | None = None
+        self._accepting = True
+        self._dead_event: asyncio.Event | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        """Bind to the running loop and start the engine thread."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._dead_event = asyncio.Event()
+        self._thread = threading.Thread(target=self._run, name="llmsvc-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def wait_dead(self) -> BaseException:
+        """Return (the engine's exception) once the engine loop has died."""
+        await self._dead_event.wait()
+        return self._dead
+
+    def stop_accepting(self) -> None:
+        """New generate() calls raise EngineStoppedError from now on (draining)."""
+        self._accepting = False
+
+    async def shutdown(self, grace: float = 0.0) -> None:
+        """Refuse new requests, let in-flight ones finish for `grace` s, abort the rest, stop."""
+        self._accepting = False
+        deadline = time.monotonic() + grace
+        while self._streams and self.is_healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._streams and self.is_healthy:
+            self.abort(list(self._streams), reason="server shutting down")
+            t_end = time.monotonic() + 5.0
+            while self._streams and self.is_healthy and time.monotonic() < t_end:
+                await asyncio.sleep(0.02)
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30.0)
+        for s in list(self._streams.values()):
+            s.fail(EngineStoppedError("engine stopped"))
+        self._streams.clear()
+
+    def get_stats(self) -> EngineStats:
+        """Stats as of the engine thread's last step (never blocks on the engine)."""
+        return self._stats
+
+    # ---- requests ----------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       *, prompt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs (DELTA kind; coalesced when read slowly).
+
+        Raises on the first iteration: DuplicateRequestError, QueueFullError (llmsvc.engine.errors), EngineDeadError,
+        EngineStoppedError, or whatever the engine's add_request raised (validation).
+        Later: EngineDeadError, OutputBacklogError. Closing or cancelling the generator before
+        the final output aborts the request (its id stays reserved until the engine confirms).
+        """
+        stream = self._admit(request_id)
+        params.output_kind = RequestOutputKind.DELTA
+        fut = self._loop.create_future()
+        self._send(("add", dict(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                                params=params, prompt=prompt, priority=priority,
+                                arrival_time=time.time()), fut))
+        try:
+            await fut
+        except asyncio.CancelledError:  # the add still happens: abort it (queued after the add)
+            self._abort_stream(stream, "client went away")
+            raise
+        except BaseException:  # add_request refused it (or the engine died): never in the engine
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            raise
+        try:
+            while True:
+                out = await stream.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self._abort_stream(stream, "client went away")
+
+    def abort(self, request_ids: list[str], reason: str = "aborted") -> list[str]:
+        """Abort in-flight requests; their streams end with a final 'abort' output.
+
+        Returns the ids that are not in flight. Idempotent."""
+        not_found, found = [], []
+        for rid in request_ids:
+            s = self._streams.get(rid)
+            if s is None or s.finished:
+                not_found.append(rid)
+                continue
+            if not s.aborting:
+                s.aborting, s.abort_reason = True, reason
+                found.append(rid)
+        if found:
+            self._send(("abort", found))
+        return not_found
+
+    # ---- event-loop internals ------------------------------------------------------------
+    def _admit(self, request_id: str) -> RequestStream:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead}")
+        if not self._accepting or self._loop is None:
+            raise EngineStoppedError("engine is not accepting requests")
+        if request_id in self._streams:
+            raise DuplicateRequestError(request_id)  # in flight, or its abort is not confirmed yet
+        waiting = len(self._streams) - self._stats.num_running
+        if waiting >= self.max_waiting_requests:
+            raise QueueFullError(f"{waiting} requests are waiting (max_waiting_requests="
+                                 f"{self.max_waiting_requests})")
+        stream = RequestStream(request_id, self.max_backlog_bytes, self.max_backlog_age_s)
+        self._streams[request_id] = stream
+        return stream
+
+    def _abort_stream(self, stream: RequestStream, reason: str) -> None:
+        if not stream.aborting and not stream.finished:
+            stream.aborting, stream.abort_reason = True, reason
+            self._send(("abort", [stream.request_id]))
+
+    def _send(self, cmd) -> None:
+        with self._cond:
+            self._commands.append(cmd)
+            self._cond.notify()
+
+    def _on_outputs(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        self._stats = stats
+        for out in outputs:
+            s = self._streams.get(out.request_id)
+            if s is None:
+                continue
+            ok = s.put(out)
+            if s.finished:
+                self._streams.pop(out.request_id, None)
+            elif not ok:
+                logger.warning("request %s: output backlog over the cap; aborting", s.request_id)
+                s.fail(OutputBacklogError(
+                    f"client read too slowly: unsent output over {s.max_backlog_bytes} bytes "
+                    f"or {s.max_backlog_age_s:g} s"))
+                self._abort_stream(s, "output backlog over the cap")
+
+    def _on_stats(self, stats: EngineStats) -> None:
+        self._stats = stats
+
+    def _on_dead(self, exc: BaseException) -> None:
+        self._dead = exc
+        self._dead_event.set()
+        err = EngineDeadError(f"engine loop died: {type(exc).__name__}: {exc}")
+        for s in list(self._streams.values()):
+            s.fail(err)
+        self._streams.clear()
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _safe_stats(self) -> EngineStats:
+        try:
+            return self.engine.get_stats()
+        except Exception:  # stats are best effort
+            return self._stats
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed: nobody is listening any more
+            pass
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            self._post(self._on_stats, self._safe_stats())
+            while True:
+                with self._cond:
+                    while not self._commands and not self._stop and not engine.has_unfinished_requests():
+                        self._cond.wait()
+                    if self._stop:
+                        break
+                    cmds, self._commands = list(self._commands), deque()
+                had_abort = False
+                for cmd in cmds:
+                    if cmd[0] == "add":
+                        _, kw, fut = cmd
+                        try:
+                            engine.add_request(kw["request_id"], kw["prompt_token_ids"], kw["params"],
+                                               prompt=kw["prompt"], priority=kw["priority"],
+                                               arrival_time=kw["arrival_time"])
+                        except Exception as e:  # validation: goes back to the caller
+                            self._post(_set_future, fut, e)
+                        else:
+                            self._post(_set_future, fut, None)
+                    else:
+                        engine.abort_request(cmd[1])
+                        had_abort = True
+                if had_abort or engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    self._post(self._on_outputs, outputs, self._safe_stats())
+                else:
+                    self._post(self._on_stats, self._safe_stats())
+        except BaseException as e:  # noqa: BLE001 - any failure kills the loop; streams are told
+            logger.exception("engine loop died")
+            with self._cond:
+                pending, self._commands = list(self._commands), deque()
+            err = EngineDeadError(f"engine loop died: {type(e).__name__}: {e}")
+            for cmd in pending:
+                if cmd[0] == "add":
+                    self._post(_set_future, cmd[2], err)
+            self._dead = e
+            self._post(self._on_dead, e)
+        finally:
+            try:
+                engine.shutdown()
+            except Exception:
+                logger.exception("engine shutdown failed")
+
+
+def _set_future(fut: asyncio.Future, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)

@@ -1,0 +1,83 @@
+"""Incremental detokenization (TGI's prefix_offset / read_offset technique).
+
+Text is decoded over a sliding window of ids: `prefix_offset..read_offset` is the context already
+emitted, `read_offset..` the new ids. New text is released only when the window's decode grows and
+does not end in U+FFFD (an incomplete UTF-8 sequence from byte-fallback tokens); `flush()` releases
+whatever is held at the end. The window starts in the prompt's tail so the first output token keeps
+its leading space for tokenizers that drop it when decoding a lone token.
+"""
+from __future__ import annotations
+
+_REPLACEMENT = "\ufffd"
+_PROMPT_CONTEXT = 5  # prompt ids kept in the initial window
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], *, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        tail = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self.ids: list[int] = tail  # prompt tail + output ids
+        self.prefix_offset = 0
+        self.read_offset = len(tail)
+        self.output_start = len(tail)
+        self._special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        self._prefix_text: str | None = None  # decode(ids[prefix_offset:read_offset]), cached
+        self.output_text = ""  # confirmed text so far
+
+    def decode(self, ids: list[int]) -> str:
+        if self.skip_special_tokens or not self.spaces_between_special_tokens or not self._special:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                         clean_up_tokenization_spaces=False)
+        # special tokens stand alone, separated by single spaces from neighbouring text (vLLM)
+        pieces: list[str] = []
+        run: list[int] = []
+        for t in ids:
+            if t in self._special:
+                if run:
+                    pieces.append(self.tokenizer.decode(run, clean_up_tokenization_spaces=False))
+                    run = []
+                pieces.append(self.tokenizer.convert_ids_to_tokens(t))
+            else:
+                run.append(t)
+        if run:
+            pieces.append(self.tokenizer.decode(run, clean_up_tokenization_spaces=False))
+        return " ".join(pieces)
+
+    def _window_text(self) -> tuple[str, str]:
+        if self._prefix_text is None:
+            self._prefix_text = self.decode(self.ids[self.prefix_offset:self.read_offset])
+        return self._prefix_text, self.decode(self.ids[self.prefix_offset:])
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Add output ids; return the newly confirmed text ('' while held back)."""
+        if not new_token_ids:
+            return ""
+        self.ids.extend(new_token_ids)
+        prefix_text, new_text = self._window_text()
+        if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
+            delta = new_text[len(prefix_text):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self._prefix_text = None
+            self.output_text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At finish: release held-back text (an incomplete character decodes to U+FFFD)."""
+        if self.read_offset == len(self.ids):
+            return ""
+        prefix_text, new_text = self._window_text()
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self._prefix_text = None
+        self.output_text += delta
+        return delta
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.ids[self.output_start:]

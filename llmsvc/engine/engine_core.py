@@ -1,0 +1,88 @@
+"""EngineCore: schedule -> execute the model -> update from its output, one step at a time.
+
+Single-threaded: every method is called from the engine loop's thread. Imports only the
+Executor interface; the executor object is injected (torch stays out of this process' engine).
+"""
+from __future__ import annotations
+
+import logging
+
+from executors.base import Executor
+from llmsvc.config import EngineConfig
+from llmsvc.engine.core_output import EngineCoreOutput
+from llmsvc.engine.kv_cache_manager import KVCacheManager
+from llmsvc.engine.request import Request
+from llmsvc.engine.scheduler import Scheduler
+from llmsvc.outputs import ABORT, EngineStats
+from llmsvc.wire import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+_UNBOUNDED_LEN = 1 << 31
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+        self.config = config
+        self.executor = executor
+        cache = config.cache_config
+        num_blocks = executor.determine_num_kv_blocks()
+        if cache.num_kv_blocks_override is not None:
+            num_blocks = min(num_blocks, cache.num_kv_blocks_override)
+        if num_blocks < 1:
+            raise RuntimeError("no memory for KV cache blocks; raise kv_cache_memory")
+        executor.initialize_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, cache.block_size,
+                    num_blocks * cache.block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        max_model_len = config.model_config.max_model_len or _UNBOUNDED_LEN
+        self.scheduler = Scheduler(config.scheduler_config, cache, self.kv_cache_manager, max_model_len)
+        self.num_steps = 0
+
+    @property
+    def max_len(self) -> int:
+        """Most tokens (prompt + output) one request can hold: context and KV pool permitting."""
+        return self.scheduler.max_len
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises PromptTooLongError / QueueFullError (nothing queued then)."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids, reason: str = ABORT) -> list[str]:
+        """Finish these requests now (blocks freed, workers told next step); unknown ids ignored."""
+        return [r.request_id for r in self.scheduler.finish_requests(request_ids, reason)]
+
+    def step(self) -> tuple[list[EngineCoreOutput], bool]:
+        """One step. Returns the per-request outputs and whether the model ran.
+
+        Raises executors.base.ExecutorError when the executor fails."""
+        if not self.scheduler.has_unfinished_requests():
+            return [], False
+        so = self.scheduler.schedule()
+        executed = so.total_num_scheduled_tokens > 0
+        runner_output = self.executor.execute_model(so) if executed else ModelRunnerOutput.make_empty()
+        self.num_steps += executed
+        return self.scheduler.update_from_output(so, runner_output), executed
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def stats(self) -> EngineStats:
+        kv, s = self.kv_cache_manager, self.scheduler
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_kv_blocks=kv.num_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            kv_cache_usage=kv.usage(),
+            prefix_cache_hit_rate=kv.hit_rate(),
+            num_preemptions=s.num_preemptions,
+            prompt_tokens_total=s.prompt_tokens_total,
+            generation_tokens_total=s.generation_tokens_total,
+            extra={"num_steps": self.num_steps, "prefix_cache_queries": kv.prefix_queries,
+                   "prefix_cache_hits": kv.prefix_hits},
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,43 @@
+"""Errors the engine raises at admission time; the server maps each to a status code.
+
+ValueError subclasses -> INVALID_ARGUMENT; DuplicateRequestError -> ALREADY_EXISTS;
+QueueFullError -> RESOURCE_EXHAUSTED.
+"""
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """A request field is out of range for this engine/model. `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt leaves no room for a single generated token within `limit` tokens."""
+
+    def __init__(self, prompt_tokens: int, max_model_len: int, what: str = "the maximum context length") -> None:
+        super().__init__(
+            "prompt",
+            f"prompt has {prompt_tokens} tokens; {what} is {max_model_len} tokens "
+            f"(prompt must be shorter, to leave room for at least one generated token)",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_model_len = max_model_len
+
+
+class DuplicateRequestError(KeyError):
+    """A request with this id is already in flight."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(request_id)
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        return f"request id {self.request_id!r} is already in flight"
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds `max_waiting_requests`; retry later."""

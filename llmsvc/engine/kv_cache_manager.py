@@ -1,0 +1,152 @@
+"""KVCacheManager: which blocks each request holds, prefix-cache lookups, slot allocation.
+
+Block hashes are chained: hash(block i) = sha256(hash(block i-1) || token ids of block i), so a
+hit on block i implies the whole prefix up to it matches. Only full blocks are hashed.
+
+Blocks are registered in the prefix cache when they are allocated for a step that fills them
+(as vLLM does): another request scheduled in the same step may reuse them, which is sound because
+a worker stores every token's K/V of a layer before that layer's attention reads the cache.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from llmsvc.engine.block_pool import BlockPool
+from llmsvc.engine.request import Request
+
+NONE_HASH = b"\x00" * 32
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids) -> bytes:
+    h = hashlib.sha256(parent_hash or NONE_HASH)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[int]] = {}
+        self.num_cached_block: dict[str, int] = {}  # req_id -> leading blocks already registered
+        # prefix-cache counters, over the tokens of every request admitted
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- observability ---------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return self.req_to_blocks.get(req_id, [])
+
+    # ---- hashing ---------------------------------------------------------------------------
+    def _update_block_hashes(self, request: Request) -> None:
+        """Extend request.block_hashes to every full block of its known tokens."""
+        bs = self.block_size
+        tokens = request.all_token_ids
+        hashes = request.block_hashes
+        for i in range(len(hashes), len(tokens) // bs):
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+
+    # ---- lookups and allocation ------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of the request: (block ids, number of tokens they hold).
+
+        At least one token is always left to compute (logits are needed), so hits are capped at
+        num_tokens - 1 tokens. Requests asking for prompt logprobs never hit (every position must
+        be computed). Does not take references; pass the blocks to `allocate_slots`."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for h in request.block_hashes[:max_blocks]:
+            b = self.pool.get_cached_block(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[int] | tuple = ()) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens after request.num_computed_tokens (plus the
+        tokens of `new_computed_blocks`, prefix-cache hits for a request not yet holding blocks).
+
+        Returns the newly allocated block ids (possibly []), or None when the pool cannot supply
+        them (then nothing changed)."""
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        assert not new_computed_blocks or not req_blocks, "cache hits only for a request holding no blocks"
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_total = num_computed + num_new_tokens
+        assert num_total <= request.num_tokens, (num_total, request)
+        num_new_blocks = max(0, cdiv(num_total, self.block_size) - len(req_blocks) - len(new_computed_blocks))
+        # hits sitting in the free queue stop being free once touched
+        num_evictable_hits = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
+            if not req_blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        if new_computed_blocks:
+            self.pool.touch(list(new_computed_blocks))
+            req_blocks.extend(new_computed_blocks)
+            self.num_cached_block[request.request_id] = len(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, num_total)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that will be full once `num_tokens` tokens are computed."""
+        num_full = num_tokens // self.block_size
+        start = self.num_cached_block.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request)
+        blocks = self.req_to_blocks[request.request_id]
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_block[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request (tail first, so its prefix is evicted last)."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_block.pop(request.request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def check_invariants(self) -> None:
+        """Every block's ref_cnt equals the number of requests holding it (tests)."""
+        self.pool.check_invariants()
+        held = [0] * self.pool.num_blocks
+        for blocks in self.req_to_blocks.values():
+            assert len(set(blocks)) == len(blocks), blocks
+            for b in blocks:
+                held[b] += 1
+        assert held == self.pool.ref_cnt, (held, self.pool.ref_cnt)

@@ -1,0 +1,151 @@
+"""OutputProcessor: engine-core outputs (token ids) -> RequestOutputs (text) for the front ends.
+
+A user request with n > 1 is a ParentRequest fanned out into n child requests in the engine core
+(child ids `"{index}_{request_id}"`); their outputs come back per CompletionOutput.index. Output
+kinds: DELTA carries only what is new since the last output, CUMULATIVE everything so far,
+FINAL_ONLY one output when every child finished.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from llmsvc.engine.core_output import EngineCoreOutput
+from llmsvc.engine.request_state import RequestState
+from llmsvc.outputs import ABORT, RequestMetrics, RequestOutput
+from llmsvc.sampling_params import RequestOutputKind, SamplingParams
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+def child_sampling_params(params: SamplingParams, index: int) -> SamplingParams:
+    """n=1 copy of the parent's params; seeded children get distinct seeds (seed + index)."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+class ParentRequest:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, tokenizer, arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.kind = params.output_kind
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.children = [
+            RequestState(child_request_id(request_id, i, params.n), i, prompt_token_ids,
+                         child_sampling_params(params, i), tokenizer)
+            for i in range(params.n)
+        ]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
+    def make_output(self) -> RequestOutput | None:
+        """The RequestOutput for what changed since the last call (None: nothing to send)."""
+        finished = self.finished
+        changed = [c for c in self.children if c.changed]
+        if not changed:
+            return None
+        if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        m = self.metrics
+        for c in self.children:
+            m.first_scheduled_time = _min(m.first_scheduled_time, c.first_scheduled_time)
+            m.first_token_time = _min(m.first_token_time, c.first_token_time)
+            m.last_token_time = max(filter(None, (m.last_token_time, c.last_token_time)), default=None)
+        if finished:
+            m.finished_time = time.time()
+        shown = changed if self.kind == RequestOutputKind.DELTA else self.children
+        first = self.children[0]
+        prompt_logprobs = first.take_prompt_logprobs(self.kind)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[c.make_output(self.kind) for c in shown],
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+            metrics=dataclasses.replace(m),
+            seed=self.params.seed,
+        )
+
+
+def _min(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentRequest] = {}  # user request id -> state
+        self.child_to_parent: dict[str, tuple[ParentRequest, RequestState]] = {}
+        self._pending: list[ParentRequest] = []  # finished outside a step (aborts): reported next
+
+    def add_request(self, parent: ParentRequest) -> None:
+        self.parents[parent.request_id] = parent
+        for c in parent.children:
+            self.child_to_parent[c.req_id] = (parent, c)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.parents
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents) or bool(self._pending)
+
+    def get_num_unfinished(self) -> int:
+        return len(self.parents)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return [] if parent is None else [c.req_id for c in parent.children if not c.finished]
+
+    def abort(self, request_ids, reason: str = ABORT) -> list[str]:
+        """Finish these user requests with `reason`; return the child ids to finish in the core.
+        Their final outputs come out of the next `process_outputs`."""
+        child_ids = []
+        for rid in request_ids:
+            parent = self.parents.get(rid)
+            if parent is None:
+                continue
+            for c in parent.children:
+                if not c.finished:
+                    child_ids.append(c.req_id)
+                    c.finish(reason)
+            self._pending.append(parent)
+        return child_ids
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (RequestOutputs, child ids a stop string finished: finish them in the core)."""
+        now = time.time()
+        touched: dict[str, ParentRequest] = {p.request_id: p for p in self._pending}
+        self._pending.clear()
+        stop_finished: list[str] = []
+        for out in core_outputs:
+            entry = self.child_to_parent.get(out.req_id)
+            if entry is None:
+                continue
+            parent, child = entry
+            if child.process(out, now):
+                stop_finished.append(out.req_id)
+            touched[parent.request_id] = parent
+        results = []
+        for parent in touched.values():
+            ro = parent.make_output()
+            if ro is not None:
+                results.append(ro)
+            if parent.finished:
+                self._remove(parent)
+        return results, stop_finished
+
+    def _remove(self, parent: ParentRequest) -> None:
+        self.parents.pop(parent.request_id, None)
+        for c in parent.children:
+            self.child_to_parent.pop(c.req_id, None)

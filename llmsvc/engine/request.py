@@ -1,0 +1,123 @@
+"""Request: the engine's per-request state (torch-free).
+
+Token layout: all_token_ids = prompt_token_ids + output_token_ids; num_tokens = len(all_token_ids).
+Invariant while not finished: num_computed_tokens <= num_tokens; when RUNNING and not mid-prefill,
+num_computed_tokens == num_tokens - 1 (the last sampled token is computed next step).
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+from llmsvc import outputs
+from llmsvc.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # back in the waiting queue after its blocks were freed (recompute)
+    # finished states: everything after here
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH_CAPPED = 11
+    FINISHED_CONTEXT = 12
+    FINISHED_ABORTED = 13
+    FINISHED_TIME_LIMIT = 14
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status >= RequestStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def finish_reason(status: "RequestStatus") -> str | None:
+        return _FINISH_REASONS.get(status)
+
+    @staticmethod
+    def from_finish_reason(reason: str) -> "RequestStatus":
+        for status, r in _FINISH_REASONS.items():
+            if r == reason:
+                return status
+        raise ValueError(f"unknown finish reason {reason!r}")
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: outputs.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: outputs.LENGTH,
+    RequestStatus.FINISHED_CONTEXT: outputs.CONTEXT,
+    RequestStatus.FINISHED_ABORTED: outputs.ABORT,
+    RequestStatus.FINISHED_TIME_LIMIT: outputs.TIME_LIMIT,
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: list[int] | tuple[int, ...] = (),
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.arrival_time = time.time() if arrival_time is None else arrival_time  # wall clock
+        self.priority = priority  # lower value = scheduled sooner (priority policy)
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens served by the prefix cache, set when first scheduled
+        self.block_hashes: list[bytes] = []  # chained hash of each full block of all_token_ids
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+        # time_limit_ms is measured on the monotonic clock from admission
+        limit = sampling_params.time_limit_ms
+        self.deadline: float | None = None if limit is None else time.monotonic() + limit / 1000.0
+        # set by the scheduler: the engine's max_model_len capped by what the KV pool can hold
+        self.max_len: int | None = None
+        # scheduler bookkeeping: output tokens the workers have already been sent
+        self.num_output_tokens_sent = 0
+
+    # ---- tokens ---------------------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+
+    # ---- status ---------------------------------------------------------------------------
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.finish_reason(self.status)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling_params.max_tokens
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"output={self.num_output_tokens}, computed={self.num_computed_tokens})")

@@ -1,0 +1,145 @@
+"""RequestState: the output side of one (child) request: ids, text, logprobs, what was sent."""
+from __future__ import annotations
+
+import time
+
+from llmsvc.engine.core_output import EngineCoreOutput
+from llmsvc.engine.detokenizer import IncrementalDetokenizer
+from llmsvc.engine.stop_strings import StopStringChecker
+from llmsvc.outputs import STOP, CompletionOutput, Logprob
+from llmsvc.sampling_params import RequestOutputKind, SamplingParams
+from llmsvc.wire import SampleLogprobs
+
+
+class RequestState:
+    def __init__(self, req_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 tokenizer) -> None:
+        self.req_id = req_id
+        self.index = index
+        self.params = params
+        self.prompt_token_ids = prompt_token_ids
+        self.tokenizer = tokenizer
+        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens)
+        self.stop_checker = StopStringChecker(params.stop, params.include_stop_str_in_output)
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [] if params.prompt_logprobs is not None else None)
+        self.text = ""  # detokenized output, cut at a matched stop string
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        # what the front end has already been sent (DELTA)
+        self.sent_text = 0
+        self.sent_tokens = 0
+        self.sent_logprobs = 0
+        self.sent_prompt_logprobs = 0
+        self.changed = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    # ---- updates ---------------------------------------------------------------------------
+    def process(self, out: EngineCoreOutput, now: float | None = None) -> bool:
+        """Apply one core output. Returns True when a stop string finished the request here
+        (the engine core must then be told to finish it)."""
+        if self.finished:
+            return False
+        now = time.time() if now is None else now
+        self.changed = True
+        self.num_cached_tokens = out.num_cached_tokens
+        self.first_scheduled_time = self.first_scheduled_time or out.first_scheduled_time
+        if out.new_prompt_logprobs and self.prompt_logprobs is not None:
+            for lp in out.new_prompt_logprobs:
+                pos = len(self.prompt_logprobs)
+                self.prompt_logprobs.append(None if lp is None else self._convert(
+                    self.prompt_token_ids[pos], lp, self.params.prompt_logprobs))
+        new_ids = out.new_token_ids
+        if new_ids:
+            self.first_token_time = self.first_token_time or now
+            self.last_token_time = now
+            self.token_ids.extend(new_ids)
+            if self.logprobs is not None:
+                for tid, lp in zip(new_ids, out.new_logprobs or [None] * len(new_ids)):
+                    if lp is None:
+                        continue
+                    self.logprobs.append(self._convert(tid, lp, self.params.logprobs))
+                    self.cumulative_logprob += lp.logprob
+        text_ids = new_ids
+        if (out.finish_reason == STOP and isinstance(out.stop_reason, int) and new_ids
+                and not self.params.include_stop_str_in_output):
+            text_ids = new_ids[:-1]  # the EOS / stop token is not part of the text
+        stopped = self._add_text(self.detokenizer.update(text_ids) if self.detokenizer else "")
+        if stopped:
+            return True
+        if out.finish_reason is not None:
+            self.finish(out.finish_reason, out.stop_reason)
+        return False
+
+    def _add_text(self, delta: str) -> bool:
+        if not delta:
+            return False
+        self.text += delta
+        match = self.stop_checker.find(self.text, len(delta))
+        if match is None:
+            return False
+        keep, stop_str = match
+        self.text = self.text[:keep]
+        self.finish_reason, self.stop_reason = STOP, stop_str
+        return True
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        """Finish for `reason` (any but a stop string); releases held-back text."""
+        if self.finished:
+            return
+        self.changed = True
+        if self.detokenizer is not None and self._add_text(self.detokenizer.flush()):
+            return  # the flushed text completed a stop string
+        self.finish_reason, self.stop_reason = reason, stop_reason
+
+    def _convert(self, token_id: int, lp: SampleLogprobs, k: int | None) -> dict[int, Logprob]:
+        d = {token_id: Logprob(lp.logprob, lp.rank, self._decode_one(token_id))}
+        for rank, (tid, v) in enumerate(zip(lp.top_token_ids[:k or 0], lp.top_logprobs), start=1):
+            if tid not in d:
+                d[tid] = Logprob(v, rank, self._decode_one(tid))
+        return d
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    # ---- outputs ---------------------------------------------------------------------------
+    def emittable_text_len(self) -> int:
+        """Text that can be shown: all of it once finished, else minus a possible stop prefix."""
+        if self.finished:
+            return len(self.text)
+        return max(self.sent_text, len(self.text) - self.stop_checker.holdback(self.text))
+
+    def make_output(self, kind: RequestOutputKind) -> CompletionOutput:
+        end = self.emittable_text_len()
+        if kind == RequestOutputKind.DELTA:
+            text, ids = self.text[self.sent_text:end], self.token_ids[self.sent_tokens:]
+            lps = None if self.logprobs is None else self.logprobs[self.sent_logprobs:]
+        else:
+            text, ids = self.text[:end], list(self.token_ids)
+            lps = None if self.logprobs is None else list(self.logprobs)
+        self.sent_text, self.sent_tokens = end, len(self.token_ids)
+        self.sent_logprobs = 0 if self.logprobs is None else len(self.logprobs)
+        self.changed = False
+        return CompletionOutput(
+            index=self.index, text=text, token_ids=ids, cumulative_logprob=self.cumulative_logprob,
+            logprobs=lps, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            num_output_tokens=len(self.token_ids))
+
+    def take_prompt_logprobs(self, kind: RequestOutputKind):
+        if self.prompt_logprobs is None:
+            return None
+        start = self.sent_prompt_logprobs if kind == RequestOutputKind.DELTA else 0
+        self.sent_prompt_logprobs = len(self.prompt_logprobs)
+        return self.prompt_logprobs[start:]

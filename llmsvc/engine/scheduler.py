@@ -1,0 +1,253 @@
+"""Scheduler: continuous batching under a per-step token budget (vLLM v1 style, torch-free)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from llmsvc import outputs
+from llmsvc.config import CacheConfig, SchedulerConfig
+from llmsvc.engine.core_output import EngineCoreOutput
+from llmsvc.engine.errors import PromptTooLongError, QueueFullError
+from llmsvc.engine.kv_cache_manager import KVCacheManager
+from llmsvc.engine.request import Request, RequestStatus
+from llmsvc.engine.request_queue import create_request_queue
+from llmsvc.wire import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+        self.config = scheduler_config
+        self.kv = kv_cache_manager
+        # a request never holds more tokens than the context nor than the whole pool
+        self.max_len = min(max_model_len, kv_cache_manager.capacity_tokens)
+        if not scheduler_config.enable_chunked_prefill:  # a (re)computed request must fit one step
+            self.max_len = min(self.max_len, scheduler_config.max_num_batched_tokens)
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # to tell the workers on the next executed step
+        self.num_preemptions = 0
+        self.prompt_tokens_total = 0  # prompt tokens computed (cache hits excluded)
+        self.generation_tokens_total = 0
+
+    # ---- admission -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise KeyError(f"request {request.request_id!r} already in the scheduler")
+        if request.num_prompt_tokens >= self.max_len:
+            what = ("the KV cache pool" if self.max_len < self.max_model_len
+                    else "the maximum context length")
+            raise PromptTooLongError(request.num_prompt_tokens, self.max_len, what)
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting_requests); retry later")
+        request.max_len = self.max_len
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], reason: str) -> list[Request]:
+        """Finish (abort, or stop-string from the output processor) unfinished requests.
+
+        Unknown or already finished ids are ignored. Returns the requests finished."""
+        status = RequestStatus.from_finish_reason(reason)
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._free(req)
+            done.append(req)
+        return done
+
+    def _free(self, req: Request) -> None:
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self.finished_req_ids.add(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- scheduling ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        # Invariant: there are no prefill or decode phases. Each step has a token budget; every
+        # scheduled request computes the next num_scheduled_tokens of its tokens so that its
+        # num_computed_tokens catches up with its num_tokens (prompt + output). A prompt longer
+        # than the budget is computed in chunks over several steps (chunked prefill), prefix-cache
+        # hits start a request with num_computed_tokens > 0, and a preempted request restarts
+        # from its cache hits (recompute). Running requests go first, then waiting ones.
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData.make_empty()
+        preempted = False
+        now = time.time()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget and not chunked:
+                i += 1
+                continue
+            num_new = min(num_new, budget)
+            assert num_new > 0, req
+            while True:
+                new_blocks = self.kv.allocate_slots(req, num_new)
+                if new_blocks is not None:
+                    break
+                # recompute-preemption among the requests not scheduled yet this step
+                victim = self._pick_victim(self.running[i:])
+                self.running.remove(victim)
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if new_blocks is None:
+                continue  # req itself was preempted; running[i] is now the next one
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            cached.req_ids.append(req.request_id)
+            cached.new_token_ids.append(req.output_token_ids[req.num_output_tokens_sent:])
+            cached.new_block_ids.append(new_blocks)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            req.num_output_tokens_sent = req.num_output_tokens
+            i += 1
+
+        # no admissions in a step that had to preempt: the pool is under pressure
+        while (not preempted and len(self.waiting) and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting.peek()
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            if num_new > budget and not chunked:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
+                break
+            self.waiting.pop()
+            self.kv.record_lookup(req.num_tokens, num_hit)
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            new_reqs.append(NewRequestData.from_request(req, self.kv.get_block_ids(req.request_id)))
+            req.num_output_tokens_sent = req.num_output_tokens
+
+        total = sum(num_scheduled.values())
+        finished = set(self.finished_req_ids)
+        if total > 0:  # otherwise nothing runs; keep them for the next executed step
+            self.finished_req_ids.clear()
+        return SchedulerOutput(new_reqs, cached, num_scheduled, total, finished)
+
+    def _pick_victim(self, candidates: list[Request]) -> Request:
+        if self.config.policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return max(candidates, key=lambda r: r.arrival_time)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.finished_req_ids.add(req.request_id)  # workers drop it; it comes back as a new request
+        self.waiting.add_preempted(req)
+
+    # ---- results ---------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance num_computed_tokens, append sampled tokens, apply the stop conditions that
+        need no text, and report per request. Finished requests free their blocks here."""
+        index = {rid: k for k, rid in enumerate(runner_output.req_ids)}
+        out: list[EngineCoreOutput] = []
+        stopped: list[Request] = []
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # finished meanwhile
+            was_prompt = req.num_computed_tokens < req.num_prompt_tokens
+            req.num_computed_tokens += n
+            if was_prompt:
+                self.prompt_tokens_total += min(req.num_computed_tokens, req.num_prompt_tokens) - (
+                    req.num_computed_tokens - n)
+            prompt_lp = runner_output.prompt_logprobs.get(rid)
+            k = index.get(rid)
+            if k is None:
+                if prompt_lp:
+                    out.append(self._output(req, [], None, prompt_lp))
+                continue
+            token = runner_output.sampled_token_ids[k]
+            lp = None
+            if runner_output.logprobs is not None and req.sampling_params.logprobs is not None:
+                lp = [runner_output.logprobs[k]]
+            req.append_output_token_ids(token)
+            self.generation_tokens_total += 1
+            if self._check_stop(req, token):
+                stopped.append(req)
+            out.append(self._output(req, [token], lp, prompt_lp))
+        for req in stopped:
+            self.running.remove(req)
+            self._free(req)
+        out.extend(self._expire(time.monotonic()))
+        return out
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+                return True
+            if token in params.stop_token_ids:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+                return True
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if req.num_tokens >= self.max_len:
+            req.status = RequestStatus.FINISHED_CONTEXT
+            return True
+        return False
+
+    def _expire(self, now: float) -> list[EngineCoreOutput]:
+        """Finish every unfinished request past its time_limit_ms deadline (output kept)."""
+        expired = [r for r in self.requests.values() if r.deadline is not None and now >= r.deadline]
+        for req in self.finish_requests([r.request_id for r in expired], outputs.TIME_LIMIT):
+            pass
+        return [self._output(r, [], None, None) for r in expired]
+
+    def _output(self, req: Request, tokens: list[int], lp, prompt_lp) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            req_id=req.request_id,
+            new_token_ids=tokens,
+            new_logprobs=lp,
+            new_prompt_logprobs=prompt_lp,
+            finish_reason=req.get_finished_reason(),
+            stop_reason=req.stop_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            first_scheduled_time=req.first_scheduled_time,
+        )
+
+    # ---- observability ---------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

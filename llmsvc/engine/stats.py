@@ -1,0 +1,47 @@
+"""StatsLogger: a periodic vLLM-like throughput / cache line."""
+from __future__ import annotations
+
+import logging
+import time
+
+from llmsvc.outputs import EngineStats
+
+logger = logging.getLogger("llmsvc.engine")
+
+
+class StatsLogger:
+    def __init__(self, interval_s: float, log=logger) -> None:
+        self.interval_s = interval_s
+        self.log = log
+        self._last_time: float | None = None
+        self._last_prompt = 0
+        self._last_gen = 0
+
+    def format(self, stats: EngineStats, elapsed: float) -> str:
+        prompt_tps = (stats.prompt_tokens_total - self._last_prompt) / elapsed if elapsed > 0 else 0.0
+        gen_tps = (stats.generation_tokens_total - self._last_gen) / elapsed if elapsed > 0 else 0.0
+        return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
+                f"Avg generation throughput: {gen_tps:.1f} tokens/s, "
+                f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+                f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%, "
+                f"Prefix cache hit rate: {100 * stats.prefix_cache_hit_rate:.1f}%, "
+                f"Preemptions: {stats.num_preemptions}")
+
+    def maybe_log(self, stats: EngineStats, now: float | None = None) -> str | None:
+        """Log (and return) a line when `interval_s` passed since the last one; else None."""
+        now = time.monotonic() if now is None else now
+        if self._last_time is None:
+            self._reset(stats, now)
+            return None
+        elapsed = now - self._last_time
+        if self.interval_s <= 0 or elapsed < self.interval_s:
+            return None
+        line = self.format(stats, elapsed)
+        self.log.info(line)
+        self._reset(stats, now)
+        return line
+
+    def _reset(self, stats: EngineStats, now: float) -> None:
+        self._last_time = now
+        self._last_prompt = stats.prompt_tokens_total
+        self._last_gen = stats.generation_tokens_total

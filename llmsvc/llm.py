@@ -1,0 +1,144 @@
+"""Offline inference: `LLM(...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from collections.abc import Sequence
+
+from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from llmsvc.outputs import RequestOutput
+from llmsvc.sampling_params import RequestOutputKind, SamplingParams
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30}
+
+
+def parse_memory(value: int | str) -> int:
+    """Bytes from an int or a string like "512MiB", "2GiB", "1.5G"."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse memory size {value!r} (e.g. 2GiB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+_GEN_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class LLM:
+    """An engine in this process, driven to completion by `generate`.
+
+    Extra keyword arguments go to the config sections that have such a field
+    (e.g. block_size, num_kv_blocks_override, policy, enable_chunked_prefill, device)."""
+
+    def __init__(self, model: str | None = None, dtype: str = "float32", executor: str = "uniproc",
+                 tensor_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int = 128,
+                 max_num_batched_tokens: int = 1024, kv_cache_memory: int | str | None = None,
+                 enable_prefix_caching: bool = True, seed: int = 0, **kw) -> None:
+        model_cfg = ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed)
+        cache_cfg = CacheConfig(enable_prefix_caching=enable_prefix_caching)
+        if kv_cache_memory is not None:
+            cache_cfg.kv_cache_memory_bytes = parse_memory(kv_cache_memory)
+        sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        par_cfg = ParallelConfig(executor=executor, tensor_parallel_size=tensor_parallel_size)
+        config = EngineConfig(model_config=model_cfg, cache_config=cache_cfg, scheduler_config=sched_cfg,
+                              parallel_config=par_cfg, log_stats_interval_s=0.0)
+        for key, value in kw.items():
+            for section in (config, model_cfg, cache_cfg, sched_cfg, par_cfg):
+                if key in {f.name for f in dataclasses.fields(section)}:
+                    setattr(section, key, value)
+                    break
+            else:
+                raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
+        from llmsvc.engine.llm_engine import LLMEngine
+
+        self.llm_engine = LLMEngine.from_config(config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config defaults, as vLLM does."""
+        defaults = self.llm_engine.config.model_config.generation_defaults or {}
+        return SamplingParams(**{k: defaults[k] for k in _GEN_DEFAULT_KEYS if defaults.get(k) is not None})
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (a str, or a list of token ids); outputs in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
+        tok = self.get_tokenizer()
+        engine = self.llm_engine
+        ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+                text = prompt if isinstance(prompt, str) else None
+                token_ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                rid = str(next(self._counter))
+                engine.add_request(rid, token_ids, params, prompt=text,
+                                   priority=0 if priority is None else priority[i])
+                ids.append(rid)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            engine.abort_request(ids)
+            while engine.has_unfinished_requests():  # drain the abort outputs; frees every block
+                engine.step()
+            raise
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            n_out = sum(len(o.token_ids) for o in out.outputs)
+                            bar.update(1)
+                            bar.set_postfix_str(f"{n_out} out toks", refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, **template_kwargs) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        tok = self.get_tokenizer()
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in convs:
+            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                          **template_kwargs)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            prompts.append(list(ids))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

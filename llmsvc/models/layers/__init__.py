@@ -1,0 +1,1 @@
+"""Building blocks of the model code: parallel linears, embeddings, RoPE, attention, norms."""

@@ -1,0 +1,197 @@
+"""Llama-family decoder (Llama / SmolLM, Qwen2, Mistral) over the paged KV cache.
+
+Parameter names follow Hugging Face except the fused projections:
+  model.layers.N.self_attn.qkv_proj  <- q_proj, k_proj, v_proj   (shard ids "q", "k", "v")
+  model.layers.N.mlp.gate_up_proj    <- gate_proj, up_proj       (shard ids 0, 1)
+Qwen2 has a bias on q/k/v; Llama honours `attention_bias` / `mlp_bias`. Mistral's
+sliding window is not implemented: resolve_model_config caps max_model_len at the
+window, where full attention and sliding-window attention are the same thing.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+import torch.nn as nn
+
+from llmsvc.models.layers.activation import SiluAndMul
+from llmsvc.models.layers.attention import Attention, AttentionMetadata
+from llmsvc.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from llmsvc.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from llmsvc.models.layers.norm import RMSNorm
+from llmsvc.models.layers.rotary import get_rope
+from llmsvc.models.parallel import get_tp_world_size
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): [num_blocks, block_size, Hkv_rank, D]
+
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg, dtype: torch.dtype):
+        super().__init__()
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"activation {cfg.hidden_act!r} (only silu)")
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, params_dtype=dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, hidden]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, dtype: torch.dtype, max_position: int):
+        super().__init__()
+        self.head_dim = head_dim_of(cfg)
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = attention_bias or cfg.model_type == "qwen2"
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, qkv_bias, dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
+                                        attention_bias, params_dtype=dtype)
+        self.rotary_emb = get_rope(cfg, self.head_dim, max_position)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache | None,
+                meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D] (this rank's heads)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, dtype: torch.dtype, max_position: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, dtype, max_position)
+        self.mlp = LlamaMLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions, hidden, residual, kv_cache, meta):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg, dtype: torch.dtype, max_position: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, max_position)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, input_ids, positions, meta, kv_caches):
+        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, kv_caches[i] if kv_caches else None, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint name -> (our fused parameter, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, hf_config, dtype: torch.dtype = torch.float32, max_position: int | None = None):
+        super().__init__()
+        self.config = hf_config
+        self.dtype = dtype
+        max_position = max_position or hf_config.max_position_embeddings
+        self.model = LlamaModel(hf_config, dtype, max_position)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[KVCache] | None) -> torch.Tensor:
+        """input_ids, positions: [T] int64 (flattened batch) -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions, meta, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [S, hidden] (only rows that sample) -> [S, vocab] float32 on every rank."""
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, model_dir: str) -> None:
+        """Load every *.safetensors in model_dir, one tensor at a time; each parameter's
+        weight_loader keeps only this rank's shard. Raises if a parameter is left unloaded."""
+        from safetensors import safe_open
+
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if "rotary_emb.inv_freq" in name:
+                        continue
+                    if self.tie_word_embeddings and name == "lm_head.weight":
+                        continue  # shares model.embed_tokens.weight
+                    target, shard_id = name, None
+                    for hf_name, (fused, sid) in self.packed_modules_mapping.items():
+                        if f".{hf_name}." in name:
+                            target, shard_id = name.replace(f".{hf_name}.", f".{fused}."), sid
+                            break
+                    if target not in params:
+                        raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+                    param = params[target]
+                    loader = getattr(param, "weight_loader", None)
+                    tensor = f.get_tensor(name)
+                    if loader is None:
+                        param.data.copy_(tensor)
+                    elif shard_id is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard_id)
+                    loaded.add(f"{target}:{shard_id}")
+        expected = set()
+        for name, _ in self.named_parameters():
+            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+                expected |= {f"{name}:{s}" for s in ("q", "k", "v")}
+            elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+                expected |= {f"{name}:{s}" for s in (0, 1)}
+            else:
+                expected.add(f"{name}:None")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"weights missing from {model_dir}: {missing[:8]}")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+def kv_cache_spec(hf_config, tp_size: int | None = None) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads_per_rank, head_dim) for allocating the per-layer caches."""
+    tp = tp_size or get_tp_world_size()
+    total_kv = hf_config.num_key_value_heads or hf_config.num_attention_heads
+    if hf_config.num_attention_heads % tp:
+        raise ValueError(f"{hf_config.num_attention_heads} attention heads do not split over tp={tp}")
+    if total_kv % tp and tp % total_kv:
+        raise ValueError(f"{total_kv} KV heads do not split or replicate over tp={tp}")
+    return hf_config.num_hidden_layers, max(1, total_kv // tp), head_dim_of(hf_config)

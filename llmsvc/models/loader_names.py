@@ -1,0 +1,3 @@
+"""Torch-free names the resolver checks before any model is built (kept in sync with loader.py)."""
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+TORCH_DTYPE_NAMES = ("float32", "bfloat16", "float16")

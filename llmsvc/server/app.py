@@ -1,0 +1,139 @@
+"""Build, start, load, serve and gracefully stop the grpc.aio server.
+
+Lifecycle: start() binds the port and serves health ("" SERVING, LlmService NOT_SERVING) and
+reflection at once; load() builds the engine in a worker thread, warms it up, then flips
+LlmService to SERVING. shutdown(grace): NOT_SERVING -> new Generate UNAVAILABLE -> in-flight
+requests get `grace` seconds -> the rest are aborted -> the server stops.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import grpc
+
+from llmsvc.engine.async_engine import AsyncEngine
+from llmsvc.sampling_params import SamplingParams
+from llmsvc.server.health import Health, add_reflection
+from llmsvc.server.servicer import LlmService, ServerState
+from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("llmsvc.server")
+
+SERVER_OPTIONS = (
+    ("grpc.max_receive_message_length", 64 << 20),  # long token-id prompts
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),  # never GOAWAY a client for pinging
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+
+def default_engine_factory(config) -> Callable[[], object]:
+    def make():
+        from llmsvc.engine.llm_engine import LLMEngine  # heavy: model loading
+        return LLMEngine.from_config(config)
+    return make
+
+
+class LlmServer:
+    def __init__(self, engine_factory: Callable[[], object], *, host: str = "127.0.0.1", port: int = 0,
+                 max_backlog_bytes: int = 4 << 20, max_backlog_age_s: float = 60.0,
+                 max_waiting_requests: int | None = None, warmup: bool = True) -> None:
+        self.engine_factory = engine_factory
+        self.host, self.port = host, port
+        self.backlog = dict(max_backlog_bytes=max_backlog_bytes, max_backlog_age_s=max_backlog_age_s)
+        self.max_waiting_requests = max_waiting_requests
+        self.warmup = warmup
+        self.shutdown_grace = 30.0  # seconds in-flight requests get when serve() is stopped
+        self.state = ServerState()
+        self.health = Health()
+        self.servicer = LlmService(self.state)
+        self.server: grpc.aio.Server | None = None
+        self.async_engine: AsyncEngine | None = None
+        self.engine_died = False
+        self._watch: asyncio.Task | None = None
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> int:
+        """Bind and serve health + reflection (+ LlmService answering UNAVAILABLE). Returns the port."""
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        pb_grpc.add_LlmServiceServicer_to_server(self.servicer, self.server)
+        self.health.add_to_server(self.server)
+        add_reflection(self.server)
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.port = self.server.add_insecure_port(f"{host}:{self.port}")
+        if not self.port:
+            raise RuntimeError(f"could not bind {self.host}")
+        await self.server.start()
+        await self.health.starting()
+        logger.info("listening on %s", self.address)
+        return self.port
+
+    async def load(self) -> None:
+        """Build the engine off the event loop, warm it up, then report SERVING."""
+        engine = await asyncio.to_thread(self.engine_factory)
+        ae = AsyncEngine(engine, max_waiting_requests=self.max_waiting_requests, **self.backlog)
+        await ae.start()
+        self.async_engine = ae
+        config = engine.config
+        dev = getattr(config, "device", "cpu")
+        self.state.device = dev if dev != "auto" else str(getattr(engine, "device", "cpu"))
+        if self.warmup:
+            await self._warm_up(ae, config)
+        self.servicer.attach(ae, engine.tokenizer, config)
+        self.state.ready = True
+        await self.health.ready()
+        self._watch = asyncio.create_task(self._watch_engine(ae))
+        logger.info("ready: serving %s on %s", config.model_config.served_model_name, self.address)
+
+    @staticmethod
+    async def _warm_up(ae: AsyncEngine, config) -> None:
+        mc = config.model_config
+        tok = next((t for t in (mc.bos_token_id, *(mc.eos_token_ids or [])) if t is not None), 0)
+        async for _ in ae.generate("llmsvc-warmup", [tok], SamplingParams(max_tokens=1, temperature=0.0)):
+            pass
+
+    async def _watch_engine(self, ae: AsyncEngine) -> None:
+        exc = await ae.wait_dead()
+        self.engine_died = True
+        logger.error("engine loop died (%s: %s); reporting NOT_SERVING", type(exc).__name__, exc)
+        await self.health.not_serving()
+
+    async def serve(self, stop: asyncio.Event) -> int:
+        """start + load, then run until `stop` is set or the engine dies. Returns an exit code."""
+        await self.start()
+        try:
+            load = asyncio.create_task(self.load())
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if not load.done():
+                load.cancel()
+                await asyncio.gather(load, return_exceptions=True)
+            else:
+                load.result()  # a failed load raises: exit non-zero
+                await asyncio.wait({self._watch, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+        finally:
+            await self.shutdown(grace=0.0 if self.engine_died else self.shutdown_grace)
+        return 1 if self.engine_died else 0
+
+    async def shutdown(self, grace: float = 30.0) -> None:
+        """Drain: NOT_SERVING, refuse new requests, let in-flight finish for `grace` s, stop."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.state.draining = True
+        await self.health.draining()
+        logger.info("draining (grace %.1f s)", grace)
+        if self.async_engine is not None:
+            await self.async_engine.shutdown(grace)
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.server is not None:
+            await self.server.stop(1.0)
+        logger.info("stopped")

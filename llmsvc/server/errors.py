@@ -1,0 +1,105 @@
+"""Status codes with rich details (google.rpc) for every failure the server reports.
+
+`ServiceError` is what handlers raise; `to_service_error` maps engine exceptions to it;
+`abort(context, err)` ends the RPC with `grpc-status-details-bin` filled (BadRequest,
+ErrorInfo{domain "llmsvc"}, RetryInfo). Messages never carry stack traces.
+"""
+from __future__ import annotations
+
+import logging
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from llmsvc.engine.async_engine import EngineDeadError, EngineStoppedError, OutputBacklogError
+from llmsvc.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, QueueFullError
+
+logger = logging.getLogger(__name__)
+DOMAIN = "llmsvc"
+
+
+class ServiceError(Exception):
+    """A failure with its status code and the details a client can act on."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, reason: str = "",
+                 field: str | None = None, metadata: dict[str, str] | None = None,
+                 retry_delay_s: float | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.reason = reason
+        self.field = field
+        self.metadata = dict(metadata or {})
+        self.retry_delay_s = retry_delay_s
+
+    def to_status(self, request_id: str | None = None) -> grpc.Status:
+        details: list = []
+        if self.field is not None:
+            details.append(error_details_pb2.BadRequest(field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field=self.field, description=self.message)]))
+        if self.reason or self.code == grpc.StatusCode.INTERNAL:
+            md = dict(self.metadata)
+            if request_id:
+                md["request_id"] = request_id
+            details.append(error_details_pb2.ErrorInfo(reason=self.reason or "INTERNAL", domain=DOMAIN, metadata=md))
+        if self.retry_delay_s is not None:
+            secs = int(self.retry_delay_s)
+            details.append(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(
+                seconds=secs, nanos=int((self.retry_delay_s - secs) * 1e9))))
+        packed = []
+        for d in details:
+            a = any_pb2.Any()
+            a.Pack(d)
+            packed.append(a)
+        return rpc_status.to_status(status_pb2.Status(code=self.code.value[0], message=self.message, details=packed))
+
+
+def invalid(field: str, message: str, reason: str = "INVALID_ARGUMENT", **metadata) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}", reason=reason, field=field,
+                        metadata={k: str(v) for k, v in metadata.items()})
+
+
+def prompt_too_long(prompt_tokens: int, limit: int, message: str, field: str = "prompt") -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message, reason="PROMPT_TOO_LONG", field=field,
+                        metadata={"prompt_tokens": str(prompt_tokens), "max_model_len": str(limit)})
+
+
+def unavailable(message: str, reason: str = "UNAVAILABLE", retry_delay_s: float = 1.0) -> ServiceError:
+    return ServiceError(grpc.StatusCode.UNAVAILABLE, message, reason=reason, retry_delay_s=retry_delay_s)
+
+
+def to_service_error(exc: BaseException) -> ServiceError:
+    """Map an exception from validation, the engine or AsyncEngine to its status."""
+    if isinstance(exc, ServiceError):
+        return exc
+    if isinstance(exc, PromptTooLongError):
+        return prompt_too_long(exc.prompt_tokens, exc.max_model_len, str(exc))
+    if isinstance(exc, InvalidRequestError):
+        return invalid(exc.field, exc.message)
+    if isinstance(exc, DuplicateRequestError):
+        return ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(exc), reason="DUPLICATE_REQUEST_ID")
+    if isinstance(exc, QueueFullError):
+        return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {exc}".rstrip(": "),
+                            reason="QUEUE_FULL", retry_delay_s=1.0)
+    if isinstance(exc, OutputBacklogError):
+        return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), reason="OUTPUT_BACKLOG")
+    if isinstance(exc, EngineDeadError):
+        return unavailable(f"engine is not running: {exc}", reason="ENGINE_DEAD")
+    if isinstance(exc, EngineStoppedError):
+        return unavailable("server is shutting down", reason="DRAINING")
+    if isinstance(exc, ValueError):  # SamplingParams.verify(): "<field> <why>"
+        field, _, why = str(exc).partition(" ")
+        return invalid(field or "request", why or str(exc))
+    if type(exc).__name__ == "ExecutorError":
+        return unavailable(f"engine is not running: {exc}", reason="ENGINE_DEAD")
+    return ServiceError(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})", reason="INTERNAL")
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException, request_id: str | None = None):
+    """End the RPC with the mapped status (raises grpc's AbortError, as context.abort does)."""
+    err = to_service_error(exc)
+    if err.code == grpc.StatusCode.INTERNAL and not isinstance(exc, ServiceError):
+        logger.error("request %s failed", request_id, exc_info=exc)
+    await context.abort_with_status(err.to_status(request_id))

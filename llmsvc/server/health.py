@@ -1,0 +1,56 @@
+"""grpc.health.v1 (asyncio servicer, real Watch) and server reflection v1 + v1alpha."""
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import _async as health_async
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import _async as reflection_async
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+
+from llmsvc.v1 import llmsvc_pb2
+
+SERVICE_NAME = llmsvc_pb2.DESCRIPTOR.services_by_name["LlmService"].full_name  # "llmsvc.v1.LlmService"
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Health:
+    """Health states: "" SERVING once the process is up; the service only when ready."""
+
+    def __init__(self) -> None:
+        self.servicer = health_async.HealthServicer()
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+
+    async def starting(self) -> None:
+        await self.servicer.set("", SERVING)
+        await self.servicer.set(SERVICE_NAME, NOT_SERVING)
+
+    async def ready(self) -> None:
+        await self.servicer.set(SERVICE_NAME, SERVING)
+
+    async def not_serving(self) -> None:
+        """Engine died: the service is NOT_SERVING; the process itself still answers."""
+        await self.servicer.set(SERVICE_NAME, NOT_SERVING)
+
+    async def draining(self) -> None:
+        await self.servicer.enter_graceful_shutdown()
+
+
+def add_reflection(server: grpc.aio.Server) -> None:
+    """Reflection for LlmService + Health, under v1alpha (grpcio-reflection) and v1.
+
+    v1 and v1alpha reflection messages are wire-identical (same field numbers), so the v1
+    service is the v1alpha servicer behind a v1 method name."""
+    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME, REFLECTION_V1)
+    servicer = reflection_async.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)  # v1alpha
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),))

@@ -1,0 +1,61 @@
+"""Prompt input (text | token ids | chat) -> (prompt text, prompt token ids), with truncation."""
+from __future__ import annotations
+
+import grpc
+
+from llmsvc.server.errors import ServiceError, invalid
+from llmsvc.server.validation import ModelLimits, check_chat, check_token_ids
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_chat(tokenizer, chat, field_prefix: str = "chat") -> str:
+    """Apply the model's chat template; FAILED_PRECONDITION if it has none."""
+    check_chat(chat.messages, field_prefix)
+    if not has_chat_template(tokenizer):
+        raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "this model has no chat template: send `text` or `token_ids` instead",
+                           reason="NO_CHAT_TEMPLATE")
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, tokenize=False)
+    except Exception as e:  # jinja raise_exception(...) in templates: bad role order etc.
+        raise invalid(f"{field_prefix}.messages", f"the chat template rejected the messages: {e}") from None
+
+
+def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def resolve_prompt(req, tokenizer, limits: ModelLimits) -> tuple[str | None, list[int]]:
+    """The prompt of a GenerateRequest as (text or None, token ids), truncated if asked."""
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise invalid("prompt", "set one of text, token_ids or chat")
+    if kind == "token_ids":
+        text, ids = None, list(req.token_ids.ids)
+        if not ids:
+            raise invalid("token_ids.ids", "prompt must not be empty")
+        check_token_ids("token_ids.ids", ids, limits.vocab_size)
+    elif kind == "text":
+        text = req.text
+        if not text:
+            raise invalid("text", "prompt must not be empty")
+        add_special = req.add_special_tokens if req.HasField("add_special_tokens") else True
+        ids = encode(tokenizer, text, add_special)
+    else:
+        text = render_chat(tokenizer, req.chat)
+        add_special = req.add_special_tokens if req.HasField("add_special_tokens") else False
+        ids = encode(tokenizer, text, add_special)
+    if not ids:
+        raise invalid(kind, "prompt encodes to zero tokens")
+    if req.HasField("truncate_prompt_tokens"):
+        n = req.truncate_prompt_tokens
+        if not 1 <= n < limits.max_model_len:
+            raise invalid("truncate_prompt_tokens", f"must be in [1, {limits.max_model_len - 1}], got {n}")
+        if len(ids) > n:
+            ids, text = ids[-n:], None
+    return text, ids

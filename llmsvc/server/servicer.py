@@ -1,0 +1,213 @@
+"""LlmService: the llmsvc.v1 RPCs over an AsyncEngine. Runs on the event loop; never computes.
+
+Generate: id (body | x-request-id | uuid4) -> validation -> initial metadata (x-request-id, before
+prefill) -> AsyncEngine.generate -> messages. Cancel, disconnect and deadline expiry raise
+CancelledError here, which closes the engine generator and aborts the request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from llmsvc.engine.output_stream import merge_delta
+from llmsvc.server import errors
+from llmsvc.server.prompt import encode, has_chat_template, render_chat
+from llmsvc.server.prompt import resolve_prompt
+from llmsvc.server.responses import ResponseBuilder
+from llmsvc.server.validation import (ModelLimits, build_sampling_params, check_labels, check_prompt_fits,
+                                      check_request_id, check_token_ids)
+from llmsvc.v1 import llmsvc_pb2 as pb
+from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+API_VERSION = "llmsvc.v1"
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("llmsvc")
+    except Exception:
+        return "0.1.0"
+
+
+@dataclass
+class ServerState:
+    """What the server knows about itself (shared by servicer, health and shutdown)."""
+
+    ready: bool = False  # model loaded and warmed up
+    draining: bool = False
+    start_time: float = field(default_factory=time.time)
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    device: str = "cpu"
+
+
+class LlmService(pb_grpc.LlmServiceServicer):
+    """Registered before the model loads (answers UNAVAILABLE until `attach`)."""
+
+    def __init__(self, state: ServerState | None = None) -> None:
+        self.state = state or ServerState()
+        self.engine = self.tokenizer = self.config = self.limits = None
+
+    def attach(self, async_engine, tokenizer, config) -> None:
+        """Serve from this (started, warmed-up) engine; `config` is the resolved EngineConfig."""
+        self.engine, self.tokenizer, self.config = async_engine, tokenizer, config
+        self.limits = ModelLimits.from_config(config)
+
+    def _require_model(self) -> None:
+        if self.engine is None:
+            raise errors.unavailable("model is loading; retry shortly", reason="LOADING")
+
+    # ---- Generate --------------------------------------------------------------------
+    def _check_serving(self) -> None:
+        self._require_model()
+        if self.engine.dead_error is not None:
+            raise errors.unavailable("the engine loop died; retry on another replica", reason="ENGINE_DEAD")
+        if self.state.draining:
+            raise errors.unavailable("server is draining; retry on another replica", reason="DRAINING")
+        if not self.state.ready:
+            raise errors.unavailable("model is loading; retry shortly", reason="LOADING")
+
+    @staticmethod
+    def _request_id(request, context) -> str:
+        if request.request_id:
+            return request.request_id
+        for k, v in context.invocation_metadata() or ():
+            if k == "x-request-id" and v:
+                return v
+        return uuid.uuid4().hex
+
+    async def Generate(self, request, context):
+        rid = self._request_id(request, context)
+        try:
+            self._check_serving()
+            check_request_id(rid)
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                raise errors.ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline expired before admission")
+            check_labels(request.labels)
+            params = build_sampling_params(request, self.limits)
+            prompt, ids = resolve_prompt(request, self.tokenizer, self.limits)
+            check_prompt_fits(params, len(ids), self.limits)
+            await context.send_initial_metadata((("x-request-id", rid),))
+            builder = ResponseBuilder(rid, request, params, self.config.model_config.eos_token_ids, self.tokenizer)
+            logger.debug("request %s admitted: %d prompt tokens, traceparent=%s", rid, len(ids),
+                         dict(context.invocation_metadata() or ()).get("traceparent"))
+            gen = self.engine.generate(rid, ids, params, prompt=prompt, priority=request.priority)
+            try:
+                if request.stream:
+                    async for out in gen:
+                        self._raise_if_failed(out)
+                        for msg in builder.stream_messages(out):
+                            yield msg
+                else:
+                    final = None
+                    async for out in gen:
+                        self._raise_if_failed(out)
+                        if final is None:
+                            final = out
+                        else:
+                            merge_delta(final, out)
+                    for comp in sorted(final.outputs, key=lambda c: c.index):
+                        yield builder.message(final, comp)
+            finally:
+                await gen.aclose()
+        except asyncio.CancelledError:
+            logger.info("request %s cancelled by the client or its deadline", rid)
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure becomes a status
+            if isinstance(e, grpc.aio.AbortError) or type(e).__name__ == "AbortError":
+                raise
+            await errors.abort(context, e, rid)
+
+    @staticmethod
+    def _raise_if_failed(out) -> None:
+        if out.error:
+            raise errors.ServiceError(grpc.StatusCode.INTERNAL, f"request failed in the engine: {out.error}",
+                                      reason="ENGINE_ERROR")
+
+    # ---- small RPCs ---------------------------------------------------------------------
+    async def Abort(self, request, context):
+        if self.engine is None:
+            return pb.AbortResponse(not_found=list(request.request_ids))
+        not_found = set(self.engine.abort(list(request.request_ids), reason=request.reason or "aborted by client"))
+        return pb.AbortResponse(aborted=[r for r in request.request_ids if r not in not_found],
+                                not_found=[r for r in request.request_ids if r in not_found])
+
+    async def Tokenize(self, request, context):
+        try:
+            self._require_model()
+            kind = request.WhichOneof("input")
+            if kind is None:
+                raise errors.invalid("input", "set text or chat")
+            if kind == "chat":
+                text = render_chat(self.tokenizer, request.chat)
+                add_special = request.add_special_tokens if request.HasField("add_special_tokens") else False
+            else:
+                text = request.text
+                add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            resp = pb.TokenizeResponse(max_model_len=self.limits.max_model_len)
+            if request.return_offsets:
+                enc = self.tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
+                resp.token_ids.extend(enc["input_ids"])
+                for s, e in enc["offset_mapping"]:  # characters -> UTF-8 byte offsets
+                    bs = len(text[:s].encode("utf-8"))
+                    resp.offsets.append(pb.Offset(start=bs, end=bs + len(text[s:e].encode("utf-8"))))
+            else:
+                resp.token_ids.extend(encode(self.tokenizer, text, add_special))
+            if request.return_pieces:
+                resp.pieces.extend(self.tokenizer.convert_ids_to_tokens(list(resp.token_ids)))
+            return resp
+        except Exception as e:  # noqa: BLE001
+            await errors.abort(context, e)
+
+    async def Detokenize(self, request, context):
+        try:
+            self._require_model()
+            check_token_ids("token_ids", request.token_ids, self.limits.vocab_size)
+            skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+            return pb.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids),
+                                                                    skip_special_tokens=skip))
+        except Exception as e:  # noqa: BLE001
+            await errors.abort(context, e)
+
+    async def GetModelInfo(self, request, context):
+        if self.engine is None:
+            await errors.abort(context, errors.unavailable("model is loading; retry shortly", reason="LOADING"))
+        mc = self.config.model_config
+        resp = pb.GetModelInfoResponse(
+            model_id=mc.model or mc.model_dir or "", served_model_name=mc.served_model_name,
+            architecture=mc.architecture, dtype=mc.dtype, max_model_len=mc.max_model_len,
+            vocab_size=mc.vocab_size, eos_token_ids=list(mc.eos_token_ids),
+            has_chat_template=has_chat_template(self.tokenizer),
+            supported_constraints=list(self.limits.supported_constraints))
+        if mc.bos_token_id is not None:
+            resp.bos_token_id = mc.bos_token_id
+        if mc.pad_token_id is not None:
+            resp.pad_token_id = mc.pad_token_id
+        d = self.limits.default_sampling()
+        resp.default_sampling.CopyFrom(pb.SamplingParams(n=1, **d))
+        return resp
+
+    async def GetServerInfo(self, request, context):
+        resp = pb.GetServerInfoResponse(version=_version(), api_version=API_VERSION,
+                                        instance_id=self.state.instance_id,
+                                        uptime_seconds=time.time() - self.state.start_time,
+                                        device=self.state.device, draining=self.state.draining)
+        if self.engine is None:
+            return resp
+        st = self.engine.get_stats()
+        c = self.config
+        resp.MergeFrom(pb.GetServerInfoResponse(
+            tensor_parallel_size=c.parallel_config.tensor_parallel_size, executor=c.parallel_config.executor,
+            kv_block_size=c.cache_config.block_size, num_kv_blocks=st.num_kv_blocks,
+            num_free_kv_blocks=st.num_free_kv_blocks, max_num_seqs=c.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=c.scheduler_config.max_num_batched_tokens, num_running=st.num_running,
+            num_waiting=st.num_waiting, kv_cache_usage=st.kv_cache_usage,
+            prefix_cache_hit_rate=st.prefix_cache_hit_rate, draining=self.state.draining))
+        return resp

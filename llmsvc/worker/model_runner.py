@@ -1,0 +1,110 @@
+"""ModelRunner: one step = fold the diff in, flatten the batch, run the model, sample."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from llmsvc.config import EngineConfig
+from llmsvc.models.llama import build_model, kv_cache_spec
+from llmsvc.models.parallel import get_tp_rank, get_tp_world_size
+from llmsvc.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from llmsvc.worker.input_batch import build_inputs
+from llmsvc.worker.request_state import RequestStates
+from llmsvc.worker.sampler import Sampler, compute_prompt_logprobs
+from llmsvc.worker.sampling_metadata import SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the per-request states of one rank."""
+
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = DTYPES[config.model_config.dtype]
+        self.block_size = config.cache_config.block_size
+        self.states = RequestStates()
+        self.sampler = Sampler()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.model: torch.nn.Module | None = None
+
+    def load_model(self) -> None:
+        t0 = time.perf_counter()
+        mc = self.config.model_config
+        self.model = build_model(mc, self.device, self.dtype)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        logger.info("loaded %s (%s, %.1fM params on this rank, %s, tp rank %d/%d) in %.1fs",
+                    mc.served_model_name, mc.architecture, n_params / 1e6, mc.dtype,
+                    get_tp_rank(), get_tp_world_size(), time.perf_counter() - t0)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        num_layers, num_kv_heads, head_dim = kv_cache_spec(self.config.model_config.hf_config,
+                                                           get_tp_world_size())
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * num_layers * self.block_size * num_kv_heads * head_dim * elem
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        num_layers, num_kv_heads, head_dim = kv_cache_spec(self.config.model_config.hf_config,
+                                                           get_tp_world_size())
+        shape = (num_blocks, self.block_size, num_kv_heads, head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(num_layers)]
+        self.num_blocks = num_blocks
+
+    def warmup(self) -> None:
+        """One tiny prefill and decode through every op (writes only block 0; nothing is cached yet)."""
+        from llmsvc.sampling_params import SamplingParams
+
+        n = min(self.block_size, 8)
+        for num_computed, num_new in ((0, n), (n, 1)):
+            so = SchedulerOutput.make_empty()
+            so.scheduled_new_reqs = [NewRequestData("__warmup__", [0] * (n + 1), [], SamplingParams(
+                temperature=0.0), [0], num_computed)]
+            so.num_scheduled_tokens = {"__warmup__": num_new}
+            so.total_num_scheduled_tokens = num_new
+            self.execute_model(so)
+        self.states.clear()
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step. Returns the sampled tokens on TP rank 0, None on other ranks."""
+        self.states.apply(so)
+        if not so.num_scheduled_tokens:
+            return ModelRunnerOutput.make_empty() if get_tp_rank() == 0 else None
+        inp = build_inputs(self.states, so.num_scheduled_tokens, self.block_size, self.device)
+        hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_caches)  # [T, hidden]
+        logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, vocab] fp32
+        prompt_logprobs = self._prompt_logprobs(hidden, inp) if inp.prompt_logprob_rows else {}
+        if get_tp_rank() != 0:
+            return None
+        if not inp.sampling_req_ids:
+            return ModelRunnerOutput([], [], None, prompt_logprobs)
+        states = [self.states[r] for r in inp.sampling_req_ids]
+        md = SamplingMetadata.build(
+            [s.sampling_params for s in states],
+            [s.token_ids[:s.prompt_len] for s in states],
+            [s.output_token_ids for s in states],
+            vocab_size=logits.shape[-1], device=self.device,
+            eos_token_ids=self.config.model_config.eos_token_ids)
+        out = self.sampler.forward(logits, md)
+        logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else None
+        return ModelRunnerOutput(inp.sampling_req_ids, out.sampled_token_ids.tolist(), logprobs,
+                                 prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inp) -> dict:
+        result = {}
+        for req_id, (row, count, first_target) in inp.prompt_logprob_rows.items():
+            st = self.states[req_id]
+            entries = [None] if first_target == 1 else []  # the first prompt token has no logprob
+            if count > 0:
+                logits = self.model.compute_logits(hidden[row:row + count])
+                targets = torch.tensor(st.token_ids[first_target:first_target + count], device=self.device)
+                entries += compute_prompt_logprobs(logits, targets, st.sampling_params.prompt_logprobs)
+            result[req_id] = entries
+        return result

@@ -1,0 +1,112 @@
+"""Worker: owns one device, its share of the model and its KV cache (one per TP rank)."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from llmsvc.config import EngineConfig
+from llmsvc.sampling_params import SamplingParams
+from llmsvc.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from llmsvc.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", local_rank)
+    return torch.device(name)
+
+
+class Worker:
+    """Lifecycle: init_device() -> load_model() -> determine_num_kv_blocks() ->
+    initialize_kv_cache(n) -> execute_model(so)* -> shutdown()."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
+                 distributed_init_method: str | None = None, local_rank: int = 0) -> None:
+        self.config = config
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.distributed_init_method = distributed_init_method
+        self.device = resolve_device(config.device, local_rank)
+        self.runner: ModelRunner | None = None
+        self.cpu_group = None
+
+    def init_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        threads = os.environ.get("LLMSVC_NUM_THREADS")
+        if threads:
+            torch.set_num_threads(int(threads))
+        torch.manual_seed(self.config.model_config.seed)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=self.distributed_init_method,
+                                    rank=self.rank, world_size=self.world_size)
+            # control messages (SchedulerOutput broadcast, block-count agreement) go over gloo
+            self.cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+            logger.info("rank %d/%d joined %s process group", self.rank, self.world_size, backend)
+
+    def load_model(self) -> None:
+        self.runner = ModelRunner(self.config, self.device)
+        self.runner.load_model()
+
+    def determine_num_kv_blocks(self) -> int:
+        n = self._local_num_kv_blocks()
+        if self.world_size > 1:  # every rank must hold the same pool: take the minimum
+            import torch.distributed as dist
+
+            t = torch.tensor([n], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+            n = int(t.item())
+        return n
+
+    def _local_num_kv_blocks(self) -> int:
+        cc = self.config.cache_config
+        per_block = self.runner.kv_cache_bytes_per_block()
+        if cc.num_kv_blocks_override is not None:
+            return cc.num_kv_blocks_override
+        if self.device.type != "cuda":
+            return max(cc.kv_cache_memory_bytes // per_block, 1)
+        return self._profile_cuda_blocks(per_block)
+
+    def _profile_cuda_blocks(self, per_block: int) -> int:
+        """Free memory after the weights and one max-size forward's activations, times utilization."""
+        sc, bs = self.config.scheduler_config, self.config.cache_config.block_size
+        n_tok = sc.max_num_batched_tokens
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.runner.initialize_kv_cache(n_tok // bs + 1)
+        so = SchedulerOutput.make_empty()
+        so.scheduled_new_reqs = [NewRequestData("__profile__", [0] * n_tok, [], SamplingParams(temperature=0.0),
+                                                list(range(n_tok // bs + 1)), 0)]
+        so.num_scheduled_tokens = {"__profile__": n_tok}
+        so.total_num_scheduled_tokens = n_tok
+        self.runner.execute_model(so)
+        self.runner.states.clear()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        self.runner.kv_caches = []
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * self.config.cache_config.gpu_memory_utilization) - peak
+        return max(budget // per_block, 1)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+        self.runner.warmup()
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.runner.execute_model(so)
+
+    def shutdown(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()

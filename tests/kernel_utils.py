@@ -1,0 +1,79 @@
+"""Helpers for the kernel tests: NaN guard buffers and paged-cache batch builders."""
+from __future__ import annotations
+
+import torch
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+GUARD = 64  # NaN elements on each side of a guarded tensor
+
+
+def guarded(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t inside a NaN-filled buffer (-1 for integer tensors): reads past
+    either end see the guard."""
+    fill = float("nan") if t.dtype.is_floating_point else -1
+    buf = torch.full((t.numel() + 2 * GUARD,), fill, dtype=t.dtype)
+    view = buf[GUARD:GUARD + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def guarded_rows(t: torch.Tensor, pad: int = 8) -> torch.Tensor:
+    """t [R, C] copied into a NaN buffer [R, C + pad] and sliced back: row stride C + pad."""
+    buf = torch.full((t.shape[0] + 1, t.shape[1] + pad), float("nan"), dtype=t.dtype)
+    view = buf[:t.shape[0], :t.shape[1]]
+    view.copy_(t)
+    return view
+
+
+class PagedBatch:
+    """A mixed batch over a paged cache: every slot not owned by a sequence holds NaN.
+
+    seqs: [(ctx, q_len)]; physical blocks are a random permutation; the block table is padded
+    with the id of a NaN-only block. `clean()` gives the caches with NaN replaced by 0 for the
+    reference (which multiplies masked positions by zero and would propagate NaN).
+    """
+
+    def __init__(self, seqs, num_q_heads, num_kv_heads, head_dim, block_size=16,
+                 dtype=torch.float32, seed=0, spare_blocks=3):
+        g = torch.Generator().manual_seed(seed)
+        self.seqs = seqs
+        nblk = [(ctx + block_size - 1) // block_size for ctx, _ in seqs]
+        num_blocks = sum(nblk) + spare_blocks
+        perm = torch.randperm(num_blocks, generator=g)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = guarded(torch.full(shape, float("nan"), dtype=dtype))
+        self.v_cache = guarded(torch.full(shape, float("nan"), dtype=dtype))
+        width = max(nblk) + 2
+        spare = int(perm[-1])  # never owned: all NaN
+        bt = torch.full((len(seqs), width), spare, dtype=torch.int32)
+        used = 0
+        for i, (ctx, q_len) in enumerate(seqs):
+            assert 1 <= q_len <= ctx
+            blocks = perm[used:used + nblk[i]]
+            used += nblk[i]
+            bt[i, :nblk[i]] = blocks.to(torch.int32)
+            for pos in range(ctx):
+                b, off = int(blocks[pos // block_size]), pos % block_size
+                self.k_cache[b, off] = torch.randn(num_kv_heads, head_dim, generator=g).to(dtype)
+                self.v_cache[b, off] = torch.randn(num_kv_heads, head_dim, generator=g).to(dtype)
+        self.block_tables = guarded(bt)
+        q_lens = [q for _, q in seqs]
+        qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(q_lens).cumsum(0)
+        self.query_start_loc = guarded(qsl)
+        self.seq_lens = guarded(torch.tensor([c for c, _ in seqs], dtype=torch.int32))
+        t = int(qsl[-1])
+        q = torch.randn(t, num_q_heads + 1, head_dim, generator=g).to(dtype)
+        q[:, -1] = float("nan")  # an extra NaN head after the real ones: query has row stride Hq+1
+        self.query = q[:, :num_q_heads]
+        self.scale = head_dim ** -0.5
+
+    def args(self):
+        return (self.query, self.k_cache, self.v_cache, self.block_tables, self.query_start_loc,
+                self.seq_lens, self.scale)
+
+    def clean_args(self):
+        return (self.query.contiguous(), torch.nan_to_num(self.k_cache, nan=0.0),
+                torch.nan_to_num(self.v_cache, nan=0.0), self.block_tables.clone(),
+                self.query_start_loc.clone(), self.seq_lens.clone(), self.scale)

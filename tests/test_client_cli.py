@@ -1,0 +1,116 @@
+"""`llmsvc generate`, `llmsvc health` and the reflection-only client, against the scripted server."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fake_llm_server import FakeServer
+from llmsvc.__main__ import main as llmsvc_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with FakeServer() as srv:
+        yield srv
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = llmsvc_main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_generate_prints_completion_and_sends_flags(server, capsys):
+    rc, out, _ = run(capsys, "generate", "hello world", "--server", server.target, "--max-tokens", "5",
+                     "--temperature", "0.5", "--top-p", "0.9", "--top-k", "7", "--seed", "11",
+                     "--stop", "\n\n", "--stop", "END", "--ignore-eos")
+    assert rc == 0 and out == "hello\n"
+    req = server.service.requests[-1]
+    assert not req.stream and req.stopping.max_tokens == 5 and req.stopping.ignore_eos
+    assert list(req.stopping.stop) == ["\n\n", "END"]
+    assert req.sampling.temperature == 0.5 and req.sampling.top_k == 7 and req.sampling.seed == 11
+    assert abs(req.sampling.top_p - 0.9) < 1e-6
+    assert not req.sampling.HasField("min_p") and not req.output.HasField("logprobs")  # unset stays unset
+
+
+def test_generate_stream_prints_tokens(server, capsys):
+    rc, out, _ = run(capsys, "generate", "streamed text", "--server", server.target, "--stream")
+    assert rc == 0 and out == "streamed text\n" and server.service.requests[-1].stream
+
+
+def test_generate_json_outputs(server, capsys):
+    rc, out, _ = run(capsys, "generate", "json", "--server", server.target, "--json", "--request-id", "j1")
+    doc = json.loads(out)
+    assert rc == 0 and doc["request_id"] == "j1"
+    assert doc["outputs"][0]["text"] == "json" and doc["outputs"][0]["finish_reason"] == "stop"
+    assert doc["outputs"][0]["token_ids"] == [ord(c) for c in "json"]
+
+    rc, out, _ = run(capsys, "generate", "lines", "--server", server.target, "--json", "--stream")
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert rc == 0 and "".join(m.get("text", "") for m in lines) == "lines"
+    assert "prompt" in lines[0] and "finish" in lines[-1]
+
+
+def test_generate_chat(server, capsys):
+    rc, _, _ = run(capsys, "generate", "hi there", "--server", server.target, "--chat", "--system", "be brief")
+    msgs = server.service.requests[-1].chat.messages
+    assert rc == 0 and [(m.role, m.content) for m in msgs] == [("system", "be brief"), ("user", "hi there")]
+
+
+def test_generate_error_exit_code_and_message(server, capsys):
+    rc, out, err = run(capsys, "generate", "error:INVALID_ARGUMENT", "--server", server.target)
+    assert rc == 1 and out == ""
+    assert "INVALID_ARGUMENT" in err and "sampling.temperature" in err
+    rc, _, err = run(capsys, "generate", "error:UNAVAILABLE", "--server", server.target, "--stream")
+    assert rc == 1 and "UNAVAILABLE" in err
+
+
+def test_health_cli_exit_codes(server, capsys):
+    assert run(capsys, "health", "--server", server.target)[:2] == (0, "SERVING\n")
+    rc, out, _ = run(capsys, "health", "--server", server.target, "--service", "llmsvc.v1.LlmService")
+    assert (rc, out) == (1, "NOT_SERVING\n")
+    rc, _, err = run(capsys, "health", "--server", server.target, "--service", "nope")
+    assert rc == 2 and "NOT_FOUND" in err
+
+
+def test_health_console_script(server):
+    """What a container healthcheck runs: a fresh process, exit status only."""
+    r = subprocess.run([sys.executable, "-m", "llmsvc", "health", "--server", server.target, "--timeout", "10"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "llmsvc", "health", "--server", "127.0.0.1:1", "--timeout", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and ("UNAVAILABLE" in r.stderr or "DEADLINE_EXCEEDED" in r.stderr)
+
+
+def test_reflection_only_client_streams_without_proto_file(server):
+    """A client with no .proto and no generated stubs learns LlmService by reflection and streams."""
+    code = textwrap.dedent(f"""
+        import json, sys, grpc
+        from llmsvc.client.reflection import ReflectionClient
+        with grpc.insecure_channel({server.target!r}) as channel:
+            rc = ReflectionClient(channel)
+            services = rc.services()
+            gen = rc.method("llmsvc.v1.LlmService/Generate")
+            msgs = [rc.to_dict(m) for m in rc.call("llmsvc.v1.LlmService/Generate",
+                    {{"text": "reflected!", "stream": True, "stopping": {{"max_tokens": 9}}}}, timeout=10)]
+            info = rc.to_dict(rc.call("llmsvc.v1.LlmService.GetServerInfo", {{}}, timeout=10))
+        assert not any(m.startswith("llmsvc.v1") or m == "llmsvc.client.client" for m in sys.modules), \\
+            "generated stubs were imported"
+        print(json.dumps({{"services": services, "server_streaming": gen.server_streaming,
+                           "msgs": msgs, "info": info}}))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert "llmsvc.v1.LlmService" in doc["services"] and doc["server_streaming"]
+    assert "".join(m.get("text", "") for m in doc["msgs"]) == "reflected"
+    assert doc["msgs"][-1]["finish"]["reason"] == "REASON_LENGTH"
+    assert doc["info"]["api_version"] == "llmsvc.v1"

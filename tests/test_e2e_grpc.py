@@ -1,0 +1,118 @@
+"""End to end over loopback with the REAL engine, executor and model (tiny random Llama; the
+default SmolLM2 model in the e2e-marked tests): the same server the CLI starts."""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmsvc.server.app import default_engine_factory
+from llmsvc.v1 import llmsvc_pb2 as pb
+from tests.server_harness import EOS, IM_START, TINY_VOCAB, ServerThread, tiny_tokenizer
+from tests.test_server import free_blocks_back
+
+ST = pb.StoppingCriteria
+GREEDY = pb.SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tests.model_utils import make_tiny_model_dir
+    d = make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), vocab_size=TINY_VOCAB, eos_token_id=EOS,
+                            bos_token_id=IM_START, pad_token_id=0)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    config = EngineConfig(model_config=ModelConfig(model=tiny_dir, max_model_len=256),
+                          cache_config=CacheConfig(block_size=16, num_kv_blocks_override=64),
+                          scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
+                          device="cpu", log_stats_interval_s=0.0)
+    s = ServerThread(default_engine_factory(config))
+    yield s
+    s.stop()
+
+
+def test_stream_equals_unary_greedy(tiny):
+    req = dict(text="hello world", sampling=GREEDY, stopping=ST(max_tokens=24, ignore_eos=True))
+    msgs = list(tiny.stub.Generate(pb.GenerateRequest(stream=True, **req)))
+    (final,) = list(tiny.stub.Generate(pb.GenerateRequest(**req)))
+    assert "".join(m.text for m in msgs) == final.text
+    assert [t for m in msgs for t in m.token_ids] == list(final.token_ids) and len(final.token_ids) == 24
+    assert final.finish.reason == pb.FinishInfo.REASON_LENGTH
+
+
+def test_first_message_before_last_token(tiny):
+    call = tiny.stub.Generate(pb.GenerateRequest(text="a long one", stream=True, sampling=GREEDY,
+                                                 stopping=ST(max_tokens=200, ignore_eos=True)))
+    first = next(call)
+    assert not first.HasField("finish") and len(first.token_ids) < 200
+    rest = list(call)
+    assert rest[-1].num_output_tokens == 200
+
+
+def test_sixteen_concurrent_streams(tiny):
+    prompts = [f"prompt number {i}" for i in range(16)]
+    expected = [list(tiny.stub.Generate(pb.GenerateRequest(text=p, sampling=GREEDY,
+                                                           stopping=ST(max_tokens=12, ignore_eos=True))))[0].text
+                for p in prompts]
+    got = [None] * 16
+
+    def worker(i):
+        got[i] = "".join(m.text for m in tiny.stub.Generate(pb.GenerateRequest(
+            text=prompts[i], stream=True, sampling=GREEDY, stopping=ST(max_tokens=12, ignore_eos=True))))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == expected
+    free_blocks_back(tiny)
+
+
+def test_cancel_and_abort_return_all_blocks(tiny):
+    call = tiny.stub.Generate(pb.GenerateRequest(text="x", stream=True, stopping=ST(max_tokens=220, ignore_eos=True)))
+    next(call)
+    call.cancel()
+    free_blocks_back(tiny)
+    call = tiny.stub.Generate(pb.GenerateRequest(request_id="ab", text="y", stream=True,
+                                                 stopping=ST(max_tokens=220, ignore_eos=True)))
+    next(call)
+    assert list(tiny.stub.Abort(pb.AbortRequest(request_ids=["ab"])).aborted) == ["ab"]
+    assert list(call)[-1].finish.reason == pb.FinishInfo.REASON_ABORTED
+    info = free_blocks_back(tiny)
+    assert info.num_kv_blocks == 64
+
+
+def test_prompt_too_long_over_the_wire(tiny):
+    with pytest.raises(grpc.RpcError) as ei:
+        list(tiny.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 256))))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    (m,) = list(tiny.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 300), truncate_prompt_tokens=250,
+                                                      stopping=ST(ignore_eos=True))))
+    assert m.prompt.num_prompt_tokens == 250 and m.finish.reason == pb.FinishInfo.REASON_CONTEXT
+    assert len(m.token_ids) == 6
+
+
+@pytest.mark.e2e
+def test_default_model_chat_and_stop(tmp_path):
+    config = EngineConfig(model_config=ModelConfig(max_model_len=512),
+                          cache_config=CacheConfig(kv_cache_memory_bytes=64 << 20), device="cpu")
+    with ServerThread(default_engine_factory(config)) as s:
+        info = s.stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert info.has_chat_template and info.vocab_size == 49152
+        chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="What is the capital of France?")])
+        msgs = list(s.stub.Generate(pb.GenerateRequest(chat=chat, stream=True, sampling=GREEDY,
+                                                       stopping=ST(max_tokens=32))))
+        text = "".join(m.text for m in msgs)
+        assert "Paris" in text
+        (m,) = list(s.stub.Generate(pb.GenerateRequest(chat=chat, sampling=GREEDY,
+                                                       stopping=ST(max_tokens=32, stop=["Paris"]))))
+        assert m.finish.reason == pb.FinishInfo.REASON_STOP and m.finish.stop_string == "Paris"
+        assert "Paris" not in m.text and text.startswith(m.text)
+        free_blocks_back(s)

@@ -1,0 +1,100 @@
+"""BlockPool / KVCacheManager unit tests."""
+from __future__ import annotations
+
+import pytest
+
+from llmsvc.engine.block_pool import BlockPool, DoubleFreeError
+from llmsvc.engine.kv_cache_manager import KVCacheManager, hash_block_tokens
+from llmsvc.engine.request import Request
+from llmsvc.sampling_params import SamplingParams
+
+
+def mkreq(rid, tokens, **kw):
+    return Request(rid, tokens, SamplingParams(**kw))
+
+
+def test_chained_hash_depends_on_prefix():
+    a = hash_block_tokens(None, [1, 2])
+    assert a == hash_block_tokens(None, [1, 2])
+    assert hash_block_tokens(a, [3, 4]) != hash_block_tokens(hash_block_tokens(None, [9, 9]), [3, 4])
+    assert hash_block_tokens(None, [1, 2]) != hash_block_tokens(None, [2, 1])
+
+
+def test_double_free_raises():
+    pool = BlockPool(4)
+    (b,) = pool.get_new_blocks(1)
+    pool.free_blocks([b])
+    with pytest.raises(DoubleFreeError):
+        pool.free_blocks([b])
+    pool.check_invariants()
+
+
+def test_allocation_and_free_return_all_blocks():
+    kv = KVCacheManager(8, 4)
+    r = mkreq("a", list(range(10)))
+    assert len(kv.allocate_slots(r, 10)) == 3
+    assert kv.num_free_blocks == 5 and kv.usage() == pytest.approx(3 / 8)
+    r.num_computed_tokens = 10
+    r.append_output_token_ids(5)
+    assert kv.allocate_slots(r, 1) == []  # position 10 fits block 2
+    r.num_computed_tokens = 11
+    r.append_output_token_ids([6, 7])
+    assert len(kv.allocate_slots(r, 2)) == 1
+    assert kv.allocate_slots(mkreq("big", list(range(100))), 100) is None
+    assert "big" not in kv.req_to_blocks
+    kv.free(r)
+    assert kv.num_free_blocks == 8 and kv.usage() == 0.0
+    kv.check_invariants()
+
+
+def test_prefix_hits_capped_and_shared_with_refcounts():
+    kv = KVCacheManager(16, 4)
+    a = mkreq("a", list(range(12)))  # 3 full blocks
+    kv.allocate_slots(a, 12)
+    b = mkreq("b", list(range(12)))
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8 and hits == kv.get_block_ids("a")[:2]  # never all 12: one token must be computed
+    kv.allocate_slots(b, 4, hits)
+    assert [kv.pool.ref_cnt[x] for x in hits] == [2, 2]
+    c = mkreq("c", list(range(12)) + [50], prompt_logprobs=1)
+    assert kv.get_computed_blocks(c) == ([], 0)  # prompt logprobs need every position computed
+    kv.free(a)
+    kv.free(b)
+    kv.check_invariants()
+    assert kv.num_free_blocks == 16
+
+
+def test_freed_cached_blocks_reused_until_evicted_lru():
+    kv = KVCacheManager(4, 2)
+    a = mkreq("a", [1, 2, 3, 4, 5])  # blocks: [1,2] [3,4] [5]
+    kv.allocate_slots(a, 5)
+    a_blocks = list(kv.get_block_ids("a"))
+    kv.free(a)
+    b = mkreq("b", [1, 2, 3, 4, 9])
+    hits, n = kv.get_computed_blocks(b)
+    assert hits == a_blocks[:2] and n == 4
+    # a hit sitting in the free queue is not counted as free room
+    assert kv.allocate_slots(b, 1, hits) is not None
+    assert kv.num_free_blocks == 1
+    kv.free(b)
+    # fill the pool with unrelated tokens: cached blocks get evicted, tail-first freed order
+    c = mkreq("c", [7, 7, 7, 7, 7, 7, 7, 7])
+    kv.allocate_slots(c, 8)
+    kv.free(c)
+    assert kv.get_computed_blocks(mkreq("d", [1, 2, 3, 4, 9])) == ([], 0)
+    assert kv.pool.num_evictions >= 2
+    kv.check_invariants()
+
+
+def test_lru_eviction_prefers_least_recently_freed():
+    kv = KVCacheManager(4, 2)
+    old = mkreq("old", [1, 1, 1])
+    kv.allocate_slots(old, 3)
+    kv.free(old)
+    new = mkreq("new", [2, 2, 2])
+    kv.allocate_slots(new, 3)
+    kv.free(new)
+    # two blocks needed, the least recently freed first: "old"'s prefix is evicted, "new"'s survives
+    kv.allocate_slots(mkreq("x", [3, 3, 3, 3]), 4)
+    assert kv.get_computed_blocks(mkreq("n2", [2, 2, 5]))[1] == 2
+    assert kv.get_computed_blocks(mkreq("o2", [1, 1, 5]))[1] == 0

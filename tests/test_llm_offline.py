@@ -1,0 +1,75 @@
+"""Offline LLM front end, on the FakeExecutor (the real model is covered by test_engine_e2e.py)."""
+from __future__ import annotations
+
+import pytest
+
+from engine_fakes import FakeExecutor, smollm2_tokenizer
+from llmsvc.engine.llm_engine import LLMEngine
+from llmsvc.llm import LLM, parse_memory
+from llmsvc.sampling_params import RequestOutputKind, SamplingParams
+
+
+@pytest.fixture
+def fake_llm(monkeypatch):
+    tok = smollm2_tokenizer()
+    seen = {}
+
+    def from_config(cls, config):
+        config.model_config.max_model_len = config.model_config.max_model_len or 2048
+        config.model_config.vocab_size = len(tok)
+        config.model_config.eos_token_ids = [2]
+        config.model_config.generation_defaults = {"temperature": 0.5, "top_p": 0.9}
+        seen["config"] = config
+        return cls(config, FakeExecutor(config, num_blocks=256, token_fn=lambda t: 300 + len(t) % 50), tok)
+
+    monkeypatch.setattr(LLMEngine, "from_config", classmethod(from_config))
+    return seen
+
+
+def test_generate_keeps_input_order_and_forwards_config(fake_llm):
+    llm = LLM(max_num_seqs=3, max_num_batched_tokens=64, kv_cache_memory="64MiB", block_size=8,
+              policy="priority", enable_prefix_caching=False)
+    cfg = fake_llm["config"]
+    assert cfg.scheduler_config.max_num_seqs == 3 and cfg.scheduler_config.policy == "priority"
+    assert cfg.cache_config.block_size == 8 and cfg.cache_config.kv_cache_memory_bytes == 64 << 20
+    assert not cfg.cache_config.enable_prefix_caching
+    tok = llm.get_tokenizer()
+    prompts = ["Hello there", [1, 2, 3, 4], "A much longer prompt " * 10, "x"]
+    params = [SamplingParams(max_tokens=k, output_kind=RequestOutputKind.DELTA) for k in (5, 1, 7, 3)]
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5, 1, 7, 3]
+    assert outs[0].prompt == "Hello there" and outs[0].prompt_token_ids == tok.encode("Hello there")
+    assert outs[1].prompt is None and outs[1].prompt_token_ids == [1, 2, 3, 4]
+    for o in outs:  # FINAL_ONLY: the full output once, whatever kind was asked
+        assert o.finished and o.outputs[0].text == tok.decode(o.outputs[0].token_ids)
+    single = llm.generate("Hello there", SamplingParams(max_tokens=5))
+    assert len(single) == 1 and single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    llm.shutdown()
+
+
+def test_default_params_use_generation_config_and_n(fake_llm):
+    llm = LLM()
+    d = llm.get_default_sampling_params()
+    assert d.temperature == 0.5 and d.top_p == 0.9 and d.max_tokens == 16
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(n=2, max_tokens=2), use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1]
+
+
+def test_chat_applies_template(fake_llm):
+    llm = LLM()
+    (out,) = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=2))
+    prompt = llm.get_tokenizer().decode(out.prompt_token_ids)
+    assert "<|im_start|>user" in prompt and prompt.rstrip().endswith("assistant")
+
+
+def test_bad_arguments(fake_llm):
+    with pytest.raises(TypeError, match="no_such_option"):
+        LLM(no_such_option=1)
+    llm = LLM(max_model_len=32)
+    with pytest.raises(ValueError):
+        llm.generate(["ok", "x" * 200], SamplingParams(max_tokens=2))
+    assert not llm.llm_engine.has_unfinished_requests()  # the accepted one was aborted
+    assert llm.llm_engine.get_stats().num_free_kv_blocks == 256
+    assert parse_memory("1.5GiB") == 3 << 29 and parse_memory(1024) == 1024
+    with pytest.raises(ValueError):
+        parse_memory("lots")

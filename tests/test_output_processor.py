@@ -1,0 +1,148 @@
+"""OutputProcessor: stop strings, output kinds, n > 1, logprobs (real SmolLM2 tokenizer)."""
+from __future__ import annotations
+
+import pytest
+
+from engine_fakes import smollm2_tokenizer
+from llmsvc.engine.core_output import EngineCoreOutput
+from llmsvc.engine.output_processor import OutputProcessor, ParentRequest
+from llmsvc.sampling_params import RequestOutputKind, SamplingParams
+from llmsvc.wire import SampleLogprobs
+
+DELTA, CUMULATIVE, FINAL = RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return smollm2_tokenizer()
+
+
+def drive(tok, text, params, *, finish="length", stop_reason=None, extra_ids=(), rid="r"):
+    """Feed the ids of `text` one per step; returns (outputs, step index where a stop string hit)."""
+    op = OutputProcessor(tok)
+    prompt = tok.encode("Tell me:")
+    op.add_request(ParentRequest(rid, "Tell me:", prompt, params, tok, 0.0))
+    ids = tok.encode(text) + list(extra_ids)
+    outs, stopped_at = [], None
+    for k, t in enumerate(ids):
+        last = k == len(ids) - 1
+        co = EngineCoreOutput(rid, [t], finish_reason=finish if last else None,
+                              stop_reason=stop_reason if last else None)
+        ros, stop_ids = op.process_outputs([co])
+        outs += ros
+        if stop_ids:
+            assert stop_ids == [rid] and stopped_at is None
+            stopped_at = k
+            break
+    assert not op.has_unfinished()
+    return outs, stopped_at, ids
+
+
+def texts(outs):
+    return [o.outputs[0].text for o in outs]
+
+
+def test_stop_string_across_tokens_never_leaks(tok):
+    text = "The quick brown fox jumps over the lazy dog"
+    params = SamplingParams(stop=["fox jum"], output_kind=DELTA)
+    outs, stopped_at, ids = drive(tok, text, params)
+    assert stopped_at is not None and stopped_at < len(ids) - 1
+    final = outs[-1].outputs[0]
+    assert final.finish_reason == "stop" and final.stop_reason == "fox jum"
+    assert "".join(texts(outs)) == "The quick brown "
+    assert all("fox" not in t for t in texts(outs))  # the possible prefix was held back
+    # token ids are never held back: every id up to the stop is reported
+    assert sum((o.outputs[0].token_ids for o in outs), []) == ids[:stopped_at + 1]
+
+
+def test_include_stop_str_in_output(tok):
+    params = SamplingParams(stop=["fox jum"], include_stop_str_in_output=True, output_kind=CUMULATIVE)
+    outs, _, _ = drive(tok, "The quick brown fox jumps over", params)
+    assert outs[-1].outputs[0].text == "The quick brown fox jum"
+    for a, b in zip(texts(outs), texts(outs)[1:]):
+        assert b.startswith(a)  # cumulative outputs only grow
+
+
+def test_held_prefix_released_when_not_a_stop(tok):
+    params = SamplingParams(stop=["fox cat"], output_kind=DELTA)
+    text = "a fox jumps, no fox cats"
+    outs, stopped_at, _ = drive(tok, text, params)
+    assert "".join(texts(outs)) == "a fox jumps, no "
+    assert outs[-1].outputs[0].stop_reason == "fox cat"
+
+
+def test_stop_string_inside_multibyte_text_and_held_text_flushed(tok):
+    params = SamplingParams(stop=["世界"], output_kind=DELTA)
+    outs, stopped_at, _ = drive(tok, "你好世界！再见", params)
+    assert "".join(texts(outs)) == "你好"
+    params = SamplingParams(stop=["😀!"], output_kind=DELTA)
+    outs, stopped_at, _ = drive(tok, "smile 😀", params, finish="length")
+    assert stopped_at is None
+    assert "".join(texts(outs)) == "smile 😀"  # held back as a prefix, released at finish
+    assert outs[-1].outputs[0].finish_reason == "length"
+
+
+def test_multiple_stop_strings_earliest_wins(tok):
+    params = SamplingParams(stop=["dog", "brown"], output_kind=FINAL)
+    outs, _, _ = drive(tok, "The quick brown fox jumps over the lazy dog", params)
+    assert len(outs) == 1 and outs[0].finished
+    assert outs[0].outputs[0].text == "The quick " and outs[0].outputs[0].stop_reason == "brown"
+
+
+def test_eos_not_in_text_but_in_token_ids(tok):
+    outs, _, ids = drive(tok, "Bye now", SamplingParams(output_kind=FINAL), finish="stop", stop_reason=2,
+                         extra_ids=[2])
+    o = outs[0].outputs[0]
+    assert o.text == "Bye now" and o.token_ids == ids and o.token_ids[-1] == 2 and o.stop_reason == 2
+    outs, _, _ = drive(tok, "Bye now", SamplingParams(output_kind=FINAL, skip_special_tokens=False,
+                                                     include_stop_str_in_output=True),
+                       finish="stop", stop_reason=2, extra_ids=[2])
+    assert outs[0].outputs[0].text.endswith("<|im_end|>")
+
+
+@pytest.mark.parametrize("kind", [DELTA, CUMULATIVE, FINAL])
+def test_output_kinds(tok, kind):
+    text = "Emoji 🎉 and 中文 in one"
+    outs, _, ids = drive(tok, text, SamplingParams(output_kind=kind))
+    assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+    if kind == FINAL:
+        assert len(outs) == 1
+    if kind == DELTA:
+        assert len(outs) == len(ids)  # token ids are never held back: one output per token
+        assert "".join(texts(outs)) == text
+        assert sum((o.outputs[0].token_ids for o in outs), []) == ids
+        assert [o.outputs[0].num_output_tokens for o in outs] == list(range(1, len(ids) + 1))
+    else:
+        assert outs[-1].outputs[0].text == text and outs[-1].outputs[0].token_ids == ids
+
+
+def test_n_children_and_logprobs(tok):
+    op = OutputProcessor(tok)
+    params = SamplingParams(n=3, logprobs=1, seed=5, output_kind=FINAL)
+    parent = ParentRequest("p", None, [1, 2], params, tok, 0.0)
+    assert [c.req_id for c in parent.children] == ["0_p", "1_p", "2_p"]
+    assert [c.params.seed for c in parent.children] == [5, 6, 7] and all(c.params.n == 1 for c in parent.children)
+    op.add_request(parent)
+    hello = tok.encode(" hello")[0]
+    lp = SampleLogprobs(-0.25, 1, [hello, hello + 1], [-0.25, -2.0])
+    for i in range(3):
+        ros, _ = op.process_outputs([EngineCoreOutput(f"{i}_p", [hello], [lp],
+                                                      finish_reason="length" if i < 2 else None)])
+        assert ros == []  # FINAL_ONLY: nothing until every child finished
+    ros, _ = op.process_outputs([EngineCoreOutput("2_p", [hello], [lp], finish_reason="length")])
+    (ro,) = ros
+    assert ro.finished and [o.index for o in ro.outputs] == [0, 1, 2]
+    assert ro.outputs[2].text == " hello hello" and ro.outputs[0].text == " hello"
+    entry = ro.outputs[2].logprobs[0]
+    assert set(entry) == {hello} and entry[hello].decoded_token == " hello" and entry[hello].rank == 1
+    assert ro.outputs[2].cumulative_logprob == pytest.approx(-0.5)
+
+
+def test_abort_gives_final_output_next_step(tok):
+    op = OutputProcessor(tok)
+    op.add_request(ParentRequest("a", None, [1], SamplingParams(output_kind=DELTA), tok, 0.0))
+    op.process_outputs([EngineCoreOutput("a", tok.encode(" partial"))])
+    assert op.abort(["a", "unknown"]) == ["a"]
+    ros, _ = op.process_outputs([])
+    assert len(ros) == 1 and ros[0].finished and ros[0].outputs[0].finish_reason == "abort"
+    assert not op.has_unfinished()
