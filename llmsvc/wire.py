@@ -70,7 +70,7 @@ class SampleLogprobs:
     """Logprobs of one sampled token. `top_*` are sorted by logprob, descending."""
 
     logprob: float
-    rank: int  # 1-based rank of the sampled token in the (processed) distribution
+    rank: int  # 1-based rank of the sampled token in the distribution the logprobs come from (raw by default)
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
 

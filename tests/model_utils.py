@@ -1,7 +1,7 @@
 """Reusable helpers for tests that need a model: tiny random HF checkpoints, a paged-cache
-runner over our model, and the converted default model (session fixture).
+runner over our model, and the converted default model.
 
-    from tests.model_utils import make_tiny_model_dir, PagedRunner, default_model_dir
+    from model_utils import make_tiny_model_dir, PagedRunner   (or tests.model_utils)
 """
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import math
 import os
 import random
 
-import pytest
 import torch
 
 from llmsvc.models.layers.attention import AttentionMetadata
@@ -65,7 +64,7 @@ def load_hf_model(model_dir: str, dtype=torch.float32):
 
 def load_our_model(model_dir: str, dtype: str = "float32", max_model_len: int | None = None):
     from llmsvc.config import ModelConfig
-    from llmsvc.models.loader import build_model
+    from llmsvc.models.llama import build_model
     from llmsvc.models.resolve import resolve_model_config
     mc = resolve_model_config(ModelConfig(model=model_dir, dtype=dtype, max_model_len=max_model_len))
     return build_model(mc, "cpu")
@@ -80,7 +79,7 @@ class PagedRunner:
 
     def __init__(self, model, num_blocks: int = 64, block_size: int = 16, seed: int = 0):
         cfg = model.config
-        num_layers, num_kv_heads, head_dim = kv_cache_spec(cfg, 1)
+        num_layers, num_kv_heads, head_dim = kv_cache_spec(cfg)  # this TP rank's heads
         dtype = next(model.parameters()).dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
@@ -142,14 +141,8 @@ class PagedRunner:
         return out
 
 
-def default_model_dir() -> str:
-    """The converted default model (converted once into $LLMSVC_CACHE, default ~/.cache/llmsvc)."""
+def converted_default_model_dir() -> str:
+    """The converted default model (converted once into $LLMSVC_CACHE, default ~/.cache/llmsvc).
+    Tests use the session fixture `default_model_dir` from conftest.py, which calls the same."""
     from llmsvc.models.resolve import resolve_model_dir
     return resolve_model_dir(None)
-
-
-@pytest.fixture(scope="session")
-def converted_default_model() -> str:
-    """Session fixture: directory of the converted default SmolLM2 GGUF. Import it into a
-    test module (`from tests.model_utils import converted_default_model`) to use it."""
-    return default_model_dir()

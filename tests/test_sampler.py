@@ -3,8 +3,10 @@ penalties / bias / min_tokens give vLLM's exact values, logprobs match log_softm
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,7 +208,10 @@ def test_seed_reproduces_in_another_process():
     here = [Sampler()(torch.linspace(-3, 3, 32).unsqueeze(0),
                       build([SamplingParams(temperature=3.0, seed=77)], prompts=[[1]],
                             outputs=[[0] * k])).sampled_token_ids.item() for k in range(10)]
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=root, env=env)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == str(here)
 
@@ -362,3 +367,12 @@ def test_top_p_mask_matches_full_sort_reference_with_deep_cuts():
         assert torch.equal(got[r][torch.isfinite(got[r])], logits[r][torch.isfinite(got[r])])
     kept = [int(torch.isfinite(got[r]).sum()) for r in range(5)]
     assert 1024 < kept[0] <= 8192 and kept[1] > 8192 and max(kept[2:]) <= 1024, kept
+
+
+def test_empty_batch_and_top_k_beyond_vocab():
+    out = Sampler()(torch.zeros(0, V), build([]))
+    assert out.sampled_token_ids.shape == (0,) and out.logprobs == []
+    md = build([SamplingParams(top_k=V), SamplingParams(top_k=V + 5), SamplingParams(top_k=-1)])
+    assert md.top_k_rows is None  # k >= V keeps everything: no top-k pass
+    s = draw(torch.zeros(V), SamplingParams(top_k=V + 5), 2000)
+    assert len(set(s.tolist())) > V // 2

@@ -258,3 +258,24 @@ def test_prompt_that_can_never_fit_the_pool_is_rejected():
     core.add_request(req("ok", list(range(15)), max_tokens=None))
     res = run(core)
     assert res["ok"]["finish"] == "context" and res["ok"]["tokens"] == reference_tokens(list(range(15)), 1)
+
+
+def test_priority_preemption_victim_is_lowest_priority():
+    cfg = make_config(num_blocks=6, block_size=4, max_num_batched_tokens=64, policy="priority")
+    ex = FakeExecutor(cfg, num_blocks=6)
+    core = EngineCore(cfg, ex)
+    core.add_request(req("unimportant", list(range(8)), max_tokens=12, priority=3, arrival=1.0))
+    core.add_request(req("urgent", list(range(50, 58)), max_tokens=12, priority=-3, arrival=2.0))
+    preempted = []
+    orig = core.scheduler._preempt
+    core.scheduler._preempt = lambda r: preempted.append(r.request_id) or orig(r)
+    res = run(core)
+    assert preempted and set(preempted) == {"unimportant"}
+    assert res["unimportant"]["tokens"] == reference_tokens(list(range(8)), 12)
+
+
+def test_context_finish_at_max_model_len():
+    core, _ = make_core(num_blocks=1000, max_model_len=40)
+    core.add_request(req("c", list(range(30)), max_tokens=None))
+    res = run(core)
+    assert res["c"]["finish"] == "context" and len(res["c"]["tokens"]) == 10

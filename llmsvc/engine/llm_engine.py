@@ -136,6 +136,10 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash; only possible while no request holds blocks."""
+        return self.core.kv_cache_manager.pool.reset_prefix_cache()
+
     def get_stats(self) -> EngineStats:
         return self.core.stats
 

@@ -1,0 +1,9 @@
+"""Model code and weight loading (layer: models; imports only kernels and llmsvc's shared modules).
+
+Torch-free to import: the engine imports `llmsvc.models.resolve`, which needs no torch.
+  resolve.py   default_model_path, resolve_model_dir (GGUF -> cached HF dir), resolve_model_config
+  llama.py     LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM, build_model,
+               get_model_class, kv_cache_spec
+  parallel.py  tensor-parallel rank / world size and collectives
+  layers/      parallel linears, vocab-parallel embedding, RoPE, paged attention, RMSNorm
+"""

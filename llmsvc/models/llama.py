@@ -15,12 +15,14 @@ import os
 import torch
 import torch.nn as nn
 
+from llmsvc.config import ModelConfig
 from llmsvc.models.layers.activation import SiluAndMul
 from llmsvc.models.layers.attention import Attention, AttentionMetadata
 from llmsvc.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from llmsvc.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from llmsvc.models.layers.norm import RMSNorm
 from llmsvc.models.layers.rotary import get_rope
+from llmsvc.models.loader_names import SUPPORTED_ARCHITECTURES
 from llmsvc.models.parallel import get_tp_world_size
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): [num_blocks, block_size, Hkv_rank, D]
@@ -195,3 +197,47 @@ def kv_cache_spec(hf_config, tp_size: int | None = None) -> tuple[int, int, int]
     if total_kv % tp and tp % total_kv:
         raise ValueError(f"{total_kv} KV heads do not split or replicate over tp={tp}")
     return hf_config.num_hidden_layers, max(1, total_kv // tp), head_dim_of(hf_config)
+
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+}
+assert tuple(_MODELS) == SUPPORTED_ARCHITECTURES
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return _MODELS[architecture]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(_MODELS)}") from None
+
+
+def to_torch_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16") from None
+
+
+@torch.no_grad()
+def build_model(model_config: ModelConfig, device: str | torch.device = "cpu", dtype=None) -> nn.Module:
+    """Build the model for `model_config` on `device` and load this TP rank's weights.
+
+    model_config is resolved first if it is not yet (no hf_config). dtype (str or
+    torch.dtype) defaults to model_config.dtype. A TP process group, if any, must be
+    initialised before: the layers read rank and world size at construction."""
+    if model_config.hf_config is None or model_config.model_dir is None:
+        from llmsvc.models.resolve import resolve_model_config
+        model_config = resolve_model_config(model_config)
+    torch_dtype = to_torch_dtype(dtype or model_config.dtype)
+    cls = get_model_class(model_config.architecture)
+    with torch.device(device):
+        model = cls(model_config.hf_config, torch_dtype, model_config.max_model_len)
+    model.load_weights(model_config.model_dir)
+    return model.eval()

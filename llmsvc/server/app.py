@@ -3,7 +3,9 @@
 Lifecycle: start() binds the port and serves health ("" SERVING, LlmService NOT_SERVING) and
 reflection at once; load() builds the engine in a worker thread, warms it up, then flips
 LlmService to SERVING. shutdown(grace): NOT_SERVING -> new Generate UNAVAILABLE -> in-flight
-requests get `grace` seconds -> the rest are aborted -> the server stops.
+requests get `grace` seconds -> the rest are aborted -> the server stops (metrics endpoint last).
+Options: TLS/mTLS (`tls`), bearer-token auth (`auth_tokens`; health and reflection stay open),
+Prometheus metrics on their own HTTP port (`metrics_port`: None = off, 0 = any free port).
 """
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ import grpc
 
 from llmsvc.engine.async_engine import AsyncEngine
 from llmsvc.sampling_params import SamplingParams
+from llmsvc.server.auth import BearerTokenInterceptor
 from llmsvc.server.health import Health, add_reflection
+from llmsvc.server.metrics import EngineSnapshot, MetricsHttpServer, ServerMetrics
 from llmsvc.server.servicer import LlmService, ServerState
+from llmsvc.server.tls import TlsConfig
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("llmsvc.server")
@@ -39,7 +44,9 @@ def default_engine_factory(config) -> Callable[[], object]:
 class LlmServer:
     def __init__(self, engine_factory: Callable[[], object], *, host: str = "127.0.0.1", port: int = 0,
                  max_backlog_bytes: int = 4 << 20, max_backlog_age_s: float = 60.0,
-                 max_waiting_requests: int | None = None, warmup: bool = True) -> None:
+                 max_waiting_requests: int | None = None, warmup: bool = True,
+                 tls: TlsConfig | None = None, auth_tokens: list[str] | None = None,
+                 metrics_port: int | None = None, metrics_host: str | None = None) -> None:
         self.engine_factory = engine_factory
         self.host, self.port = host, port
         self.backlog = dict(max_backlog_bytes=max_backlog_bytes, max_backlog_age_s=max_backlog_age_s)
@@ -48,7 +55,14 @@ class LlmServer:
         self.shutdown_grace = 30.0  # seconds in-flight requests get when serve() is stopped
         self.state = ServerState()
         self.health = Health()
+        self.tls = tls
+        self.auth = BearerTokenInterceptor(auth_tokens) if auth_tokens else None
+        self.metrics = ServerMetrics()
+        self.metrics.add_engine_collector(self._engine_snapshot)
+        self.metrics_http = (MetricsHttpServer(self.metrics.registry, metrics_host or host, metrics_port)
+                             if metrics_port is not None else None)
         self.servicer = LlmService(self.state)
+        self.servicer.metrics = self.metrics
         self.server: grpc.aio.Server | None = None
         self.async_engine: AsyncEngine | None = None
         self.engine_died = False
@@ -59,19 +73,37 @@ class LlmServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_http.port if self.metrics_http is not None else None
+
+    def _engine_snapshot(self) -> EngineSnapshot:
+        """Called on the metrics HTTP thread: plain attribute reads only."""
+        ae = self.async_engine
+        return EngineSnapshot(ae.get_stats() if ae is not None else None, self.state.ready, self.state.draining,
+                              ae.is_healthy if ae is not None else False)
+
     async def start(self) -> int:
         """Bind and serve health + reflection (+ LlmService answering UNAVAILABLE). Returns the port."""
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        interceptors = [self.metrics.interceptor()] + ([self.auth] if self.auth is not None else [])
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         pb_grpc.add_LlmServiceServicer_to_server(self.servicer, self.server)
         self.health.add_to_server(self.server)
         add_reflection(self.server)
         host = f"[{self.host}]" if ":" in self.host else self.host
-        self.port = self.server.add_insecure_port(f"{host}:{self.port}")
+        if self.tls is not None:
+            self.port = self.server.add_secure_port(f"{host}:{self.port}", self.tls.server_credentials())
+        else:
+            self.port = self.server.add_insecure_port(f"{host}:{self.port}")
         if not self.port:
             raise RuntimeError(f"could not bind {self.host}")
         await self.server.start()
         await self.health.starting()
-        logger.info("listening on %s", self.address)
+        if self.metrics_http is not None:
+            self.metrics_http.start()
+            logger.info("metrics on http://%s:%d/metrics", self.metrics_http.host, self.metrics_http.port)
+        mode = "mTLS" if self.tls and self.tls.mutual else "TLS" if self.tls else "plaintext"
+        logger.info("listening on %s (%s%s)", self.address, mode, ", bearer-token auth" if self.auth else "")
         return self.port
 
     async def load(self) -> None:
@@ -136,4 +168,6 @@ class LlmServer:
             self._watch.cancel()
         if self.server is not None:
             await self.server.stop(1.0)
+        if self.metrics_http is not None:
+            self.metrics_http.stop()
         logger.info("stopped")

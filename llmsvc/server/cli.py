@@ -3,6 +3,8 @@
 Logs "listening on HOST:PORT" once bound and "ready" once the model is loaded and warmed up.
 SIGTERM/SIGINT drain gracefully (NOT_SERVING, new requests UNAVAILABLE, in-flight requests
 get --shutdown-grace seconds). Exit code 1 when the engine died, so an orchestrator restarts it.
+Operations: --metrics-port (Prometheus /metrics), --tls-cert/--tls-key[/--tls-client-ca],
+--auth-token-file and/or LLMSVC_AUTH_TOKENS (bearer tokens), --log-format text|json.
 """
 from __future__ import annotations
 
@@ -41,8 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if type_ is bool:
             p.add_argument(flag, action="store_true", default=_env(name, False, bool), help=f"{kw.pop('help')} [{env}]")
         else:
+            shown = f" (default: {default})" if default is not None else ""
             p.add_argument(flag, type=type_, default=_env(name, default, type_),
-                           help=f"{kw.pop('help')} (default: {default}) [{env}]", **kw)
+                           help=f"{kw.pop('help')}{shown} [{env}]", **kw)
 
     p.add_argument("model", nargs="?", default=_env("model", None),
                    help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct GGUF) [LLMSVC_MODEL]")
@@ -61,6 +64,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--device", str, "auto", choices=["auto", "cpu", "cuda"], help="device")
     opt("--shutdown-grace", float, 30.0, help="seconds in-flight requests get on SIGTERM")
     opt("--log-level", str, "INFO", help="logging level")
+    opt("--log-format", str, "text", choices=["text", "json"], help="log lines as text or one JSON object each")
+    opt("--metrics-port", int, 0, help="Prometheus /metrics HTTP port (0 = off)")
+    opt("--metrics-host", str, None, help="address for the metrics port (default: --host)")
+    opt("--tls-cert", str, None, help="PEM server certificate (chain); with --tls-key enables TLS")
+    opt("--tls-key", str, None, help="PEM private key of --tls-cert")
+    opt("--tls-client-ca", str, None, help="PEM CA bundle; clients must present a certificate it signed (mTLS)")
+    opt("--auth-token-file", str, None,
+        help="file of accepted bearer tokens, one per line; tokens may also come comma-separated from "
+             "LLMSVC_AUTH_TOKENS. Health and reflection need no token")
 
 
 def build_config(args):
@@ -77,11 +89,26 @@ def build_config(args):
         device=args.device)
 
 
-async def serve(args) -> int:
+def security_options(args) -> dict:
+    """TLS and auth keyword arguments of LlmServer from the flags and LLMSVC_AUTH_TOKENS (ValueError if bad)."""
+    from llmsvc.server.auth import TOKENS_ENV, load_tokens
+    from llmsvc.server.tls import TlsConfig
+    tls = TlsConfig.from_args(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
+                              getattr(args, "tls_client_ca", None))
+    if tls is not None:
+        tls.server_credentials()  # fail at startup on unreadable files
+    tokens = load_tokens(getattr(args, "auth_token_file", None), os.environ.get(TOKENS_ENV))
+    return dict(tls=tls, auth_tokens=tokens or None)
+
+
+async def serve(args, security: dict | None = None) -> int:
     from llmsvc.server.app import LlmServer, default_engine_factory
     config = build_config(args)
+    security = security_options(args) if security is None else security
+    metrics_port = getattr(args, "metrics_port", 0) or None
     server = LlmServer(default_engine_factory(config), host=args.host, port=args.port,
-                       max_waiting_requests=args.max_waiting_requests)
+                       max_waiting_requests=args.max_waiting_requests, metrics_port=metrics_port,
+                       metrics_host=getattr(args, "metrics_host", None), **security)
     server.shutdown_grace = args.shutdown_grace
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -94,10 +121,15 @@ async def serve(args) -> int:
 
 
 def main(args) -> int:
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from llmsvc.server.logging_setup import setup_logging
+    setup_logging(args.log_level, getattr(args, "log_format", "text"))
     try:
-        return asyncio.run(serve(args))
+        security = security_options(args)
+    except (ValueError, OSError) as e:  # TLS files, token file: no traceback
+        logging.getLogger("llmsvc.server").error("bad configuration: %s", e)
+        return 2
+    try:
+        return asyncio.run(serve(args, security))
     except Exception:
         logging.getLogger("llmsvc.server").exception("server failed")
         return 1

@@ -100,8 +100,7 @@ class ResponseBuilder:
                     pl.logprob = entries[tid].logprob
                     if k > 0:
                         pl.top_logprobs.extend(_top(entries, k, self.token_text))
-                out_pl = pl
-                info.logprobs.append(out_pl)
+                info.logprobs.append(pl)
         return info
 
     def finish_info(self, out: RequestOutput, comp: CompletionOutput) -> pb.FinishInfo:

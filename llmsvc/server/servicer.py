@@ -3,6 +3,8 @@
 Generate: id (body | x-request-id | uuid4) -> validation -> initial metadata (x-request-id, before
 prefill) -> AsyncEngine.generate -> messages. Cancel, disconnect and deadline expiry raise
 CancelledError here, which closes the engine generator and aborts the request.
+The request id is put in `request_id_var` so every log line of the call carries it; each
+output feeds the per-request Prometheus series (`metrics`, a ServerMetrics, when set).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import grpc
 
 from llmsvc.engine.output_stream import merge_delta
 from llmsvc.server import errors
+from llmsvc.server.logging_setup import request_id_var
 from llmsvc.server.prompt import encode, has_chat_template, render_chat
 from llmsvc.server.prompt import resolve_prompt
 from llmsvc.server.responses import ResponseBuilder
@@ -53,6 +56,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
     def __init__(self, state: ServerState | None = None) -> None:
         self.state = state or ServerState()
         self.engine = self.tokenizer = self.config = self.limits = None
+        self.metrics = None  # llmsvc.server.metrics.ServerMetrics: per-request series
 
     def attach(self, async_engine, tokenizer, config) -> None:
         """Serve from this (started, warmed-up) engine; `config` is the resolved EngineConfig."""
@@ -84,6 +88,8 @@ class LlmService(pb_grpc.LlmServiceServicer):
 
     async def Generate(self, request, context):
         rid = self._request_id(request, context)
+        request_id_var.set(rid)  # this RPC's task only
+        tracker = None
         try:
             self._check_serving()
             check_request_id(rid)
@@ -99,16 +105,21 @@ class LlmService(pb_grpc.LlmServiceServicer):
             logger.debug("request %s admitted: %d prompt tokens, traceparent=%s", rid, len(ids),
                          dict(context.invocation_metadata() or ()).get("traceparent"))
             gen = self.engine.generate(rid, ids, params, prompt=prompt, priority=request.priority)
+            tracker = self.metrics.track(params.n) if self.metrics is not None else None
             try:
                 if request.stream:
                     async for out in gen:
                         self._raise_if_failed(out)
+                        if tracker is not None:
+                            tracker.observe(out)
                         for msg in builder.stream_messages(out):
                             yield msg
                 else:
                     final = None
                     async for out in gen:
                         self._raise_if_failed(out)
+                        if tracker is not None:
+                            tracker.observe(out)
                         if final is None:
                             final = out
                         else:
@@ -117,10 +128,18 @@ class LlmService(pb_grpc.LlmServiceServicer):
                         yield builder.message(final, comp)
             finally:
                 await gen.aclose()
-        except asyncio.CancelledError:
+            if tracker is not None:
+                logger.info("request %s finished: %s; %d prompt tokens, %d generated", rid,
+                            ",".join(tracker.reasons[i] for i in sorted(tracker.reasons)) or "-", len(ids),
+                            tracker.num_generated)
+        except (asyncio.CancelledError, GeneratorExit):
+            if tracker is not None:
+                tracker.cancelled()
             logger.info("request %s cancelled by the client or its deadline", rid)
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes a status
+            if tracker is not None:
+                tracker.cancelled()
             if isinstance(e, grpc.aio.AbortError) or type(e).__name__ == "AbortError":
                 raise
             await errors.abort(context, e, rid)

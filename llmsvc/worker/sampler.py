@@ -61,10 +61,30 @@ class Sampler:
         if want_lp and raw:
             raw_lp = torch.log_softmax(_take(logits, lp_rows).float(), dim=-1)
 
-        # [S, V] float32, contiguous, ours to modify in place
-        logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)
-        apply_logits_processors(logits, md)
+        if md.all_greedy and md.penalties is None and md.bias_rows is None \
+                and md.mask_rows is None:  # plain greedy: nothing to process
+            sampled = logits.argmax(dim=-1)
+            processed = logits
+        else:
+            # [S, V] float32, contiguous, ours to modify in place
+            processed = torch.empty(logits.shape, dtype=torch.float32,
+                                    device=logits.device).copy_(logits)
+            sampled = self._sample(processed, md)
 
+        logprobs: list[SampleLogprobs | None] = [None] * md.num_rows
+        if want_lp:
+            lp = raw_lp if raw else torch.log_softmax(_take(processed, lp_rows).float(), dim=-1)
+            entries = gather_logprobs(lp, sampled.index_select(0, lp_rows),
+                                      md.max_num_logprobs,
+                                      [md.num_logprobs[i] for i in lp_rows.tolist()])
+            for i, e in zip(lp_rows.tolist(), entries):
+                logprobs[i] = e
+        return SamplerOutput(sampled_token_ids=sampled.to(torch.int64), logprobs=logprobs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """logits [S, V] float32 contiguous, modified in place into the sampled distribution."""
+        apply_logits_processors(logits, md)
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
@@ -77,16 +97,7 @@ class Sampler:
             sampled = exponential_race(logits, md)
             if greedy is not None:
                 sampled = torch.where(md.greedy_mask, greedy, sampled)
-
-        logprobs: list[SampleLogprobs | None] = [None] * md.num_rows
-        if want_lp:
-            lp = raw_lp if raw else torch.log_softmax(_take(logits, lp_rows), dim=-1)
-            entries = gather_logprobs(lp, sampled.index_select(0, lp_rows),
-                                      md.max_num_logprobs,
-                                      [md.num_logprobs[i] for i in lp_rows.tolist()])
-            for i, e in zip(lp_rows.tolist(), entries):
-                logprobs[i] = e
-        return SamplerOutput(sampled_token_ids=sampled.to(torch.int64), logprobs=logprobs)
+        return sampled
 
 
 def _logprob_rows(md: SamplingMetadata) -> torch.Tensor:
@@ -165,9 +176,8 @@ def apply_top_p(logits: torch.Tensor, md: SamplingMetadata) -> None:
     thresh = torch.empty_like(p)  # [Sp, 1]
     todo = None  # rows still undecided (None: all)
     # rows that also set top_k have at most ~top_k survivors: try those first
-    tiers = ((md.top_p_max_k,) if md.top_p_max_k else ()) + _TOP_P_CANDIDATES + (V,)
+    tiers = sorted({min(c, V) for c in (md.top_p_max_k or V, *_TOP_P_CANDIDATES, V)})
     for c in tiers:
-        c = min(c, V)
         rows_p = probs if todo is None else probs.index_select(0, todo)
         cand = rows_p.topk(c, dim=-1).values  # [Sx, c], descending
         cut, covered = _top_p_cut(cand, p if todo is None else p.index_select(0, todo))
@@ -197,7 +207,8 @@ def _top_p_cut(desc: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch
 def exponential_race(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """argmax(softmax(logits) / E), E ~ Exp(1) i.i.d.: a draw from softmax(logits). [S]
 
-    E = -log(U), U ~ Uniform[0, 1): several times faster on CPU than exponential_().
+    E = -log(max(U, tiny)), U ~ Uniform[0, 1): several times faster on CPU than
+    exponential_(), and E is finite and > 0, so a zero-probability token never wins.
     """
     probs = logits.softmax(dim=-1)  # [S, V]
     noise = torch.empty_like(probs)
@@ -205,7 +216,8 @@ def exponential_race(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
         noise.uniform_(generator=md.generator)
     for row, gen in md.generators.items():
         noise[row].uniform_(generator=gen)
-    return probs.div_(noise.log_().neg_()).argmax(dim=-1)
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
+    return probs.div_(noise).argmax(dim=-1)
 
 
 def gather_logprobs(lp: torch.Tensor, token_ids: torch.Tensor, max_k: int,

@@ -113,6 +113,11 @@ class SamplingMetadata:
         p_mask = [not greedy[i] and params[i].top_p < 1.0 for i in range(S)]
         m_mask = [not greedy[i] and params[i].min_p > 0.0 for i in range(S)]
         top_k_rows, top_p_rows, min_p_rows = (_rows(m, device) for m in (k_mask, p_mask, m_mask))
+        top_ks = [params[i].top_k for i in range(S) if k_mask[i]]
+        top_ps = [params[i].top_p for i in range(S) if p_mask[i]]
+        min_ps = [params[i].min_p for i in range(S) if m_mask[i]]
+        p_rows_all_k = all(k_mask[i] for i in range(S) if p_mask[i])
+        top_p_max_k = max((params[i].top_k for i in range(S) if p_mask[i]), default=0)
 
         penalties = SparsePenalties.build(params, prompt_token_ids, output_token_ids, V, device)
 
@@ -120,7 +125,9 @@ class SamplingMetadata:
         for i, p in enumerate(params):
             for tok, val in (p.logit_bias or {}).items():
                 if 0 <= tok < V and val != 0.0:
-                    b_rows.append(i); b_toks.append(tok); b_vals.append(float(val))
+                    b_rows.append(i)
+                    b_toks.append(tok)
+                    b_vals.append(float(val))
 
         m_rows, m_toks = [], []
         for i, p in enumerate(params):
@@ -128,7 +135,8 @@ class SamplingMetadata:
                 banned = set(t for t in p.stop_token_ids if t < V)
                 if not p.ignore_eos:
                     banned.update(eos)
-                m_toks.extend(sorted(banned)); m_rows.extend([i] * len(banned))
+                m_toks.extend(sorted(banned))
+                m_rows.extend([i] * len(banned))
 
         gens: dict[int, torch.Generator] = {}
         for i in random_rows:
@@ -143,6 +151,9 @@ class SamplingMetadata:
         def lt(xs):  # list -> long tensor, None when empty
             return torch.tensor(xs, dtype=torch.long, device=device) if xs else None
 
+        def ft(xs):  # list -> float32 tensor, None when empty
+            return torch.tensor(xs, **f32) if xs else None
+
         return cls(
             num_rows=S, vocab_size=V,
             temperature=torch.tensor(temps, **f32),
@@ -151,20 +162,13 @@ class SamplingMetadata:
             all_greedy=all_greedy, all_random=all_random,
             no_temperature=all(temps[i] == 1.0 for i in random_rows),
             top_k_rows=top_k_rows,
-            top_k=lt([params[i].top_k for i in range(S) if k_mask[i]]),
-            max_top_k=max((params[i].top_k for i in range(S) if k_mask[i]), default=0),
-            top_p_rows=top_p_rows,
-            top_p_max_k=(max(params[i].top_k for i in range(S) if p_mask[i])
-                         if top_p_rows is not None and all(k_mask[i] for i in range(S) if p_mask[i])
-                         else 0),
-            top_p=(torch.tensor([params[i].top_p for i in range(S) if p_mask[i]], **f32)
-                   if top_p_rows is not None else None),
-            min_p_rows=min_p_rows,
-            min_p=(torch.tensor([params[i].min_p for i in range(S) if m_mask[i]], **f32)
-                   if min_p_rows is not None else None),
+            top_k=lt(top_ks), max_top_k=max(top_ks, default=0),
+            top_p_rows=top_p_rows, top_p=ft(top_ps),
+            top_p_max_k=top_p_max_k if p_rows_all_k else 0,
+            min_p_rows=min_p_rows, min_p=ft(min_ps),
             penalties=penalties,
             bias_rows=lt(b_rows), bias_tokens=lt(b_toks),
-            bias_values=torch.tensor(b_vals, **f32) if b_vals else None,
+            bias_values=ft(b_vals),
             mask_rows=lt(m_rows), mask_tokens=lt(m_toks),
             generators=gens, generator=generator,
             num_logprobs=num_logprobs, max_num_logprobs=max(asked) if asked else None,

@@ -59,7 +59,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                  meta.seq_lens, self.scale)
+                                  meta.seq_lens, self.scale, max_query_len=meta.max_query_len,
+                                  max_seq_len=meta.max_seq_len)
         return out.reshape(t, -1)
 
     def _no_cache(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:

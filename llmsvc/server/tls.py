@@ -1,0 +1,50 @@
+"""Optional TLS for the gRPC port: server cert + key; mTLS when a client CA is given.
+
+`--tls-cert`/`--tls-key` (PEM) turn TLS on; both or neither. `--tls-client-ca` (PEM bundle)
+additionally requires every client to present a certificate signed by that CA (mTLS).
+Files are read once at startup; a missing or unreadable file is a startup error.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import grpc
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None  # set: mTLS (client certificates required)
+
+    @classmethod
+    def from_args(cls, cert: str | None, key: str | None, client_ca: str | None = None) -> "TlsConfig | None":
+        """None when TLS is off; ValueError on a half-given configuration."""
+        if not cert and not key:
+            if client_ca:
+                raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+            return None
+        if not (cert and key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        return cls(cert, key, client_ca or None)
+
+    @property
+    def mutual(self) -> bool:
+        return self.client_ca_file is not None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        key, cert = _read(self.key_file, "--tls-key"), _read(self.cert_file, "--tls-cert")
+        ca = _read(self.client_ca_file, "--tls-client-ca") if self.client_ca_file else None
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def _read(path: str, flag: str) -> bytes:
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {path!r}: {e.strerror}") from None
+    if b"-----BEGIN" not in data:
+        raise ValueError(f"{flag}: {path!r} is not a PEM file")
+    return data

@@ -1,0 +1,96 @@
+"""Structured logs: text/json formats, request ids from the ContextVar in the request path."""
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+
+from llmsvc.server.logging_setup import JsonFormatter, make_handler, request_id_var, setup_logging
+from llmsvc.v1 import llmsvc_pb2 as pb
+from tests.server_harness import ServerThread, fake_engine_factory
+
+
+@pytest.fixture()
+def restore_root():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    for h in handlers:
+        root.addHandler(h)
+    root.setLevel(level)
+
+
+def test_json_lines_carry_request_id_and_extra(restore_root):
+    buf = io.StringIO()
+    setup_logging("DEBUG", "json", stream=buf)
+    log = logging.getLogger("llmsvc.test")
+    log.info("plain %d", 1)
+    token = request_id_var.set("req-42")
+    try:
+        log.warning("in a request", extra={"prompt_tokens": 7, "obj": object()})
+    finally:
+        request_id_var.reset(token)
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        log.exception("failed")
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 3
+    a, b, c = (json.loads(x) for x in lines)
+    assert a["msg"] == "plain 1" and a["level"] == "INFO" and a["logger"] == "llmsvc.test" and "request_id" not in a
+    assert a["ts"].endswith("Z") and "T" in a["ts"]
+    assert b["request_id"] == "req-42" and b["prompt_tokens"] == 7 and b["obj"].startswith("<object")
+    assert c["level"] == "ERROR" and "RuntimeError: boom" in c["exc"]
+
+
+def test_text_format_tags_request_id(restore_root):
+    buf = io.StringIO()
+    setup_logging("INFO", "text", stream=buf)
+    log = logging.getLogger("llmsvc.test")
+    log.debug("hidden")
+    log.info("no id")
+    token = request_id_var.set("abc")
+    log.info("with id")
+    request_id_var.reset(token)
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 2 and "[req=" not in lines[0] and "llmsvc.test [req=abc]: with id" in lines[1]
+    with pytest.raises(ValueError):
+        make_handler("xml")
+
+
+def test_request_path_log_lines_have_the_request_id():
+    buf = io.StringIO()
+    handler = make_handler("json", buf)
+    server_log = logging.getLogger("llmsvc.server")
+    old = server_log.level
+    server_log.addHandler(handler)
+    server_log.setLevel(logging.DEBUG)
+    s = ServerThread(fake_engine_factory())
+    try:
+        list(s.stub.Generate(pb.GenerateRequest(text="hi", request_id="log-me-1",
+                                                stopping=pb.StoppingCriteria(max_tokens=2))))
+        list(s.stub.Generate(pb.GenerateRequest(text="hi", stopping=pb.StoppingCriteria(max_tokens=2)),
+                             metadata=(("x-request-id", "from-metadata"),)))
+    finally:
+        s.stop()
+        server_log.removeHandler(handler)
+        server_log.setLevel(old)
+    records = [json.loads(x) for x in buf.getvalue().splitlines()]
+    mine = [r for r in records if r.get("request_id") == "log-me-1"]
+    assert any("admitted" in r["msg"] for r in mine) and any("finished: length" in r["msg"] for r in mine)
+    assert any(r.get("request_id") == "from-metadata" and "finished" in r["msg"] for r in records)
+    lifecycle = [r for r in records if "listening on" in r["msg"] or "draining" in r["msg"]]
+    assert lifecycle and all("request_id" not in r for r in lifecycle)  # not inside a request
+
+
+def test_json_formatter_without_filter_reads_contextvar():
+    rec = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
+    token = request_id_var.set("ctx")
+    try:
+        assert json.loads(JsonFormatter().format(rec))["request_id"] == "ctx"
+    finally:
+        request_id_var.reset(token)

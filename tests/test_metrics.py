@@ -1,0 +1,210 @@
+"""Prometheus /metrics of a live server (real LLMEngine over the fake executor): the listed series
+exist, and their values move with requests, cancels, errors, preemption and prefix-cache hits."""
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmsvc.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmsvc.server.metrics import ServerMetrics
+from llmsvc.v1 import llmsvc_pb2 as pb
+from tests.server_harness import ServerThread, fake_engine_factory
+
+GEN = ("llmsvc.v1.LlmService", "Generate")
+
+HISTOGRAMS = ["llmsvc_time_to_first_token_seconds", "llmsvc_time_per_output_token_seconds",
+              "llmsvc_e2e_request_latency_seconds", "llmsvc_request_queue_time_seconds",
+              "llmsvc_request_prompt_tokens", "llmsvc_request_generation_tokens"]
+GAUGES = ["llmsvc_num_requests_running", "llmsvc_num_requests_waiting", "llmsvc_kv_cache_usage_perc",
+          "llmsvc_prefix_cache_hit_rate", "llmsvc_num_kv_blocks", "llmsvc_num_free_kv_blocks",
+          "llmsvc_server_ready", "llmsvc_server_draining", "llmsvc_engine_healthy"]
+COUNTERS = ["llmsvc_prompt_tokens_total", "llmsvc_generation_tokens_total", "llmsvc_num_preemptions_total"]
+
+
+def scrape(port: int) -> dict:
+    """{(sample name, frozenset(labels)): value} from GET /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        assert r.status == 200
+        text = r.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def val(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def grpc_count(samples: dict, code: str, service_method=GEN) -> float:
+    return val(samples, "llmsvc_grpc_requests_total", service=service_method[0], method=service_method[1],
+               code=code)
+
+
+def wait_for(port: int, pred, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = scrape(port)
+        if pred(s):
+            return s
+        assert time.monotonic() < deadline, "metrics never reached the expected values"
+        time.sleep(0.02)
+
+
+def gen(text: str, max_tokens: int, stream: bool = True, **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=text, stream=stream, stopping=pb.StoppingCriteria(max_tokens=max_tokens), **kw)
+
+
+@pytest.fixture()
+def srv():
+    s = ServerThread(fake_engine_factory(step_delay=0.002), metrics_port=0)
+    yield s
+    s.stop()
+
+
+def test_endpoint_exposes_every_series(srv):
+    samples = scrape(srv.server.metrics_port)
+    names = {n for n, _ in samples}
+    for h in HISTOGRAMS:
+        assert {h + "_bucket", h + "_count", h + "_sum"} <= names, h
+    for n in GAUGES + COUNTERS:
+        assert n in names, n
+    assert val(samples, "llmsvc_server_ready") == 1 and val(samples, "llmsvc_engine_healthy") == 1
+    assert val(samples, "llmsvc_num_kv_blocks") == 64 and val(samples, "llmsvc_num_free_kv_blocks") == 64
+    list(srv.stub.Generate(gen("x", 1)))
+    names = {n for n, _ in scrape(srv.server.metrics_port)}
+    assert {"llmsvc_request_success_total", "llmsvc_grpc_requests_total"} <= names
+
+
+def test_values_move_after_requests(srv):
+    port = srv.server.metrics_port
+    prompt = "metrics move when requests finish"
+    n_prompt = len(srv.stub.Tokenize(pb.TokenizeRequest(text=prompt)).token_ids)
+    before = scrape(port)
+    msgs = list(srv.stub.Generate(gen(prompt, 7)))
+    assert msgs[-1].finish.reason == pb.FinishInfo.REASON_LENGTH
+    after = wait_for(port, lambda s: grpc_count(s, "OK") > grpc_count(before, "OK"))
+
+    def delta(name, **labels):
+        return val(after, name, **labels) - val(before, name, **labels)
+    assert delta("llmsvc_request_success_total", finish_reason="length") == 1
+    assert grpc_count(after, "OK") - grpc_count(before, "OK") == 1
+    for h in HISTOGRAMS:
+        assert delta(h + "_count") == 1, h
+    assert delta("llmsvc_e2e_request_latency_seconds_sum") > 0
+    assert delta("llmsvc_e2e_request_latency_seconds_sum") >= delta("llmsvc_time_to_first_token_seconds_sum")
+    assert delta("llmsvc_request_generation_tokens_sum") == 7
+    assert delta("llmsvc_request_prompt_tokens_sum") == n_prompt
+    assert delta("llmsvc_generation_tokens_total") == 7
+    assert delta("llmsvc_prompt_tokens_total") == n_prompt  # a prompt never seen: no cache hits
+
+    probe = list(srv.stub.Generate(gen("stop early", 5, stream=False)))[-1].text
+    stop = list(srv.stub.Generate(pb.GenerateRequest(
+        text="stop early", stopping=pb.StoppingCriteria(max_tokens=5, stop=[probe[1]]))))
+    assert stop[-1].finish.reason == pb.FinishInfo.REASON_STOP
+    assert val(wait_for(port, lambda s: val(s, "llmsvc_request_success_total", finish_reason="stop") > 0),
+               "llmsvc_request_success_total", finish_reason="stop") == 1
+
+    before = scrape(port)
+    with pytest.raises(grpc.RpcError) as ei:
+        list(srv.stub.Generate(pb.GenerateRequest(text="bad", sampling=pb.SamplingParams(temperature=-1.0))))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    s = wait_for(port, lambda s: grpc_count(s, "INVALID_ARGUMENT") == 1)
+    for reason in ("length", "stop", "abort"):  # rejected at admission: it never finished
+        assert val(s, "llmsvc_request_success_total", finish_reason=reason) == val(
+            before, "llmsvc_request_success_total", finish_reason=reason)
+
+
+def test_gauges_while_running_and_cancel_counts_abort():
+    s = ServerThread(fake_engine_factory(step_delay=0.02), metrics_port=0)
+    try:
+        port = s.server.metrics_port
+        call = s.stub.Generate(gen("hold the kv cache for a while", 200))
+        next(call)
+        live = wait_for(port, lambda x: val(x, "llmsvc_num_requests_running") == 1)
+        assert val(live, "llmsvc_kv_cache_usage_perc") > 0
+        assert val(live, "llmsvc_num_free_kv_blocks") < val(live, "llmsvc_num_kv_blocks")
+        call.cancel()
+        done = wait_for(port, lambda x: grpc_count(x, "CANCELLED") == 1
+                        and val(x, "llmsvc_num_requests_running") == 0)
+        assert val(done, "llmsvc_request_success_total", finish_reason="abort") == 1
+        assert val(done, "llmsvc_kv_cache_usage_perc") == 0
+    finally:
+        s.stop()
+
+
+def test_preemptions_and_prefix_cache_hits_are_counted():
+    # 8 blocks of 4 tokens: four requests of ~30 tokens each cannot all stay resident
+    s = ServerThread(fake_engine_factory(num_blocks=8, block_size=4), metrics_port=0)
+    try:
+        port = s.server.metrics_port
+        results = []
+
+        def worker(i):
+            results.append(list(s.stub.Generate(gen(f"r{i}-", 26, stream=False)))[-1])
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(results) == 4 and all(r.finish.reason == pb.FinishInfo.REASON_LENGTH for r in results)
+        assert val(scrape(port), "llmsvc_num_preemptions_total") > 0
+
+        prompt = "prefix cache hit"  # 16 tokens: 4 full blocks to share
+        for _ in range(2):
+            list(s.stub.Generate(gen(prompt, 1, stream=False)))
+        assert val(scrape(port), "llmsvc_prefix_cache_hit_rate") > 0
+    finally:
+        s.stop()
+
+
+def _out(comps, finished, metrics=None):
+    return RequestOutput("r", None, [1, 2, 3], comps, finished, metrics=metrics)
+
+
+def test_request_tracker_n2_deltas_and_idempotent_cancel():
+    m = ServerMetrics()
+    t = m.track(n=2)
+    t.observe(_out([CompletionOutput(0, "a", [5], num_output_tokens=1),
+                    CompletionOutput(1, "b", [6], num_output_tokens=1)], False))
+    t.observe(_out([CompletionOutput(1, "c", [7], finish_reason="stop", num_output_tokens=2)], False))
+    rm = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5, first_token_time=101.0,
+                        last_token_time=105.0, finished_time=105.5)
+    t.observe(_out([CompletionOutput(0, "d", [8] * 4, finish_reason="length", num_output_tokens=5)], True, rm))
+    t.cancelled()  # after the final output: nothing more is counted
+    r = m.registry
+    assert r.get_sample_value("llmsvc_request_success_total", {"finish_reason": "stop"}) == 1
+    assert r.get_sample_value("llmsvc_request_success_total", {"finish_reason": "length"}) == 1
+    assert r.get_sample_value("llmsvc_request_success_total", {"finish_reason": "abort"}) is None
+    assert r.get_sample_value("llmsvc_request_queue_time_seconds_sum") == pytest.approx(0.5)
+    assert r.get_sample_value("llmsvc_time_to_first_token_seconds_sum") == pytest.approx(1.0)
+    assert r.get_sample_value("llmsvc_e2e_request_latency_seconds_sum") == pytest.approx(5.5)
+    assert r.get_sample_value("llmsvc_time_per_output_token_seconds_sum") == pytest.approx(4.0 / 4)
+    assert r.get_sample_value("llmsvc_request_generation_tokens_sum") == 7
+    assert t.num_generated == 7 and t.reasons == {0: "length", 1: "stop"}
+
+    t2 = m.track(n=3)
+    t2.observe(_out([CompletionOutput(2, "x", [1], finish_reason="stop", num_output_tokens=1)], False))
+    t2.cancelled()
+    t2.cancelled()
+    assert r.get_sample_value("llmsvc_request_success_total", {"finish_reason": "abort"}) == 2
+    assert r.get_sample_value("llmsvc_request_success_total", {"finish_reason": "stop"}) == 2
+    assert r.get_sample_value("llmsvc_e2e_request_latency_seconds_count") == 1  # only finished requests
+
+
+def test_two_servers_keep_separate_registries():
+    a, b = ServerMetrics(), ServerMetrics()  # the global registry would raise on duplicate names
+    a.track().observe(_out([CompletionOutput(0, "", [], finish_reason="stop", num_output_tokens=1)], True))
+    assert a.registry.get_sample_value("llmsvc_request_success_total", {"finish_reason": "stop"}) == 1
+    assert b.registry.get_sample_value("llmsvc_request_success_total", {"finish_reason": "stop"}) is None
+
+
+def test_metrics_port_off_by_default():
+    s = ServerThread(fake_engine_factory(), load=False)
+    try:
+        assert s.server.metrics_port is None and s.server.metrics_http is None
+    finally:
+        s.stop()

