@@ -45,9 +45,9 @@ def alone(llm, prompts, params):
 
 
 def test_32_concurrent_requests_equal_each_alone(llm, text_ids):
-    lengths = [3 + (i * 37) % 300 for i in range(32)]
+    lengths = [3 + (i * 37) % 200 for i in range(32)]
     prompts = [text_ids[i * 7: i * 7 + n] for i, n in enumerate(lengths)]
-    params = SamplingParams(max_tokens=12, **GREEDY)
+    params = SamplingParams(max_tokens=8, **GREEDY)
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert batched == alone(llm, prompts, params)
     stats = llm.llm_engine.get_stats()

@@ -226,10 +226,8 @@ class Scheduler:
 
     def _expire(self, now: float) -> list[EngineCoreOutput]:
         """Finish every unfinished request past its time_limit_ms deadline (output kept)."""
-        expired = [r for r in self.requests.values() if r.deadline is not None and now >= r.deadline]
-        for req in self.finish_requests([r.request_id for r in expired], outputs.TIME_LIMIT):
-            pass
-        return [self._output(r, [], None, None) for r in expired]
+        expired = [r.request_id for r in self.requests.values() if r.deadline is not None and now >= r.deadline]
+        return [self._output(r, [], None, None) for r in self.finish_requests(expired, outputs.TIME_LIMIT)]
 
     def _output(self, req: Request, tokens: list[int], lp, prompt_lp) -> EngineCoreOutput:
         return EngineCoreOutput(
