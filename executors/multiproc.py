@@ -38,8 +38,11 @@ class MultiprocExecutor(Executor):
         pc = config.parallel_config
         self.world_size = world_size
         self.nnodes = pc.nnodes if world_size > 1 else 1
+        if self.nnodes > 1 and not pc.master_port:
+            raise ValueError("multi-node tensor parallelism needs an explicit master_port on every node")
         local = world_size // self.nnodes
-        first_rank = pc.node_rank * local
+        first_rank = pc.node_rank * local if self.nnodes > 1 else 0
+        self.ranks = list(range(first_rank, first_rank + local))  # global ranks started on this node
         port = pc.master_port or _free_port(pc.master_addr)
         init_method = f"tcp://{pc.master_addr}:{port}"
         ctx = mp.get_context("spawn")
@@ -61,20 +64,20 @@ class MultiprocExecutor(Executor):
             self.conns.append(parent)
         death_reader.close()
         try:
-            for rank, conn in enumerate(self.conns):
+            for rank, conn in zip(self.ranks, self.conns):
                 kind, payload = self._recv(conn, self.startup_timeout_s, f"rank {rank} start-up")
                 if kind != READY:
                     raise ExecutorError(f"worker rank {rank} failed to start:\n{payload}")
         except BaseException:
             self.shutdown()
             raise
-        logger.info("executor %s started: %d worker process(es) (pids %s), %s, in %.1fs", self.name,
-                    len(self.procs), [p.pid for p in self.procs], init_method if world_size > 1 else "pipes",
-                    time.perf_counter() - t0)
+        logger.info("executor %s started: ranks %s of %d in worker process(es) %s, %s, in %.1fs", self.name,
+                    self.ranks, world_size, [p.pid for p in self.procs],
+                    init_method if world_size > 1 else "pipes", time.perf_counter() - t0)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _dead(self) -> str | None:
-        for rank, p in enumerate(self.procs):
+        for rank, p in zip(self.ranks, self.procs):
             if p.exitcode is not None:
                 return f"worker rank {rank} (pid {p.pid}) died with exit code {p.exitcode}"
         return None
@@ -101,6 +104,8 @@ class MultiprocExecutor(Executor):
     def _call(self, method: str, *args, timeout: float | None = None):
         if self._closed:
             raise ExecutorError("executor is shut down")
+        if self.ranks[0] != 0:
+            raise ExecutorError("this node has no rank 0: node 0 drives the group (headless node)")
         dead = self._dead()
         if dead:
             raise ExecutorError(dead)
@@ -124,6 +129,10 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute_model", scheduler_output)
 
+    def execute_stats(self) -> dict:
+        """Rank 0's {"num_steps", "execute_time_s"} (benchmarks: IPC overhead = driver time - this)."""
+        return self._call("execute_stats")
+
     def check_health(self) -> None:
         dead = self._dead()
         if dead:
@@ -133,7 +142,7 @@ class MultiprocExecutor(Executor):
         if self._closed:
             return
         self._closed = True
-        if self._dead() is None and self.conns:
+        if self._dead() is None and self.conns and self.ranks[0] == 0:  # only rank 0 reads calls
             try:
                 self.conns[0].send_bytes(pickle.dumps(("shutdown", ()), protocol=pickle.HIGHEST_PROTOCOL))
             except OSError:

@@ -32,6 +32,10 @@ class UniprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def execute_stats(self) -> dict:
+        """The worker's {"num_steps", "execute_time_s"} (benchmarks: IPC overhead = driver time - this)."""
+        return self.worker.execute_stats()
+
     def check_health(self) -> None:
         return None  # in-process: if we are running, the worker is alive
 

@@ -27,6 +27,18 @@ def _watch_parent(death_reader) -> None:
     os._exit(1)
 
 
+def _broadcast(box: list, group, log) -> None:
+    """broadcast_object_list from rank 0; a peer that went away (node 0 died, a rank was killed)
+    ends this process with exit code 1 instead of a traceback from inside the collective."""
+    import torch.distributed as dist
+
+    try:
+        dist.broadcast_object_list(box, src=0, group=group)
+    except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError on a closed connection
+        log.error("lost the process group (a peer rank or node 0 went away): %s", str(e).splitlines()[0])
+        os._exit(1)
+
+
 def worker_main(config, rank: int, world_size: int, local_rank: int, init_method: str,
                 conn, death_reader, num_threads: int, log_level: int) -> None:
     logging.basicConfig(level=log_level, stream=sys.stderr,
@@ -52,10 +64,7 @@ def worker_main(config, rank: int, world_size: int, local_rank: int, init_method
         os._exit(1)
     if conn is not None:
         conn.send((READY, os.getpid()))
-    if world_size > 1:
-        import torch.distributed as dist
-
-        group = worker.cpu_group
+    group = worker.cpu_group if world_size > 1 else None
     while True:
         if rank == 0:
             try:
@@ -63,10 +72,10 @@ def worker_main(config, rank: int, world_size: int, local_rank: int, init_method
             except (EOFError, OSError):
                 os._exit(1)
             if world_size > 1:
-                dist.broadcast_object_list([call], src=0, group=group)
+                _broadcast([call], group, log)
         else:
             box = [None]
-            dist.broadcast_object_list(box, src=0, group=group)
+            _broadcast(box, group, log)
             call = box[0]
         method, args = call
         try:

@@ -60,6 +60,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache [N, bs, H, D], block_ids [...] -> [..., bs, H, D] (index_select: one memcpy per block)."""
+    flat = cache.index_select(0, block_ids.reshape(-1).long())
+    return flat.view(*block_ids.shape, *cache.shape[1:])
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -68,45 +74,50 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     query: [T, Hq, D]. Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1]
     (its last q_len tokens); query row j of it attends to cache positions 0..ctx-q_len+j,
     ctx = seq_lens[i]. The new tokens' K/V must already be in the cache (store_kv first).
+    GQA without expanding K/V: the G = Hq / Hkv query heads of a KV head become G query rows.
     Decode rows (q_len == 1) are batched into one call; longer chunks run one by one.
     Returns [T, Hq, D] in query.dtype.
     """
     num_tokens, hq, d = query.shape
     _, bs, hkv, _ = k_cache.shape
+    g = hq // hkv
     out = torch.empty_like(query)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode:
-        idx = torch.tensor(decode)
-        rows = query_start_loc[idx].long()
-        ctx = seq_lens[idx]
+        n_dec = len(decode)
         nblk = (max(lens[i] for i in decode) + bs - 1) // bs
-        bt = block_tables[idx, :nblk].long()  # [B, nblk]
-        k = k_cache[bt].flatten(1, 2).transpose(1, 2)  # [B, Hkv, nblk*bs, D]
-        v = v_cache[bt].flatten(1, 2).transpose(1, 2)
-        mask = torch.arange(nblk * bs) < ctx[:, None]  # [B, S]
-        q = query[rows].unsqueeze(2)  # [B, Hq, 1, D]
+        if n_dec == len(lens) and n_dec == num_tokens:  # pure decode batch: rows are 0..B-1
+            rows, bt, ctx = None, block_tables[:, :nblk], seq_lens
+        else:
+            idx = torch.tensor(decode, device=query.device)
+            rows, bt, ctx = query_start_loc[idx].long(), block_tables[idx, :nblk], seq_lens[idx]
+        k = _gather_blocks(k_cache, bt).flatten(1, 2).transpose(1, 2)  # [B, Hkv, nblk*bs, D]
+        v = _gather_blocks(v_cache, bt).flatten(1, 2).transpose(1, 2)
+        mask = torch.arange(nblk * bs, device=query.device) < ctx[:, None]  # [B, S]
+        q = (query if rows is None else query[rows]).view(n_dec, hkv, g, d)  # [B, Hkv, G, D]
         o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask[:, None, None, :],
-                                           scale=scale, enable_gqa=hq != hkv)
-        out[rows] = o.squeeze(2).to(out.dtype)
+                                           scale=scale)
+        o = o.reshape(n_dec, hq, d).to(out.dtype)
+        if rows is None:
+            out.copy_(o)
+        else:
+            out[rows] = o
     for i, q_len in enumerate(q_lens):
         if q_len <= 1:
             continue
         ctx = lens[i]
         nblk = (ctx + bs - 1) // bs
-        bt = block_tables[i, :nblk].long()
-        k = k_cache[bt].flatten(0, 1)[:ctx].transpose(0, 1)  # [Hkv, ctx, D]
-        v = v_cache[bt].flatten(0, 1)[:ctx].transpose(0, 1)
-        q = query[qsl[i]:qsl[i + 1]].transpose(0, 1)  # [Hq, q_len, D]
-        if q_len == ctx:
-            o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, is_causal=True, scale=scale,
-                                               enable_gqa=hq != hkv)
-        else:  # bottom-right aligned causal mask: row j sees keys < ctx - q_len + j + 1
-            mask = (torch.arange(ctx)[None, :]
-                    <= torch.arange(ctx - q_len, ctx)[:, None])  # [q_len, ctx]
-            o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=scale,
-                                               enable_gqa=hq != hkv)
-        out[qsl[i]:qsl[i + 1]] = o.transpose(0, 1).to(out.dtype)
+        k = _gather_blocks(k_cache, block_tables[i, :nblk]).flatten(0, 1)[:ctx].transpose(0, 1)  # [Hkv, ctx, D]
+        v = _gather_blocks(v_cache, block_tables[i, :nblk]).flatten(0, 1)[:ctx].transpose(0, 1)
+        # [q_len, Hq, D] -> [Hkv, G * q_len, D]: row (g, j) is query head h*G+g at new token j
+        q = query[qsl[i]:qsl[i + 1]].view(q_len, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * q_len, d)
+        # bottom-right aligned causal mask: token j sees keys < ctx - q_len + j + 1
+        mask = (torch.arange(ctx, device=query.device)[None, :]
+                <= torch.arange(ctx - q_len, ctx, device=query.device)[:, None])  # [q_len, ctx]
+        o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask.repeat(g, 1), scale=scale)
+        o = o.view(hkv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d)
+        out[qsl[i]:qsl[i + 1]] = o.to(out.dtype)
     return out

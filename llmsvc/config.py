@@ -17,6 +17,7 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
+    enforce_eager: bool = False  # CUDA: never capture decode steps in CUDA graphs
     # resolved (filled by resolve_model_config; never set by users)
     model_dir: str | None = None  # HF-style directory: config.json, *.safetensors, tokenizer files
     hf_config: Any = None  # transformers.PretrainedConfig

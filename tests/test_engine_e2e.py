@@ -1,17 +1,9 @@
 """End-to-end engine tests on the real default model (SmolLM2-135M-Instruct GGUF), greedy."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-import executors
-
-# TEMPORARY guard (the lead removes it once the worker and the uniproc executor have landed)
-if not hasattr(executors, "create_executor") or importlib.util.find_spec("llmsvc.models.resolve") is None:
-    pytest.skip("executors.create_executor / llmsvc.models.resolve not written yet", allow_module_level=True)
-
-from llmsvc import LLM, SamplingParams  # noqa: E402
+from llmsvc import LLM, SamplingParams
 
 TEXT = (
     "The history of computing is a story of layers. At the bottom sit transistors, switching billions "

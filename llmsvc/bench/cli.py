@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-rate", default=None, help="comma list of Poisson rates (req/s) to sweep")
     p.add_argument("--sweep-concurrency", default=None, help="comma list of concurrency caps to sweep")
     p.add_argument("--json", default=None, help="write all results to this file")
+    p.add_argument("--executors", default=None,
+                   help="comma list (uniproc,multiproc,tp): compare executors offline on one workload "
+                        "(llmsvc.bench.executors); --tensor-parallel-size > 1 sets tp's ranks")
     p.add_argument("--plot", default=None, help="write a PNG of the sweep (or throughput bars)")
     e = p.add_argument_group("engine (passed to the server it starts, or used offline)")
     e.add_argument("--dtype", default="float32")
@@ -64,12 +67,21 @@ def _workloads(a) -> list[Workload]:
 
 
 def _offline_engine(a, prefix_caching: bool = True):
-    from llmsvc.server.cli import engine_config_from_args  # same flags -> same EngineConfig as serve
+    """An in-process LLMEngine configured as `llmsvc serve` would be with the same flags."""
+    from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
     from llmsvc.engine.llm_engine import LLMEngine
+    from llmsvc.server.cli import parse_bytes
 
-    ns = argparse.Namespace(**vars(a))
-    ns.no_prefix_caching = not prefix_caching
-    return LLMEngine.from_config(engine_config_from_args(ns))
+    sc, cc = SchedulerConfig(), CacheConfig(enable_prefix_caching=prefix_caching)
+    if a.max_num_seqs:
+        sc.max_num_seqs = a.max_num_seqs
+    if a.max_num_batched_tokens:
+        sc.max_num_batched_tokens = a.max_num_batched_tokens
+    if a.kv_cache_memory:
+        cc.kv_cache_memory_bytes = parse_bytes(a.kv_cache_memory)
+    return LLMEngine.from_config(EngineConfig(
+        model_config=ModelConfig(model=a.model, dtype=a.dtype), cache_config=cc, scheduler_config=sc,
+        parallel_config=ParallelConfig(executor=a.executor, tensor_parallel_size=a.tensor_parallel_size)))
 
 
 def _line(tag: str, s: dict) -> str:
@@ -90,7 +102,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
 
     prompts = build_prompts(w, vocab)
     offsets = arrival_offsets(w)
-    res = results.setdefault(w.name, {"workload": dataclasses.asdict(w)})
+    res = results["workloads"].setdefault(w.name, {"workload": dataclasses.asdict(w)})
     print(f"\n== {w.name}: {w.num_requests} requests x {w.input_len} in / {w.output_len} out, "
           f"{w.arrival}{f' {w.rate}/s' if w.rate else ''}")
 
@@ -154,15 +166,29 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
                 print(_line(f"{kind}={v:g}", s))
 
 
+def _executors_main(a) -> int:
+    from llmsvc.bench import executors
+
+    ns = argparse.Namespace(model=a.model, executors=a.executors, workload=(a.workload or ["W2"])[0],
+                            workloads_file=a.workloads_file, num_requests=a.num_requests, output_len=a.output_len,
+                            tensor_parallel_size=a.tensor_parallel_size if a.tensor_parallel_size > 1 else None,
+                            dtype=a.dtype, device="auto", max_num_seqs=a.max_num_seqs or 128,
+                            max_num_batched_tokens=a.max_num_batched_tokens or 1024,
+                            kv_cache_memory=a.kv_cache_memory or "1GiB", json=a.json)
+    return executors.main(ns)
+
+
 def main(a) -> int:
+    if getattr(a, "executors", None):
+        return _executors_main(a)
     from llmsvc.config import ModelConfig
     from llmsvc.models.resolve import resolve_model_config
     from transformers import AutoTokenizer
 
     mc = resolve_model_config(ModelConfig(model=a.model))
     vocab = ordinary_vocab(AutoTokenizer.from_pretrained(mc.model_dir))
-    results = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": {k: v for k, v in vars(a).items()
-                                                                       if not k.startswith("_")}}
+    results = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "workloads": {},
+               "args": {k: v for k, v in vars(a).items() if not k.startswith("_")}}
     for w in _workloads(a):
         run_workload(a, w, mc.model_dir, vocab, results)
     if a.json:

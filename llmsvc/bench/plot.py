@@ -8,7 +8,7 @@ def plot_results(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    workloads = {k: v for k, v in results.items() if isinstance(v, dict) and "workload" in v}
+    workloads = results["workloads"]
     sweeps = [(name, kind, r[kind]) for name, r in workloads.items()
               for kind in ("sweep_rate", "sweep_concurrency") if kind in r]
     if sweeps:

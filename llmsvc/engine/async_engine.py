@@ -9,8 +9,10 @@ Threads and ownership:
 - A request id is reserved from `generate()` until the engine reports the request finished
   (normally or by abort), so a cancelled id cannot be reused while its KV blocks still exist.
 
-If the engine thread dies (step raised), every in-flight stream raises EngineDeadError,
-`is_healthy` turns False and new requests are refused.
+If the engine thread dies (step raised, or the idle-time `engine.check_health()` raised: a
+worker process died while nothing ran), every in-flight stream raises EngineDeadError
+(EngineStepError when the cause was not a worker failure), `is_healthy` turns False and new
+requests are refused.
 """
 from __future__ import annotations
 
@@ -35,6 +37,16 @@ class AsyncEngineError(RuntimeError):
 
 class EngineDeadError(AsyncEngineError):
     """The engine loop died; nothing can be served by this engine any more (UNAVAILABLE)."""
+
+
+class EngineStepError(EngineDeadError):
+    """A step raised something other than a worker failure (a bug, bad state): the requests in
+    flight failed mid-stream (INTERNAL); the engine is dead like for EngineDeadError."""
+
+
+def is_worker_failure(exc: BaseException) -> bool:
+    """executors.base.ExecutorError (a worker died or failed), recognised without importing executors."""
+    return any(c.__name__ == "ExecutorError" for c in type(exc).__mro__)
 
 
 class EngineStoppedError(AsyncEngineError):
@@ -65,6 +77,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._accepting = True
         self._dead_event: asyncio.Event | None = None
+        self.health_check_interval_s = 1.0  # idle engine thread polls engine.check_health() this often
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -221,7 +234,8 @@ class AsyncEngine:
     def _on_dead(self, exc: BaseException) -> None:
         self._dead = exc
         self._dead_event.set()
-        err = EngineDeadError(f"engine loop died: {type(exc).__name__}: {exc}")
+        cls = EngineDeadError if is_worker_failure(exc) else EngineStepError
+        err = cls(f"engine loop died: {type(exc).__name__}: {exc}")
         for s in list(self._streams.values()):
             s.fail(err)
         self._streams.clear()
@@ -245,11 +259,19 @@ class AsyncEngine:
             self._post(self._on_stats, self._safe_stats())
             while True:
                 with self._cond:
+                    idle = False
                     while not self._commands and not self._stop and not engine.has_unfinished_requests():
-                        self._cond.wait()
+                        if not self._cond.wait(self.health_check_interval_s):
+                            idle = True
+                            break
                     if self._stop:
                         break
                     cmds, self._commands = list(self._commands), deque()
+                if idle and not cmds:  # nothing to do for a while: make sure the workers still live
+                    check = getattr(engine, "check_health", None)
+                    if check is not None:
+                        check()
+                    continue
                 had_abort = False
                 for cmd in cmds:
                     if cmd[0] == "add":

@@ -143,6 +143,10 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         return self.core.stats
 
+    def check_health(self) -> None:
+        """Raise executors.base.ExecutorError if a worker is dead (cheap; called when idle)."""
+        self.core.executor.check_health()
+
     def shutdown(self) -> None:
         if not self._shutdown:
             self._shutdown = True

@@ -82,6 +82,8 @@ class Request:
         self.max_len: int | None = None
         # scheduler bookkeeping: output tokens the workers have already been sent
         self.num_output_tokens_sent = 0
+        # prompt positions whose logprobs were reported (a preempted request recomputes them)
+        self.num_prompt_logprobs_sent = 0
 
     # ---- tokens ---------------------------------------------------------------------------
     @property

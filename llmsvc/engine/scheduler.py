@@ -186,7 +186,7 @@ class Scheduler:
             if was_prompt:
                 self.prompt_tokens_total += min(req.num_computed_tokens, req.num_prompt_tokens) - (
                     req.num_computed_tokens - n)
-            prompt_lp = runner_output.prompt_logprobs.get(rid)
+            prompt_lp = self._fresh_prompt_logprobs(req, runner_output.prompt_logprobs.get(rid))
             k = index.get(rid)
             if k is None:
                 if prompt_lp:
@@ -206,6 +206,17 @@ class Scheduler:
             self._free(req)
         out.extend(self._expire(time.monotonic()))
         return out
+
+    @staticmethod
+    def _fresh_prompt_logprobs(req: Request, entries):
+        """The prompt-logprob entries of positions not reported yet. The entries of one step end at
+        the last prompt position it computed; after a preemption the prompt is recomputed from 0."""
+        if not entries:
+            return entries
+        last = min(req.num_computed_tokens, req.num_prompt_tokens - 1)  # num_computed_tokens: after this step
+        skip = req.num_prompt_logprobs_sent - (last + 1 - len(entries))
+        req.num_prompt_logprobs_sent = max(req.num_prompt_logprobs_sent, last + 1)
+        return (entries[skip:] or None) if skip > 0 else entries
 
     def _check_stop(self, req: Request, token: int) -> bool:
         params = req.sampling_params

@@ -3,6 +3,8 @@
 Logs "listening on HOST:PORT" once bound and "ready" once the model is loaded and warmed up.
 SIGTERM/SIGINT drain gracefully (NOT_SERVING, new requests UNAVAILABLE, in-flight requests
 get --shutdown-grace seconds). Exit code 1 when the engine died, so an orchestrator restarts it.
+Multi-node tensor parallelism: --nnodes/--node-rank/--master-addr/--master-port; node 0 serves,
+nodes with --node-rank > 0 run their ranks headless (no gRPC) and exit when node 0 goes away.
 Operations: --metrics-port (Prometheus /metrics), --tls-cert/--tls-key[/--tls-client-ca],
 --auth-token-file and/or LLMSVC_AUTH_TOKENS (bearer tokens), --log-format text|json.
 """
@@ -53,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--port", int, 50051, help="port to bind (0 = any free port)")
     opt("--executor", str, "uniproc", choices=["uniproc", "multiproc", "tp"], help="where the model runs")
     opt("--tensor-parallel-size", int, 1, help="ranks for --executor tp")
+    opt("--nnodes", int, 1, help="machines sharing the --tensor-parallel-size ranks (multi-node TP)")
+    opt("--node-rank", int, 0, help="this machine's index; 0 serves gRPC, the others run headless workers")
+    opt("--master-addr", str, "127.0.0.1", help="address of node 0, where ranks rendezvous (multi-node)")
+    opt("--master-port", int, 0, help="rendezvous port on node 0; required when --nnodes > 1")
     opt("--dtype", str, "float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     opt("--max-model-len", int, None, help="context length (default: the model's)")
     opt("--max-num-seqs", int, 128, help="max requests running at once")
@@ -85,8 +91,37 @@ def build_config(args):
         scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                          max_num_batched_tokens=args.max_num_batched_tokens,
                                          max_waiting_requests=args.max_waiting_requests),
-        parallel_config=ParallelConfig(executor=args.executor, tensor_parallel_size=args.tensor_parallel_size),
+        parallel_config=ParallelConfig(executor=args.executor, tensor_parallel_size=args.tensor_parallel_size,
+                                       **_multi_node(args)),
         device=args.device)
+
+
+def _multi_node(args) -> dict:
+    """ParallelConfig fields of the multi-node flags (ValueError when they do not fit together)."""
+    nnodes, node_rank = getattr(args, "nnodes", 1), getattr(args, "node_rank", 0)
+    addr, port = getattr(args, "master_addr", "127.0.0.1"), getattr(args, "master_port", 0)
+    if nnodes > 1:
+        tp = args.tensor_parallel_size
+        if not 0 <= node_rank < nnodes:
+            raise ValueError(f"--node-rank must be in [0, {nnodes}), got {node_rank}")
+        if tp < nnodes or tp % nnodes:
+            raise ValueError(f"--tensor-parallel-size ({tp}) must be a multiple of --nnodes ({nnodes})")
+        if not port:
+            raise ValueError("--master-port is required with --nnodes > 1 (the same on every node)")
+    elif node_rank:
+        raise ValueError("--node-rank needs --nnodes > 1")
+    return dict(nnodes=nnodes, node_rank=node_rank, master_addr=addr, master_port=port)
+
+
+def run_headless(args) -> int:
+    """Node k > 0 of a multi-node TP group: this machine's ranks, no gRPC server. SIGTERM stops them."""
+    import threading
+
+    from executors.headless import run_headless as run
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return run(build_config(args), stop)
 
 
 def security_options(args) -> dict:
@@ -124,10 +159,17 @@ def main(args) -> int:
     from llmsvc.server.logging_setup import setup_logging
     setup_logging(args.log_level, getattr(args, "log_format", "text"))
     try:
+        _multi_node(args)
         security = security_options(args)
-    except (ValueError, OSError) as e:  # TLS files, token file: no traceback
+    except (ValueError, OSError) as e:  # TLS files, token file, multi-node flags: no traceback
         logging.getLogger("llmsvc.server").error("bad configuration: %s", e)
         return 2
+    if getattr(args, "node_rank", 0) > 0:
+        try:
+            return run_headless(args)
+        except Exception:
+            logging.getLogger("llmsvc.server").exception("headless node failed")
+            return 1
     try:
         return asyncio.run(serve(args, security))
     except Exception:

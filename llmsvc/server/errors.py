@@ -13,7 +13,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from llmsvc.engine.async_engine import EngineDeadError, EngineStoppedError, OutputBacklogError
+from llmsvc.engine.async_engine import EngineDeadError, EngineStepError, EngineStoppedError, OutputBacklogError
 from llmsvc.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, QueueFullError
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,9 @@ def to_service_error(exc: BaseException) -> ServiceError:
                             reason="QUEUE_FULL", retry_delay_s=1.0)
     if isinstance(exc, OutputBacklogError):
         return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), reason="OUTPUT_BACKLOG")
+    if isinstance(exc, EngineStepError):  # the request was in the failing step: mid-stream failure
+        return ServiceError(grpc.StatusCode.INTERNAL, "the engine failed while running this request "
+                            "(the server stops serving and exits for a restart)", reason="ENGINE_ERROR")
     if isinstance(exc, EngineDeadError):
         return unavailable(f"engine is not running: {exc}", reason="ENGINE_DEAD")
     if isinstance(exc, EngineStoppedError):

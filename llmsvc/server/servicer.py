@@ -29,6 +29,16 @@ from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 API_VERSION = "llmsvc.v1"
+# requests bigger than this are tokenized/validated on a worker thread: a multi-MiB prompt takes
+# seconds to tokenize and must not stall the event loop (every other stream, health checks)
+INLINE_PROMPT_BYTES = 64 << 10
+
+
+async def off_loop_if_large(request, fn, *args):
+    """fn(*args), on a worker thread when `request` is large (the tokenizer releases the GIL)."""
+    if request.ByteSize() > INLINE_PROMPT_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 def _version() -> str:
@@ -98,7 +108,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
                 raise errors.ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline expired before admission")
             check_labels(request.labels)
             params = build_sampling_params(request, self.limits)
-            prompt, ids = resolve_prompt(request, self.tokenizer, self.limits)
+            prompt, ids = await off_loop_if_large(request, resolve_prompt, request, self.tokenizer, self.limits)
             check_prompt_fits(params, len(ids), self.limits)
             await context.send_initial_metadata((("x-request-id", rid),))
             builder = ResponseBuilder(rid, request, params, self.config.model_config.eos_token_ids, self.tokenizer)
@@ -161,39 +171,48 @@ class LlmService(pb_grpc.LlmServiceServicer):
     async def Tokenize(self, request, context):
         try:
             self._require_model()
-            kind = request.WhichOneof("input")
-            if kind is None:
-                raise errors.invalid("input", "set text or chat")
-            if kind == "chat":
-                text = render_chat(self.tokenizer, request.chat)
-                add_special = request.add_special_tokens if request.HasField("add_special_tokens") else False
-            else:
-                text = request.text
-                add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            resp = pb.TokenizeResponse(max_model_len=self.limits.max_model_len)
-            if request.return_offsets:
-                enc = self.tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
-                resp.token_ids.extend(enc["input_ids"])
-                for s, e in enc["offset_mapping"]:  # characters -> UTF-8 byte offsets
-                    bs = len(text[:s].encode("utf-8"))
-                    resp.offsets.append(pb.Offset(start=bs, end=bs + len(text[s:e].encode("utf-8"))))
-            else:
-                resp.token_ids.extend(encode(self.tokenizer, text, add_special))
-            if request.return_pieces:
-                resp.pieces.extend(self.tokenizer.convert_ids_to_tokens(list(resp.token_ids)))
-            return resp
+            return await off_loop_if_large(request, self._tokenize, request)
         except Exception as e:  # noqa: BLE001
             await errors.abort(context, e)
+
+    def _tokenize(self, request) -> pb.TokenizeResponse:
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise errors.invalid("input", "set text or chat")
+        if kind == "chat":
+            text = render_chat(self.tokenizer, request.chat)
+            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else False
+        else:
+            text = request.text
+            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        resp = pb.TokenizeResponse(max_model_len=self.limits.max_model_len)
+        if request.return_offsets:
+            enc = self.tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
+            resp.token_ids.extend(enc["input_ids"])
+            pos = nbytes = 0  # characters -> UTF-8 byte offsets, in one pass (offsets are non-decreasing)
+            for s, e in enc["offset_mapping"]:
+                if s < pos:
+                    pos = nbytes = 0
+                nbytes += len(text[pos:s].encode("utf-8"))
+                pos = s
+                resp.offsets.append(pb.Offset(start=nbytes, end=nbytes + len(text[s:e].encode("utf-8"))))
+        else:
+            resp.token_ids.extend(encode(self.tokenizer, text, add_special))
+        if request.return_pieces:
+            resp.pieces.extend(self.tokenizer.convert_ids_to_tokens(list(resp.token_ids)))
+        return resp
 
     async def Detokenize(self, request, context):
         try:
             self._require_model()
-            check_token_ids("token_ids", request.token_ids, self.limits.vocab_size)
-            skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-            return pb.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids),
-                                                                    skip_special_tokens=skip))
+            return await off_loop_if_large(request, self._detokenize, request)
         except Exception as e:  # noqa: BLE001
             await errors.abort(context, e)
+
+    def _detokenize(self, request) -> pb.DetokenizeResponse:
+        check_token_ids("token_ids", request.token_ids, self.limits.vocab_size)
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return pb.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
 
     async def GetModelInfo(self, request, context):
         if self.engine is None:

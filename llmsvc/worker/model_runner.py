@@ -10,6 +10,7 @@ from llmsvc.config import EngineConfig
 from llmsvc.models.llama import build_model, kv_cache_spec
 from llmsvc.models.parallel import get_tp_rank, get_tp_world_size
 from llmsvc.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from llmsvc.worker.graphs import capture_decode_graphs, graph_inputs
 from llmsvc.worker.input_batch import build_inputs
 from llmsvc.worker.request_state import RequestStates
 from llmsvc.worker.sampler import Sampler, compute_prompt_logprobs
@@ -32,6 +33,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model: torch.nn.Module | None = None
+        self.graph_runner = None  # CUDA only: replays captured decode steps
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
@@ -70,6 +72,8 @@ class ModelRunner:
             so.total_num_scheduled_tokens = num_new
             self.execute_model(so)
         self.states.clear()
+        if self.device.type == "cuda" and not self.config.model_config.enforce_eager:
+            self.graph_runner = capture_decode_graphs(self)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -78,7 +82,11 @@ class ModelRunner:
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput.make_empty() if get_tp_rank() == 0 else None
         inp = build_inputs(self.states, so.num_scheduled_tokens, self.block_size, self.device)
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_caches)  # [T, hidden]
+        n = len(inp.req_ids)
+        if self.graph_runner is not None and inp.meta.max_query_len == 1 and self.graph_runner.can_run(n):
+            hidden = self.graph_runner.run(graph_inputs(inp), n)  # [n, hidden]
+        else:
+            hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_caches)  # [T, hidden]
         logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, vocab] fp32
         prompt_logprobs = self._prompt_logprobs(hidden, inp) if inp.prompt_logprob_rows else {}
         if get_tp_rank() != 0:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -34,6 +35,8 @@ class Worker:
         self.device = resolve_device(config.device, local_rank)
         self.runner: ModelRunner | None = None
         self.cpu_group = None
+        self.num_steps = 0  # execute_model calls, and the seconds spent inside them (IPC excluded)
+        self.execute_time_s = 0.0
 
     def init_device(self) -> None:
         if self.device.type == "cuda":
@@ -102,7 +105,15 @@ class Worker:
         self.runner.warmup()
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.runner.execute_model(so)
+        t0 = time.perf_counter()
+        out = self.runner.execute_model(so)
+        self.execute_time_s += time.perf_counter() - t0
+        self.num_steps += 1
+        return out
+
+    def execute_stats(self) -> dict:
+        """{"num_steps", "execute_time_s"} since start: the worker's own share of each step."""
+        return {"num_steps": self.num_steps, "execute_time_s": self.execute_time_s}
 
     def shutdown(self) -> None:
         if self.world_size > 1:

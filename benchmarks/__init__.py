@@ -1,0 +1,1 @@
+"""Long-running checks outside the default test run (python -m benchmarks.<name>)."""

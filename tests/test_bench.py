@@ -1,0 +1,99 @@
+"""The benchmark tool: workloads as shared/bench/workloads.json defines them, summaries, ceiling, a tiny run."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmsvc.bench.ceiling import ceiling, param_counts
+from llmsvc.bench.metrics import RequestRecord, percentiles, summarize
+from llmsvc.bench.workloads import (PACKAGED, SHARED, Workload, arrival_offsets, build_prompts,
+                                    load_workloads, ordinary_vocab)
+from model_utils import make_tiny_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_standard_workloads_load_and_packaged_copy_matches_shared():
+    ws = load_workloads()
+    assert {"W1", "W2", "S1", "P1"} <= set(ws)
+    assert (ws["W1"].num_requests, ws["W1"].input_len, ws["W1"].output_len) == (64, 128, 128)
+    assert ws["S1"].arrival == "poisson" and ws["S1"].rate == 2.0
+    assert ws["P1"].shared_prefix_len == 448
+    if SHARED.exists():
+        assert json.loads(PACKAGED.read_text()) == json.loads(SHARED.read_text())
+
+
+def test_prompts_are_deterministic_exact_length_and_ordinary_tokens():
+    vocab = list(range(5, 1000))
+    w = load_workloads()["P1"]
+    a, b = build_prompts(w, vocab), build_prompts(w, vocab)
+    assert a == b and len(a) == w.num_requests
+    assert all(len(p) == w.input_len and set(p) <= set(vocab) for p in a)
+    assert all(p[:448] == a[0][:448] for p in a)  # the shared prefix
+    assert len({tuple(p[448:]) for p in a}) == w.num_requests  # own suffixes differ
+    w2 = Workload("x", 3, 16, 4, seed=7)
+    assert build_prompts(w2, vocab)[1] != build_prompts(w2, vocab)[2]
+
+
+def test_ordinary_vocab_excludes_special_tokens():
+    from server_harness import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    vocab = ordinary_vocab(tok)
+    assert vocab and not set(vocab) & set(tok.all_special_ids)
+
+
+def test_poisson_arrivals_have_the_configured_rate():
+    w = Workload("p", 2000, 8, 8, seed=1, arrival="poisson", rate=4.0)
+    offs = arrival_offsets(w)
+    assert offs == sorted(offs) and offs[0] == 0.0
+    assert abs((len(offs) - 1) / offs[-1] - 4.0) < 0.4
+    assert arrival_offsets(Workload("a", 3, 8, 8)) == [0.0, 0.0, 0.0]
+
+
+def test_summary_statistics():
+    assert percentiles([1, 2, 3, 4, 5])["p50"] == 3 and percentiles([])["p50"] is None
+    recs = [RequestRecord(10, 0.0, [1.0, 1.5, 2.0], 2.0), RequestRecord(10, 0.0, [2.0, 3.0], 3.0),
+            RequestRecord(10, 0.0, [], 0.0, error="UNAVAILABLE: x")]
+    s = summarize(recs, wall_s=4.0)
+    assert s["completed"] == 2 and s["failed"] == 1
+    assert s["output_tok_s"] == 5 / 4.0 and s["input_tok_s"] == 20 / 4.0
+    assert s["ttft_s"]["mean"] == 1.5 and s["tpot_s"]["mean"] == (0.5 + 1.0) / 2
+    assert s["itl_s"]["p50"] == 0.5
+
+
+def test_ceiling_from_parameter_counts(tmp_path):
+    d = make_tiny_model_dir(tmp_path, arch="llama", tie=True)
+    c = param_counts(str(d))
+    assert c["tied"] and c["lm_head"] == c["embedding"]
+    assert c["gen_flops_per_token"] == 2 * c["total"]  # tied: the embedding is the LM head
+    assert c["prompt_flops_per_token"] == 2 * (c["total"] - c["embedding"])
+    w = Workload("w", 2, 10, 5)
+    r = ceiling(w, c, flops_per_s=1e9)
+    total = 2 * 10 * c["prompt_flops_per_token"] + 2 * 5 * c["gen_flops_per_token"]
+    assert r["min_seconds"] == pytest.approx(total / 1e9) and r["output_tok_s"] == pytest.approx(10 / r["min_seconds"])
+
+
+def test_bench_cli_offline_and_serve_on_a_tiny_model(tmp_path):
+    from server_harness import EOS, IM_START, TINY_VOCAB, tiny_tokenizer
+
+    d = make_tiny_model_dir(tmp_path / "m", arch="llama", vocab_size=TINY_VOCAB, eos_token_id=EOS,
+                            bos_token_id=IM_START, pad_token_id=0)
+    tiny_tokenizer().save_pretrained(d)
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    cmd = [sys.executable, "-m", "llmsvc", "bench", str(d), "--num-requests", "4", "--input-len", "12",
+           "--output-len", "5", "--mode", "both", "--compare-prefix-caching", "--sweep-concurrency", "2",
+           "--json", str(out), "--plot", str(png)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())["workloads"]["custom"]
+    for kind in ("offline", "serve", "serve_no_prefix_caching"):
+        assert res[kind]["completed"] == 4 and res[kind]["failed"] == 0
+        assert res[kind]["output_tok_s"] > 0
+    assert set(res["sweep_concurrency"]) == {"2.0"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "llmsvc gRPC" in r.stdout and "gRPC streaming cost" in r.stdout

@@ -1,0 +1,86 @@
+"""Multi-node tensor parallelism on one machine: two "nodes" on 127.0.0.1, one rank each.
+
+Node 1 is always the real CLI (`llmsvc serve --nnodes 2 --node-rank 1 ...`, headless). Node 0 is
+the in-test executor (greedy tokens == uniproc; its graceful shutdown ends node 1 with exit code 0)
+or the real server (SIGKILLed: node 1 must exit non-zero on its own)."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from executor_driver import greedy_generate
+from executor_procs import LoggedProcess, descendants, llmsvc_cmd, wait_gone, worker_pids
+from executors import create_executor
+from executors.multiproc import _free_port
+from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from llmsvc.models.resolve import resolve_model_config
+from test_executors import prompts_for, run
+from tests.server_harness import EOS, IM_START, TINY_VOCAB, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tests.model_utils import make_tiny_model_dir
+    d = make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), vocab_size=TINY_VOCAB, eos_token_id=EOS,
+                            bos_token_id=IM_START, pad_token_id=0)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+def config(model_dir, port: int = 0, tp: int = 1, nnodes: int = 1) -> EngineConfig:
+    return EngineConfig(model_config=resolve_model_config(ModelConfig(model=str(model_dir))),
+                        cache_config=CacheConfig(num_kv_blocks_override=96),
+                        parallel_config=ParallelConfig(executor="tp" if tp > 1 else "uniproc", tensor_parallel_size=tp,
+                                                       nnodes=nnodes, node_rank=0, master_port=port),
+                        device="cpu")
+
+
+def headless_node(model_dir: str, port: int) -> LoggedProcess:
+    return LoggedProcess(llmsvc_cmd("serve", model_dir, "--device", "cpu", "--tensor-parallel-size", "2",
+                                    "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                                    "--master-port", str(port)))
+
+
+def test_two_nodes_match_uniproc_and_node1_exits_0_after_node0_shutdown(tiny_dir):
+    prompts = prompts_for(TINY_VOCAB, lens=(6, 19, 1))
+    expected = run(config(tiny_dir), prompts, max_new=8)
+    port = _free_port("127.0.0.1")
+    node1 = headless_node(tiny_dir, port)
+    try:
+        ex = create_executor(config(tiny_dir, port, tp=2, nnodes=2))  # node 0: rank 0 here, rank 1 on node 1
+        try:
+            assert ex.ranks == [0] and ex.world_size == 2
+            node1.wait_for(r"headless node 1/2: ranks \[1\] of 2 ready")
+            node1_tree = descendants(node1.pid)
+            ex.initialize_kv_cache(ex.determine_num_kv_blocks())
+            assert greedy_generate(ex, prompts, max_new=8, chunk=5) == expected
+        finally:
+            ex.shutdown()
+        assert node1.proc.wait(30) == 0, node1.log_tail()
+        assert wait_gone(node1_tree) == []
+        assert "node 0 shut the group down" in "".join(node1.lines)
+    finally:
+        node1.kill()
+
+
+def test_headless_node_exits_nonzero_when_node0_dies(tiny_dir):
+    port = _free_port("127.0.0.1")
+    node1 = headless_node(tiny_dir, port)
+    node0 = LoggedProcess(llmsvc_cmd("serve", tiny_dir, "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
+                                     "--kv-cache-memory", "4MiB", "--tensor-parallel-size", "2", "--nnodes", "2",
+                                     "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port)))
+    try:
+        node0.wait_for(r"ready: serving", timeout=120)
+        node1.wait_for(r"ready, driven by node 0")
+        assert len(worker_pids(node0.pid)) == 1 and len(worker_pids(node1.pid)) == 1
+        node1_tree = descendants(node1.pid)
+        node0_tree = descendants(node0.pid)
+        node0.proc.send_signal(signal.SIGKILL)  # node 0 crashes: its worker follows (death pipe)
+        node0.proc.wait(10)
+        assert node1.proc.wait(30) != 0, node1.log_tail()
+        assert wait_gone(node1_tree + node0_tree) == []
+        assert "lost the process group" in "".join(node1.lines)
+    finally:
+        node0.kill()
+        node1.kill()
