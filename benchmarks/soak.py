@@ -36,9 +36,28 @@ WORDS = ("the quick brown fox jumps over a lazy dog while servers stream tokens 
 KINDS = ("stream", "unary", "n2", "stop", "chat", "cancel", "abort", "deadline", "slow", "bad")
 
 
+def _proc_rss_bytes(pid: int) -> int:
+    """Linux /proc fallback when psutil is not installed."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            pass
+    return total
+
+
 def rss_bytes(pid: int) -> int:
     """Resident memory of `pid` and all its descendants (0 if it is gone)."""
-    import psutil
+    try:
+        import psutil
+    except ImportError:
+        return _proc_rss_bytes(pid)
     try:
         p = psutil.Process(pid)
         procs = [p] + p.children(recursive=True)

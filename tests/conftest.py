@@ -5,6 +5,8 @@ import sys
 # set it before anything imports the project. Real CUDA tensors never occur here.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# libgomp threads sleep instead of spinning when they wait: many test processes share 2 cores
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

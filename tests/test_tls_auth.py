@@ -126,6 +126,13 @@ def test_mtls_rejects_a_client_without_a_cert(pki):
             with pytest.raises(grpc.RpcError) as ei:
                 _health(ch)
             assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        from llmsvc.__main__ import main  # the container probe presents a client cert under mTLS
+        cert, key = pki.files["ca.pem"].replace("ca.pem", "client.pem"), pki.files["ca.pem"].replace("ca.pem", "client.key")
+        open(cert, "wb").write(pki.client_cert)
+        open(key, "wb").write(pki.client_key)
+        tls = ["--tls-ca", pki.files["ca.pem"]]
+        assert main(["health", "--server", s.address, *tls, "--tls-cert", cert, "--tls-key", key]) == 0
+        assert main(["health", "--server", s.address, "--timeout", "2", *tls]) == 2
     finally:
         s.stop()
 

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from llmsvc.client.cli_common import add_connection_arguments, print_error
+from llmsvc.client.cli_common import credentials_from_args, add_connection_arguments, print_error
 
 # flag dest == proto field name; passed to Client.generate only when given
 _FIELD_FLAGS: tuple[tuple[str, type, str], ...] = (
@@ -124,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
         args.prompt = sys.stdin.read()
     try:
         kwargs = request_kwargs(args)
-        with Client(args.server, timeout=args.timeout, credentials=args.tls_ca, token=args.token) as client:
+        with Client(args.server, timeout=args.timeout, credentials=credentials_from_args(args), token=args.token) as client:
             _run(client, args, kwargs, sys.stdout)
     except LlmsvcError as err:
         print_error("llmsvc generate", err)

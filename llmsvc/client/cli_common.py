@@ -16,9 +16,28 @@ def add_connection_arguments(parser: argparse.ArgumentParser, *, token: bool = T
                         help="deadline for the call, seconds (default: %(default)s)")
     parser.add_argument("--tls-ca", default=None, metavar="FILE",
                         help="use TLS, trusting the PEM root certificates in FILE")
+    parser.add_argument("--tls-cert", default=None, metavar="FILE",
+                        help="PEM client certificate for mTLS (with --tls-key and --tls-ca)")
+    parser.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
     if token:
         parser.add_argument("--token", default=os.environ.get("LLMSVC_TOKEN"),
                             help="bearer token sent as `authorization` metadata (env LLMSVC_TOKEN)")
+
+
+def credentials_from_args(args: argparse.Namespace):
+    """None (plaintext), the CA file path (TLS), or mTLS channel credentials."""
+    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
+    if not (cert or key):
+        return args.tls_ca
+    if not (cert and key and args.tls_ca):
+        raise SystemExit("--tls-cert and --tls-key go together, and need --tls-ca")
+    import grpc
+
+    def read(path: str) -> bytes:
+        with open(os.path.expanduser(path), "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(read(args.tls_ca), read(key), read(cert))
 
 
 def print_error(prog: str, err) -> None:

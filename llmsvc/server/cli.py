@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("model", nargs="?", default=_env("model", None),
                    help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct GGUF) [LLMSVC_MODEL]")
-    opt("--host", str, "0.0.0.0", help="address to bind")
+    opt("--host", str, "127.0.0.1", help="address to bind (0.0.0.0: every interface, as in the container image)")
     opt("--port", int, 50051, help="port to bind (0 = any free port)")
     opt("--executor", str, "uniproc", choices=["uniproc", "multiproc", "tp"], help="where the model runs")
     opt("--tensor-parallel-size", int, 1, help="ranks for --executor tp")
