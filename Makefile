@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup serve test test-fast proto lint-proto bench clean
+.PHONY: setup serve test test-all proto clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,9 @@ serve: setup
 	$(VENV)/bin/llmsvc serve
 
 test: setup
+	$(VENV)/bin/pytest -q -m "not slow"
+
+test-all: setup
 	$(VENV)/bin/pytest -q
 
 proto: setup

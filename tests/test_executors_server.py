@@ -44,7 +44,9 @@ def _long_stream():
                               stopping=pb.StoppingCriteria(max_tokens=4000, ignore_eos=True))
 
 
-@pytest.mark.parametrize("executor,tp,victim", [("multiproc", 1, 0), ("tp", 2, 1)])
+# tp: slow; tests/test_executors.py kills a tp rank mid-generation at the executor level
+@pytest.mark.parametrize("executor,tp,victim", [("multiproc", 1, 0),
+                                                pytest.param("tp", 2, 1, marks=pytest.mark.slow)])
 def test_worker_sigkill_mid_stream_unavailable_not_serving_exit_nonzero(tiny_dir, executor, tp, victim):
     shm_before = shm_entries()
     srv, channel = serve(tiny_dir, "--executor", executor, "--tensor-parallel-size", str(tp))
@@ -89,6 +91,7 @@ def test_worker_sigkill_mid_stream_unavailable_not_serving_exit_nonzero(tiny_dir
         srv.kill()
 
 
+@pytest.mark.slow  # tests/test_shutdown.py covers SIGTERM with worker processes (multiproc)
 def test_sigterm_tp_server_leaves_no_child(tiny_dir):
     srv, channel = serve(tiny_dir, "--executor", "tp", "--tensor-parallel-size", "2", "--shutdown-grace", "0")
     try:
