@@ -138,7 +138,8 @@ def test_gauges_while_running_and_cancel_counts_abort():
 
 def test_preemptions_and_prefix_cache_hits_are_counted():
     # 8 blocks of 4 tokens: four requests of ~30 tokens each cannot all stay resident
-    s = ServerThread(fake_engine_factory(num_blocks=8, block_size=4), metrics_port=0)
+    # step_delay: a request lasts ~30 steps x 20 ms, so all four overlap and must share the pool
+    s = ServerThread(fake_engine_factory(num_blocks=8, block_size=4, step_delay=0.02), metrics_port=0)
     try:
         port = s.server.metrics_port
         results = []
