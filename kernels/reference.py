@@ -74,8 +74,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     query: [T, Hq, D]. Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1]
     (its last q_len tokens); query row j of it attends to cache positions 0..ctx-q_len+j,
     ctx = seq_lens[i]. The new tokens' K/V must already be in the cache (store_kv first).
-    Decode rows (q_len == 1) are batched into one call, GQA without expanding K/V (the G = Hq / Hkv
-    query heads of a KV head become G query rows); longer chunks are batched per (q_len, ctx).
+    GQA without expanding K/V: the G = Hq / Hkv query heads of a KV head become G query rows.
+    Decode rows (q_len == 1) are batched into one call; longer chunks run one by one.
     Returns [T, Hq, D] in query.dtype.
     """
     num_tokens, hq, d = query.shape
@@ -105,27 +105,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             out.copy_(o)
         else:
             out[rows] = o
-    # longer chunks: one call per group of sequences with the same (q_len, ctx)
-    groups: dict[tuple[int, int], list[int]] = {}
     for i, q_len in enumerate(q_lens):
-        if q_len > 1:
-            groups.setdefault((q_len, lens[i]), []).append(i)
-    for (q_len, ctx), members in groups.items():
-        n = len(members)
+        if q_len <= 1:
+            continue
+        ctx = lens[i]
         nblk = (ctx + bs - 1) // bs
-        bt = block_tables[members, :nblk] if n > 1 else block_tables[members[0]:members[0] + 1, :nblk]
-        k = _gather_blocks(k_cache, bt).flatten(1, 2)[:, :ctx].transpose(1, 2)  # [n, Hkv, ctx, D]
-        v = _gather_blocks(v_cache, bt).flatten(1, 2)[:, :ctx].transpose(1, 2)
-        q = torch.stack([query[qsl[i]:qsl[i + 1]] for i in members]) if n > 1 else \
-            query[qsl[members[0]]:qsl[members[0] + 1]].unsqueeze(0)  # [n, q_len, Hq, D]
-        q = q.transpose(1, 2).to(k.dtype)  # [n, Hq, q_len, D]
-        if q_len == ctx:  # no cached prefix: plain causal
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=g > 1)
-        else:  # bottom-right aligned causal mask: token j sees keys < ctx - q_len + j + 1
-            mask = (torch.arange(ctx, device=query.device)[None, :]
-                    <= torch.arange(ctx - q_len, ctx, device=query.device)[:, None])  # [q_len, ctx]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g > 1)
-        o = o.transpose(1, 2).to(out.dtype)  # [n, q_len, Hq, D]
-        for j, i in enumerate(members):
-            out[qsl[i]:qsl[i + 1]] = o[j]
+        k = _gather_blocks(k_cache, block_tables[i, :nblk]).flatten(0, 1)[:ctx].transpose(0, 1)  # [Hkv, ctx, D]
+        v = _gather_blocks(v_cache, block_tables[i, :nblk]).flatten(0, 1)[:ctx].transpose(0, 1)
+        # [q_len, Hq, D] -> [Hkv, G * q_len, D]: row (g, j) is query head h*G+g at new token j
+        q = query[qsl[i]:qsl[i + 1]].view(q_len, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * q_len, d)
+        # bottom-right aligned causal mask: token j sees keys < ctx - q_len + j + 1
+        mask = (torch.arange(ctx, device=query.device)[None, :]
+                <= torch.arange(ctx - q_len, ctx, device=query.device)[:, None])  # [q_len, ctx]
+        o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask.repeat(g, 1), scale=scale)
+        o = o.view(hkv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d)
+        out[qsl[i]:qsl[i + 1]] = o.to(out.dtype)
     return out

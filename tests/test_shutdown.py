@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmsvc.v1 import llmsvc_pb2 as pb
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
+from tests.executor_procs import descendants
 from tests.server_harness import EOS, IM_START, TINY_VOCAB, tiny_tokenizer
 
 SERVICE = "llmsvc.v1.LlmService"
@@ -31,31 +32,6 @@ def tiny_dir(tmp_path_factory):
                             bos_token_id=IM_START, pad_token_id=0, max_position_embeddings=4096)
     tiny_tokenizer().save_pretrained(d)
     return d
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live descendant of `pid` (Linux /proc)."""
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        for task in _listdir(f"/proc/{p}/task"):
-            try:
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    kids = [int(x) for x in f.read().split()]
-            except OSError:
-                continue
-            for k in kids:
-                if k not in out:
-                    out.add(k)
-                    todo.append(k)
-    return out
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
 
 
 def alive(pid: int) -> bool:
@@ -127,7 +103,7 @@ def _signal_mid_stream(srv: ServeProcess, sig: int, max_tokens: int):
     """Open a stream, send `sig` after its first message; returns (messages, children before the signal)."""
     call = srv.stub.Generate(_stream(max_tokens), timeout=120)
     msgs = [next(call)]
-    children = descendants(srv.proc.pid)
+    children = set(descendants(srv.proc.pid))
     srv.proc.send_signal(sig)
     deadline = time.monotonic() + 10
     while srv.status() != health_pb2.HealthCheckResponse.NOT_SERVING:  # draining, still answering
