@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmsvc.server.app import default_engine_factory
 from llmsvc.v1 import llmsvc_pb2 as pb
-from tests.server_harness import EOS, IM_START, TINY_VOCAB, ServerThread, tiny_tokenizer
+from tests.server_harness import ServerThread, make_tiny_served_model_dir
 
 SERVICE = "llmsvc.v1.LlmService"
 ST = pb.StoppingCriteria
@@ -29,11 +29,7 @@ NUM_BLOCKS = 24  # 384 tokens: two long requests already overflow it -> preempti
 
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random Llama (vocab 259 = the byte-level tiny tokenizer) saved with its tokenizer."""
-    from tests.model_utils import make_tiny_model_dir
-    d = make_tiny_model_dir(tmp_path_factory.mktemp("rel-tiny"), vocab_size=TINY_VOCAB, eos_token_id=EOS,
-                            bos_token_id=IM_START, pad_token_id=0)
-    tiny_tokenizer().save_pretrained(d)
-    return d
+    return make_tiny_served_model_dir(tmp_path_factory.mktemp("rel-tiny"))
 
 
 def tiny_config(model_dir: str, *, num_blocks: int = NUM_BLOCKS, max_num_seqs: int = 8,

@@ -43,6 +43,17 @@ def letters(tokens: list[int]) -> int:
     return 97 + next_token(tokens, 26)  # 'a'..'z'
 
 
+def make_tiny_served_model_dir(path, **cfg) -> str:
+    """A tiny random Llama whose vocabulary is tiny_tokenizer()'s, saved with that tokenizer:
+    a model directory `llmsvc serve` can load. `cfg` overrides config fields."""
+    from tests.model_utils import make_tiny_model_dir
+
+    d = make_tiny_model_dir(path, **{"vocab_size": TINY_VOCAB, "eos_token_id": EOS,
+                                     "bos_token_id": IM_START, "pad_token_id": 0, **cfg})
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
 def fake_engine_factory(*, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256,
                         max_num_seqs: int = 8, max_waiting_requests: int = 4096, step_delay: float = 0.0,
                         chat_template: bool = True, token_fn=letters, fail_after: int | None = None):

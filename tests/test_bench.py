@@ -79,11 +79,9 @@ def test_ceiling_from_parameter_counts(tmp_path):
 
 
 def test_bench_cli_offline_and_serve_on_a_tiny_model(tmp_path):
-    from server_harness import EOS, IM_START, TINY_VOCAB, tiny_tokenizer
+    from tests.server_harness import make_tiny_served_model_dir
 
-    d = make_tiny_model_dir(tmp_path / "m", arch="llama", vocab_size=TINY_VOCAB, eos_token_id=EOS,
-                            bos_token_id=IM_START, pad_token_id=0)
-    tiny_tokenizer().save_pretrained(d)
+    d = make_tiny_served_model_dir(tmp_path / "m")
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     cmd = [sys.executable, "-m", "llmsvc", "bench", str(d), "--num-requests", "4", "--input-len", "12",
            "--output-len", "5", "--mode", "both", "--compare-prefix-caching", "--sweep-concurrency", "2",

@@ -10,7 +10,7 @@ import pytest
 from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmsvc.server.app import default_engine_factory
 from llmsvc.v1 import llmsvc_pb2 as pb
-from tests.server_harness import EOS, IM_START, TINY_VOCAB, ServerThread, tiny_tokenizer
+from tests.server_harness import ServerThread, make_tiny_served_model_dir
 from tests.test_server import free_blocks_back
 
 ST = pb.StoppingCriteria
@@ -19,11 +19,7 @@ GREEDY = pb.SamplingParams(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from tests.model_utils import make_tiny_model_dir
-    d = make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), vocab_size=TINY_VOCAB, eos_token_id=EOS,
-                            bos_token_id=IM_START, pad_token_id=0)
-    tiny_tokenizer().save_pretrained(d)
-    return d
+    return make_tiny_served_model_dir(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

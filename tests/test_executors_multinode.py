@@ -16,16 +16,12 @@ from executors.multiproc import _free_port
 from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from llmsvc.models.resolve import resolve_model_config
 from test_executors import prompts_for, run
-from tests.server_harness import EOS, IM_START, TINY_VOCAB, tiny_tokenizer
+from tests.server_harness import TINY_VOCAB, make_tiny_served_model_dir
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from tests.model_utils import make_tiny_model_dir
-    d = make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), vocab_size=TINY_VOCAB, eos_token_id=EOS,
-                            bos_token_id=IM_START, pad_token_id=0)
-    tiny_tokenizer().save_pretrained(d)
-    return d
+    return make_tiny_served_model_dir(tmp_path_factory.mktemp("tiny"))
 
 
 def config(model_dir, port: int = 0, tp: int = 1, nnodes: int = 1) -> EngineConfig:

@@ -16,7 +16,7 @@ from executor_procs import LoggedProcess, alive, descendants, llmsvc_cmd, open_s
     worker_pids
 from llmsvc.v1 import llmsvc_pb2 as pb
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
-from tests.server_harness import EOS, IM_START, TINY_VOCAB, tiny_tokenizer
+from tests.server_harness import make_tiny_served_model_dir
 
 SERVICE = "llmsvc.v1.LlmService"
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -24,11 +24,7 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from tests.model_utils import make_tiny_model_dir
-    d = make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), vocab_size=TINY_VOCAB, eos_token_id=EOS,
-                            bos_token_id=IM_START, pad_token_id=0, max_position_embeddings=4096)
-    tiny_tokenizer().save_pretrained(d)
-    return d
+    return make_tiny_served_model_dir(tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096)
 
 
 def serve(model_dir: str, *extra: str) -> tuple[LoggedProcess, grpc.Channel]:

@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmsvc.v1 import llmsvc_pb2 as pb
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
-from tests.executor_procs import descendants
-from tests.server_harness import EOS, IM_START, TINY_VOCAB, tiny_tokenizer
+from tests.executor_procs import alive, descendants
+from tests.server_harness import make_tiny_served_model_dir
 
 SERVICE = "llmsvc.v1.LlmService"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,20 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from tests.model_utils import make_tiny_model_dir
-    d = make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), vocab_size=TINY_VOCAB, eos_token_id=EOS,
-                            bos_token_id=IM_START, pad_token_id=0, max_position_embeddings=4096)
-    tiny_tokenizer().save_pretrained(d)
-    return d
-
-
-def alive(pid: int) -> bool:
-    """True unless gone or a zombie (an orphan nobody reaped yet has finished all the same)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return make_tiny_served_model_dir(tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096)
 
 
 class ServeProcess:
