@@ -9,6 +9,9 @@ FROM ${PYTHON_IMAGE} AS cpu
 ARG TORCH_INDEX_URL=""
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 LLMSVC_CACHE=/cache LLMSVC_HOST=0.0.0.0 LLMSVC_PORT=50051
 WORKDIR /app
+# gcc: the native CPU kernels (kernels/cpu_ops) are compiled for the host CPU on first start
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"; \
     else pip install torch==2.13.0; fi
 COPY pyproject.toml README.md ./

@@ -3,8 +3,11 @@
 Model code calls only these functions. Each op runs its Triton kernel (through the
 `llmsvc::*` custom op, see `kernels/custom_ops.py`) when the tensors are on CUDA, or when
 the Triton path is forced (env LLMSVC_FORCE_TRITON=1 or `with force_triton():`, meant for
-tests under TRITON_INTERPRET=1); otherwise the torch reference in `kernels/reference.py` is
-called directly, with no custom-op layer in between (it costs ~10x a small CPU op).
+tests under TRITON_INTERPRET=1). On the CPU, paged attention runs the native kernel in
+`kernels/cpu_ops` (C + OpenMP, reads K/V in place) when it is built and takes the inputs,
+and fp32 linear layers multiply MKL-packed weights (`pack_linear_weight` at load);
+everything else calls the torch reference in `kernels/reference.py` directly, with no
+custom-op layer in between (it costs ~10x a small CPU op).
 Importing this module works without a GPU and without triton (then only the reference runs).
 """
 from __future__ import annotations
@@ -14,8 +17,11 @@ import os
 from typing import Iterator, Optional
 
 import torch
+import torch.nn.functional as F
 
 from kernels import reference as _ref
+from kernels.cpu_ops import attention as _cpu_attn
+from kernels.cpu_ops import linear as _cpu_linear
 from kernels.triton_ops import HAS_TRITON, INTERPRET
 
 if HAS_TRITON:
@@ -90,5 +96,22 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if _use_triton(query):
         return _tri.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc,
                                     seq_lens, scale, max_query_len, max_seq_len)
+    if _cpu_attn.supports(query, k_cache):
+        return _cpu_attn.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc,
+                                    seq_lens, scale)
     return _ref.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc,
                                 seq_lens, scale)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """Called once after loading: a pre-packed copy of a linear weight [N, K] for `linear`,
+    or None where the plain path is used (CUDA, non-fp32, no MKL, LLMSVC_CPU_KERNELS=0)."""
+    return _cpu_linear.pack(weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           packed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); `packed` (from pack_linear_weight) selects the CPU packed GEMM."""
+    if packed is not None and x.device.type == "cpu":
+        return _cpu_linear.linear(x, weight, bias, packed)
+    return F.linear(x, weight, bias)

@@ -240,4 +240,7 @@ def build_model(model_config: ModelConfig, device: str | torch.device = "cpu", d
     with torch.device(device):
         model = cls(model_config.hf_config, torch_dtype, model_config.max_model_len)
     model.load_weights(model_config.model_dir)
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
     return model.eval()

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import ops
 from llmsvc.models.parallel import (get_tp_rank, get_tp_world_size,
                                     tensor_model_parallel_all_gather,
                                     tensor_model_parallel_all_reduce)
@@ -48,15 +49,21 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection sharded by vocab; with tied embeddings the model shares the
     embedding's parameter (`tie_weights`)."""
 
+    packed_weight: torch.Tensor | None = None  # set by process_weights_after_loading
+
     def tie_weights(self, embed: VocabParallelEmbedding) -> None:
         self.weight = embed.weight
+
+    def process_weights_after_loading(self) -> None:
+        """Pre-pack the (possibly tied) weight for the CPU GEMM; the embedding keeps the original."""
+        self.packed_weight = ops.pack_linear_weight(self.weight.data)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("use compute_logits")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] -> [S, vocab] float32, the full vocabulary on every rank
-        logits = F.linear(hidden, self.weight)
+        logits = ops.linear(hidden, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings].float()

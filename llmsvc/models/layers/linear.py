@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from kernels import ops
 from llmsvc.models.parallel import (divide, get_tp_rank, get_tp_world_size,
                                     tensor_model_parallel_all_reduce)
 
@@ -41,12 +41,17 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.packed_weight: torch.Tensor | None = None  # set by process_weights_after_loading
+
+    def process_weights_after_loading(self) -> None:
+        """Once the weights are final: pre-pack them for the CPU GEMM where that applies."""
+        self.packed_weight = ops.pack_linear_weight(self.weight.data)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ReplicatedLinear(LinearBase):
@@ -155,7 +160,7 @@ class RowParallelLinear(LinearBase):
         _copy(param, loaded_weight.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = ops.linear(x, self.weight, None, self.packed_weight)
         if self.reduce_results and self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:

@@ -1,0 +1,7 @@
+"""CPU fast paths for the ops where plain torch loses most; `kernels/ops.py` picks them.
+
+  attention.py  paged attention read in place (native C kernel, built by build.py)
+  linear.py     linear layers on MKL-packed weights (no per-call weight repacking)
+
+Each has the torch reference in `kernels/reference.py` as its ground truth and fallback.
+"""

@@ -1,0 +1,54 @@
+"""Paged attention on the CPU through the native kernel (`paged_attention.c`).
+
+The torch reference runs it as a gather of every sequence's K/V blocks followed by SDPA
+(two extra copies of the cache per layer); the kernel reads K/V in place through the
+block table, fp32 math, fp32 or bf16 storage.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu_ops.build import load
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """True when `paged_attention` can take these tensors (CPU, fp32 / bf16, one dtype,
+    head_dim a multiple of 16 up to 512)."""
+    return (query.device.type == "cpu" and query.dtype in _DTYPES and k_cache.dtype == query.dtype
+            and query.shape[-1] % 16 == 0 and query.shape[-1] <= 512 and available())
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as `kernels.reference.paged_attention`; query: [T, Hq, D] (rows may be
+    strided, heads contiguous), caches [num_blocks, block_size, Hkv, D] contiguous."""
+    lib = load()
+    t, hq, d = query.shape
+    nb, bs, hkv, dk = k_cache.shape
+    if lib is None or not supports(query, k_cache):
+        raise RuntimeError("CPU paged attention: unsupported input or kernels not built")
+    if query.stride(2) != 1 or query.stride(1) != d:
+        query = query.contiguous()
+    assert dk == d and v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and hq % hkv == 0
+    bt = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    if bt.stride(-1) != 1:
+        bt = bt.contiguous()
+    qsl = query_start_loc.to(torch.int32).contiguous()
+    sl = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty((t, hq, d), dtype=query.dtype)
+    rc = lib.llmsvc_paged_attention(_DTYPES[query.dtype], query.data_ptr(), query.stride(0),
+                                    k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
+                                    bt.stride(0), qsl.data_ptr(), sl.data_ptr(), sl.shape[0],
+                                    hq, hkv, d, bs, float(scale), out.data_ptr(),
+                                    torch.get_num_threads())
+    if rc != 0:
+        raise ValueError("CPU paged attention rejected its arguments (q_len > seq_len, or bad shapes)")
+    return out

@@ -1,0 +1,105 @@
+"""Builds and loads the native CPU kernels (`*.c` here, C + OpenMP, called through ctypes).
+
+The C source is compiled on first use with the system C compiler (`cc`, or $CC) for this
+machine (-march=native) into $LLMSVC_CACHE/kernels/<key>/ (default ~/.cache/llmsvc), key =
+hash of source, flags, compiler and CPU flags; later processes load the cached library.
+The build is atomic (temp dir + rename), so concurrent workers are safe.
+
+If no compiler is found, or LLMSVC_CPU_KERNELS=0, `load()` returns None and
+`kernels/ops.py` uses the torch reference (`kernels/reference.py`, also the ground truth
+the tests compare against).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("paged_attention.c")
+# -ffast-math only at compile time: linking with it would pull in crtfastmath.o, which
+# flips the whole process's FPU to flush-to-zero when the library loads.
+_CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall"]
+_LDFLAGS = ["-shared", "-fopenmp", "-lm"]
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_tried = False
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("LLMSVC_CPU_KERNELS", "1") not in ("", "0")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> Optional[str]:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LLMSVC_CACHE") or os.path.join("~", ".cache", "llmsvc")
+    return Path(os.path.expanduser(root)) / "kernels"
+
+
+def build(force: bool = False) -> Path:
+    """Compile (or find in the cache) the shared library; returns its path. Raises on failure."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc / gcc / $CC) found")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256("\0".join([_SRC.read_text(), *_CFLAGS, *_LDFLAGS, *version, _cpu_flags(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    out = _cache_dir() / key / "libllmsvc_cpu.so"
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        obj, so = os.path.join(tmp, "k.o"), os.path.join(tmp, "k.so")
+        for cmd in ([cc, *_CFLAGS, "-c", str(_SRC), "-o", obj], [cc, obj, *_LDFLAGS, "-o", so]):
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr}")
+        os.replace(so, out)
+    logger.info("built CPU kernels %s", out)
+    return out
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The library with its argtypes set, built on first call; None if unavailable (logged once)."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if not enabled_by_env():
+            return None
+        try:
+            lib = ctypes.CDLL(str(build()))
+        except Exception as e:  # no compiler, read-only cache, ...: the reference still works
+            logger.warning("CPU kernels unavailable, using the torch reference: %s", e)
+            return None
+        f = lib.llmsvc_paged_attention
+        i64, vp = ctypes.c_int64, ctypes.c_void_p
+        f.argtypes = [ctypes.c_int, vp, i64, vp, vp, vp, i64, vp, vp, i64, i64, i64, i64, i64,
+                      ctypes.c_float, vp, ctypes.c_int]
+        f.restype = ctypes.c_int
+        _lib = lib
+        return lib

@@ -1,0 +1,235 @@
+/* Paged attention for the CPU: reads K/V in place through the block table (no gather).
+ *
+ * Same contract as kernels/reference.py::paged_attention (the ground truth):
+ *   q:           [T, Hq, D]  row stride q_stride (elements), heads contiguous
+ *   k/v cache:   [num_blocks, BS, Hkv, D] contiguous
+ *   block_table: [B, bt_stride] int32
+ *   qsl:         [B + 1] int32 cumulative query lengths; seq_lens: [B] int32 (incl. new tokens)
+ *   out:         [T, Hq, D] contiguous
+ * Sequence i's query row j (of q_len) attends to cache positions 0 .. ctx - q_len + j.
+ * GQA: the G = Hq / Hkv query heads of KV head h share every K/V row load.
+ * D must be a multiple of 16 (checked by the caller and here).
+ *
+ * Work item = (sequence, tile of up to ROWS query rows), all KV heads in turn; per head
+ * nq = rows * G query vectors. Items run in parallel with OpenMP (torch's libgomp is already loaded, so both
+ * share one thread pool). Per item, in fp32 (bf16 is widened on load, rounded RNE on store):
+ *   pass 1  scores[a, s] = scale * q_a . k_s, 16 keys at a time: each key gives a vector of
+ *           16 partial sums, and a 4-level shuffle tree turns 16 such vectors into the 16
+ *           scores (no per-key horizontal reduction); the next 16 K and V rows are
+ *           prefetched (block-table order defeats the hardware prefetcher);
+ *   softmax over the keys each vector may see (causal limit per query row);
+ *   pass 2  acc[a] = sum_s p[a, s] * v_s, reading each V row once for all nq vectors.
+ * Written with GCC/Clang vector extensions: 512-bit registers on AVX-512, split otherwise.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+#define ROWS 4      /* query rows per work item (prefill tiles) */
+#define MAX_NC 32   /* D / 16 bound: head_dim <= 512 */
+
+/* Row of D = 16 * nc elements at p (fp32 or bf16) -> nc fp32 vectors. */
+static inline void load_row(const void *p, int bf16, int64_t nc, v16 *dst) {
+    if (!bf16) {
+        for (int64_t c = 0; c < nc; c++) dst[c] = *(const v16 *)((const float *)p + 16 * c);
+    } else {
+        for (int64_t c = 0; c < nc; c++) {
+            v16u u = __builtin_convertvector(*(const v16h *)((const uint16_t *)p + 16 * c), v16u);
+            dst[c] = (v16)(u << 16);
+        }
+    }
+}
+
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* x, y: vectors whose lanes, in segments of 2g, hold two partial sums (lanes i and g+i) for
+ * g keys each; returns segments of 2g lanes: g summed keys from x, then g from y. */
+#define COMBINE(x, y, lo, hi) (__builtin_shuffle((x), (y), (lo)) + __builtin_shuffle((x), (y), (hi)))
+static const v16i LO1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+static const v16i HI1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+static const v16i LO2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+static const v16i HI2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+static const v16i LO4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+static const v16i HI4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+static const v16i LO8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+static const v16i HI8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+
+/* p[j]: 16 partial-sum vectors, one per key j -> lane j holds the full sum of key j. */
+static inline v16 reduce16(const v16 *p) {
+    v16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) a[i] = COMBINE(p[2 * i], p[2 * i + 1], LO1, HI1);
+    for (int i = 0; i < 4; i++) b[i] = COMBINE(a[2 * i], a[2 * i + 1], LO2, HI2);
+    for (int i = 0; i < 2; i++) c[i] = COMBINE(b[2 * i], b[2 * i + 1], LO4, HI4);
+    return COMBINE(c[0], c[1], LO8, HI8);
+}
+
+typedef struct {
+    int32_t seq, row0, nrows, head; /* head < 0: every KV head in turn */
+} item_t;
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    void *out;
+    const int32_t *block_table, *qsl, *seq_lens;
+    int64_t q_stride, bt_stride, Hq, Hkv, D, BS;
+    float scale;
+    int bf16;
+} args_t;
+
+/* ws: per-thread fp32 workspace, ROWS*G * (max_keys + 16) scores + 2 * ROWS*G * D.
+ * Always inlined into run_item_<nc> below, so the common head sizes get constant trip counts. */
+static inline __attribute__((always_inline)) void run_head(const args_t *A, const item_t *it, int64_t head,
+                                                           float *ws, int64_t max_keys, const int64_t nc) {
+    const int64_t G = A->Hq / A->Hkv, nq = (int64_t)it->nrows * G, D = 16 * nc;
+    const int64_t esz = A->bf16 ? 2 : 4, row_stride = A->Hkv * D; /* elements between keys */
+    const int64_t q0 = A->qsl[it->seq], q_len = A->qsl[it->seq + 1] - q0;
+    const int64_t ctx = A->seq_lens[it->seq], first_lim = ctx - q_len + it->row0 + 1;
+    const int64_t n_max = first_lim + it->nrows - 1; /* keys seen by the tile's last row */
+    const int64_t n_pad = (n_max + 15) & ~(int64_t)15, sstride = max_keys + 16;
+    const int32_t *table = A->block_table + (int64_t)it->seq * A->bt_stride;
+    float *scores = ws;                              /* [nq, sstride] */
+    v16 *qv = (v16 *)(ws + ROWS * G * sstride);      /* [nq, nc] */
+    v16 *acc = qv + ROWS * G * nc;                   /* [nq, nc] */
+    const char *kbase = (const char *)A->k_cache, *vbase = (const char *)A->v_cache;
+#define ROW_PTR(base, s) ((const void *)((base) + esz * (((int64_t)table[(s) / A->BS] * A->BS \
+                                                            + (s) % A->BS) * row_stride + head * D)))
+
+    for (int64_t a = 0; a < nq; a++) {
+        const int64_t r = a / G, g = a % G;
+        const char *src = (const char *)A->q + esz * ((q0 + it->row0 + r) * A->q_stride + (head * G + g) * D);
+        load_row(src, A->bf16, nc, qv + a * nc);
+        for (int64_t c = 0; c < nc; c++) qv[a * nc + c] *= A->scale;
+    }
+    /* pass 1 */
+    for (int64_t s0 = 0; s0 < n_pad; s0 += 16) {
+        v16 part[16];
+        v16 k[16][MAX_NC];
+        const int64_t kn = n_max - s0 < 16 ? n_max - s0 : 16;
+        for (int64_t j = 0; j < 16 && s0 + 16 + j < n_max; j++) { /* next group's K and V rows */
+            const char *pk = (const char *)ROW_PTR(kbase, s0 + 16 + j), *pv = (const char *)ROW_PTR(vbase, s0 + 16 + j);
+            for (int64_t c = 0; c < esz * D; c += 64) {
+                __builtin_prefetch(pk + c);
+                __builtin_prefetch(pv + c, 0, 2);
+            }
+        }
+        for (int64_t j = 0; j < 16; j++) {
+            if (j < kn) load_row(ROW_PTR(kbase, s0 + j), A->bf16, nc, k[j]);
+            else for (int64_t c = 0; c < nc; c++) k[j][c] = (v16){0};
+        }
+        for (int64_t a = 0; a < nq; a++) {
+            const v16 *qa = qv + a * nc;
+            for (int64_t j = 0; j < 16; j++) {
+                v16 p = qa[0] * k[j][0];
+                for (int64_t c = 1; c < nc; c++) p += qa[c] * k[j][c];
+                part[j] = p;
+            }
+            *(v16 *)(scores + a * sstride + s0) = reduce16(part);
+        }
+    }
+    /* softmax over each vector's visible keys; the rest (up to n_max) get weight 0 */
+    for (int64_t a = 0; a < nq; a++) {
+        const int64_t lim = first_lim + a / G;
+        float *sc = scores + a * sstride, m = sc[0], sum = 0.f;
+        for (int64_t s = 1; s < lim; s++) m = sc[s] > m ? sc[s] : m;
+        for (int64_t s = 0; s < lim; s++) { sc[s] = expf(sc[s] - m); sum += sc[s]; }
+        const float inv = 1.f / sum;
+        for (int64_t s = 0; s < lim; s++) sc[s] *= inv;
+        for (int64_t s = lim; s < n_max; s++) sc[s] = 0.f;
+        for (int64_t c = 0; c < nc; c++) acc[a * nc + c] = (v16){0};
+    }
+    /* pass 2 */
+    for (int64_t s = 0; s < n_max; s++) {
+        v16 v[MAX_NC];
+        load_row(ROW_PTR(vbase, s), A->bf16, nc, v);
+        for (int64_t a = 0; a < nq; a++) {
+            const float p = scores[a * sstride + s];
+            for (int64_t c = 0; c < nc; c++) acc[a * nc + c] += p * v[c];
+        }
+    }
+#undef ROW_PTR
+    for (int64_t a = 0; a < nq; a++) {
+        const int64_t r = a / G, g = a % G;
+        const int64_t dst = ((q0 + it->row0 + r) * A->Hq + head * G + g) * D;
+        if (!A->bf16) {
+            for (int64_t c = 0; c < nc; c++) *(v16 *)((float *)A->out + dst + 16 * c) = acc[a * nc + c];
+        } else {
+            const float *f = (const float *)(acc + a * nc);
+            for (int64_t d = 0; d < D; d++) ((uint16_t *)A->out)[dst + d] = bf16_round(f[d]);
+        }
+    }
+}
+
+/* One item = every KV head of one (sequence, row tile): the heads of a cache row share its
+ * cache lines, so the later heads find their K/V rows in L2. With few tiles (a lone long
+ * decode) items are split per head instead, to keep every thread busy. */
+#define DEFINE_RUN_ITEM(NAME, NC)                                                              \
+    static void NAME(const args_t *A, const item_t *it, float *ws, int64_t mk) {             \
+        if (it->head >= 0) run_head(A, it, it->head, ws, mk, (NC));                           \
+        else for (int64_t h = 0; h < A->Hkv; h++) run_head(A, it, h, ws, mk, (NC));           \
+    }
+DEFINE_RUN_ITEM(run_item_4, 4)
+DEFINE_RUN_ITEM(run_item_8, 8)
+DEFINE_RUN_ITEM(run_item_any, A->D / 16)
+
+/* Returns 0 on success, -1 on a bad argument or no memory (the wrapper checks shapes first). */
+int llmsvc_paged_attention(int dtype /* 0 = f32, 1 = bf16 */, const void *q, int64_t q_stride,
+                           const void *k_cache, const void *v_cache, const int32_t *block_table,
+                           int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
+                           int64_t num_seqs, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
+                           float scale, void *out, int num_threads) {
+    if (D <= 0 || D % 16 || D / 16 > MAX_NC || BS <= 0 || Hkv <= 0 || Hq % Hkv) return -1;
+    const args_t A = {q, k_cache, v_cache, out, block_table, qsl, seq_lens,
+                      q_stride, bt_stride, Hq, Hkv, D, BS, scale, dtype == 1};
+    int64_t n_items = 0, max_keys = 1;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        const int64_t q_len = qsl[i + 1] - qsl[i];
+        if (q_len < 0 || q_len > seq_lens[i]) return -1;
+        n_items += (q_len + ROWS - 1) / ROWS;
+        if (seq_lens[i] > max_keys) max_keys = seq_lens[i];
+    }
+    if (n_items == 0) return 0;
+    const int per_head = n_items < 4 * (int64_t)num_threads && Hkv > 1;
+    if (per_head) n_items *= Hkv;
+    item_t *items = (item_t *)malloc(sizeof(item_t) * n_items);
+    if (!items) return -1;
+    int64_t n = 0;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        const int64_t q_len = qsl[i + 1] - qsl[i];
+        for (int64_t r = 0; r < q_len; r += ROWS)
+            for (int64_t h = per_head ? 0 : -1; h < (per_head ? Hkv : 0); h++) {
+                item_t t = {(int32_t)i, (int32_t)r, (int32_t)(q_len - r < ROWS ? q_len - r : ROWS), (int32_t)h};
+                items[n++] = t;
+            }
+    }
+    const int64_t G = Hq / Hkv;
+    const size_t ws_floats = (size_t)(ROWS * G) * (size_t)(max_keys + 16 + 2 * D);
+    void (*fn)(const args_t *, const item_t *, float *, int64_t) =
+        D == 64 ? run_item_4 : D == 128 ? run_item_8 : run_item_any;
+    int rc = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *ws = (float *)aligned_alloc(64, ((ws_floats * sizeof(float)) + 63) & ~(size_t)63);
+        if (!ws) {
+#pragma omp atomic write
+            rc = -1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t x = 0; x < n_items; x++)
+            if (ws) fn(&A, &items[x], ws, max_keys);
+        free(ws);
+    }
+    free(items);
+    return rc;
+}

@@ -1,0 +1,130 @@
+"""The CPU fast paths in kernels/cpu_ops against the torch reference.
+
+The native paged attention reads the NaN-guarded caches of PagedBatch directly (a read of
+any slot no sequence owns, or past a buffer, shows up as NaN); the reference gets the
+cleaned copy. The packed GEMM is checked against F.linear for every batch size class.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import ops, reference as ref
+from kernels.cpu_ops import attention, build, linear
+from kernel_utils import TOL, PagedBatch
+
+
+def test_native_kernels_build_here():
+    # CI machines have a C compiler: the fast path must really be exercised, not skipped
+    assert attention.available(), "kernels/cpu_ops failed to build (see the warning logged)"
+    assert build.build() == build.build()  # second call: the cached library
+
+
+def _check(batch: PagedBatch, dtype, threads=None):
+    prev = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        out = attention.paged_attention(*batch.args())
+    finally:
+        torch.set_num_threads(prev)
+    expected = ref.paged_attention(*batch.clean_args())
+    assert out.shape == batch.query.shape and out.dtype == dtype
+    assert not torch.isnan(out).any(), "NaN in the output: a read outside the sequence's slots"
+    torch.testing.assert_close(out.float(), expected.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 2)])  # GQA ratios 1, 3, 4
+def test_decode(dtype, hq, hkv):
+    seqs = [(1, 1), (15, 1), (16, 1), (17, 1), (100, 1), (250, 1)]
+    _check(PagedBatch(seqs, hq, hkv, 64, dtype=dtype, seed=hq), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_chunks_and_mixed_batch(dtype):
+    # fresh prompts, chunks after a cached prefix, and decodes in one call; q_len not a
+    # multiple of the 4-row tile
+    seqs = [(15, 15), (16, 16), (17, 17), (100, 20), (40, 17), (33, 1), (70, 70), (1, 1)]
+    _check(PagedBatch(seqs, 6, 2, 64, dtype=dtype, seed=3), dtype)
+
+
+@pytest.mark.parametrize("block_size", [16, 8, 32])
+def test_block_sizes(block_size):
+    seqs = [(100, 20), (47, 1), (33, 16), (5, 5)]
+    _check(PagedBatch(seqs, 6, 2, 64, block_size=block_size, seed=4), torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [16, 48, 128, 256])
+def test_head_dims(head_dim):
+    seqs = [(23, 23), (50, 1), (40, 9)]
+    _check(PagedBatch(seqs, 4, 2, head_dim, seed=head_dim), torch.float32)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_counts_and_per_head_split(threads):
+    # one long decode (few items: split per head) and a wide batch (one item per sequence)
+    _check(PagedBatch([(300, 1)], 8, 4, 64, seed=5), torch.float32, threads)
+    _check(PagedBatch([(30 + i, 1) for i in range(24)], 8, 4, 64, seed=6), torch.float32, threads)
+
+
+def test_unsupported_inputs_take_the_reference():
+    batch = PagedBatch([(23, 23), (50, 1)], 3, 1, 40, seed=7)  # head_dim 40: not a multiple of 16
+    assert not attention.supports(batch.query, batch.k_cache)
+    out = ops.paged_attention(*batch.clean_args())  # dispatch falls back to the reference
+    torch.testing.assert_close(out, ref.paged_attention(*batch.clean_args()), **TOL[torch.float32])
+    half = PagedBatch([(10, 1)], 2, 1, 64, dtype=torch.float16, seed=8)
+    assert not attention.supports(half.query, half.k_cache)
+
+
+def test_rejects_query_longer_than_context():
+    batch = PagedBatch([(10, 4)], 2, 1, 64, seed=9)
+    batch.seq_lens[0] = 3
+    with pytest.raises(ValueError, match="q_len > seq_len"):
+        attention.paged_attention(*batch.args())
+
+
+def _run_python(code: str, **env) -> subprocess.CompletedProcess:
+    full = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_disabled_by_env_uses_the_reference():
+    r = _run_python("from kernels.cpu_ops import attention, linear; import torch;"
+                    "print(attention.available(), linear.pack(torch.ones(4, 4)) is None)",
+                    LLMSVC_CPU_KERNELS="0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "True"]
+
+
+def test_no_compiler_falls_back_with_a_warning(tmp_path):
+    r = _run_python("import logging; logging.basicConfig();"
+                    "from kernels.cpu_ops import attention; print(attention.available())",
+                    CC=str(tmp_path / "no-such-cc"), PATH=str(tmp_path), LLMSVC_CACHE=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+    assert "CPU kernels unavailable" in r.stderr
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 200, 1024])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_f_linear(m, with_bias):
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(96, 80, generator=g)
+    b = torch.randn(96, generator=g) if with_bias else None
+    x = torch.randn(m, 80, generator=g)
+    packed = linear.pack(w)
+    assert packed is not None
+    out = ops.linear(x, w, b, packed)
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_pack_applies_to_cpu_fp32_only():
+    assert linear.pack(torch.ones(8, 8, dtype=torch.bfloat16)) is None
+    assert ops.linear(torch.ones(0, 8), torch.ones(4, 8), None, linear.pack(torch.ones(4, 8))).shape == (0, 4)
