@@ -3,10 +3,10 @@
 Model code calls only these functions. Each op runs its Triton kernel (through the
 `llmsvc::*` custom op, see `kernels/custom_ops.py`) when the tensors are on CUDA, or when
 the Triton path is forced (env LLMSVC_FORCE_TRITON=1 or `with force_triton():`, meant for
-tests under TRITON_INTERPRET=1). On the CPU, paged attention runs the native kernel in
-`kernels/cpu_ops` (C + OpenMP, reads K/V in place) when it is built and takes the inputs,
-and fp32 linear layers multiply MKL-packed weights (`pack_linear_weight` at load);
-everything else calls the torch reference in `kernels/reference.py` directly, with no
+tests under TRITON_INTERPRET=1). On the CPU, the native kernels in `kernels/cpu_ops`
+(C + OpenMP: paged attention reading K/V in place, one-pass norms, RoPE and SiLU-and-mul)
+run when they are built and take the inputs, and fp32 linear layers multiply MKL-packed
+weights (`pack_linear_weight` at load); anything else calls the torch reference in `kernels/reference.py` directly, with no
 custom-op layer in between (it costs ~10x a small CPU op).
 Importing this module works without a GPU and without triton (then only the reference runs).
 """
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from kernels import reference as _ref
 from kernels.cpu_ops import attention as _cpu_attn
+from kernels.cpu_ops import elementwise as _cpu_ew
 from kernels.cpu_ops import linear as _cpu_linear
 from kernels.triton_ops import HAS_TRITON, INTERPRET
 
@@ -58,6 +59,8 @@ def _use_triton(t: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _use_triton(x):
         return _tri.rms_norm(x, weight, eps)
+    if _cpu_ew.supports(x, weight.view(1, -1)):
+        return _cpu_ew.rms_norm(x, weight, eps)
     return _ref.rms_norm(x, weight, eps)
 
 
@@ -65,12 +68,16 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(x):
         return _tri.fused_add_rms_norm(x, residual, weight, eps)
+    if _cpu_ew.supports(x, residual, weight.view(1, -1)):
+        return _cpu_ew.fused_add_rms_norm(x, residual, weight, eps)
     return _ref.fused_add_rms_norm(x, residual, weight, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _use_triton(x):
         return _tri.silu_and_mul(x)
+    if _cpu_ew.supports(x):
+        return _cpu_ew.silu_and_mul(x)
     return _ref.silu_and_mul(x)
 
 
@@ -78,6 +85,8 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
                      cos_sin_cache: torch.Tensor, head_size: int) -> None:
     if _use_triton(query):
         return _tri.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
+    if _cpu_ew.supports(query, key):
+        return _cpu_ew.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
     return _ref.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
 
 

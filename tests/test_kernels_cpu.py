@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import ops, reference as ref
-from kernels.cpu_ops import attention, build, linear
+from kernels.cpu_ops import attention, build, elementwise, linear
 from kernel_utils import TOL, PagedBatch
 
 
@@ -128,3 +128,69 @@ def test_packed_linear_matches_f_linear(m, with_bias):
 def test_pack_applies_to_cpu_fp32_only():
     assert linear.pack(torch.ones(8, 8, dtype=torch.bfloat16)) is None
     assert ops.linear(torch.ones(0, 8), torch.ones(4, 8), None, linear.pack(torch.ones(4, 8))).shape == (0, 4)
+
+
+# -- one-pass elementwise ops (elementwise.c) -----------------------------------------------
+
+EW_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+EW_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _rows(t: int, h: int, dtype, seed: int, pad: int = 0) -> torch.Tensor:
+    """[t, h] with row stride h + pad (the pad holds NaN, so a stride bug shows up)."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.full((t, h + pad), float("nan"), dtype=dtype)
+    buf[:, :h] = (torch.randn(t, h, generator=g) * 3).to(dtype)
+    return buf[:, :h]
+
+
+@pytest.mark.parametrize("dtype", EW_DTYPES)
+@pytest.mark.parametrize("t,h", [(1, 64), (7, 576), (300, 200), (0, 64)])
+def test_rms_norm_and_fused_add(dtype, t, h):
+    x, res = _rows(t, h, dtype, 1, pad=5), _rows(t, h, dtype, 2, pad=3)
+    w = _rows(1, h, dtype, 3)[0]
+    assert elementwise.supports(x, res, w.view(1, -1))
+    torch.testing.assert_close(elementwise.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), **EW_TOL[dtype])
+    out, s = elementwise.fused_add_rms_norm(x, res, w, 1e-5)
+    out_ref, s_ref = ref.fused_add_rms_norm(x, res, w, 1e-5)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)  # one rounding of the sum, as the reference
+    torch.testing.assert_close(out, out_ref, **EW_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", EW_DTYPES)
+@pytest.mark.parametrize("t,d", [(1, 32), (64, 1536), (129, 100)])
+def test_silu_and_mul(dtype, t, d):
+    x = _rows(t, 2 * d, dtype, 4, pad=7)
+    torch.testing.assert_close(elementwise.silu_and_mul(x), ref.silu_and_mul(x), **EW_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", EW_DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,rot", [(9, 3, 64, 64), (4, 1, 128, 64), (2, 2, 32, 16)])
+def test_rotary_embedding_in_place_on_strided_views(dtype, hq, hkv, d, rot):
+    t = 37
+    qkv = _rows(t, (hq + 2 * hkv) * d, dtype, 5)
+    cache = torch.randn(4096, rot, generator=torch.Generator().manual_seed(6))
+    positions = torch.randint(0, 4096, (t,), generator=torch.Generator().manual_seed(7))
+    expected = qkv.clone()
+    ref.rotary_embedding(positions, expected[:, :hq * d], expected[:, hq * d:(hq + hkv) * d], cache, d)
+    elementwise.rotary_embedding(positions, qkv[:, :hq * d], qkv[:, hq * d:(hq + hkv) * d], cache, d)
+    torch.testing.assert_close(qkv, expected, **EW_TOL[dtype])  # v untouched, q and k rotated
+
+
+def test_rotary_rejects_out_of_range_positions():
+    q, k = torch.zeros(2, 64), torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="out of range"):
+        elementwise.rotary_embedding(torch.tensor([0, 10]), q, k, torch.zeros(10, 64), 64)
+
+
+def test_ops_dispatch_uses_the_native_kernels(monkeypatch):
+    calls = []
+    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"):
+        fn = getattr(elementwise, name)
+        monkeypatch.setattr(elementwise, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+    x, w = torch.randn(3, 64), torch.ones(64)
+    ops.rms_norm(x, w, 1e-6)
+    ops.fused_add_rms_norm(x, x.clone(), w, 1e-6)
+    ops.silu_and_mul(torch.randn(3, 128))
+    ops.rotary_embedding(torch.arange(3), x, x.clone(), torch.zeros(8, 64), 64)
+    assert calls == ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"]

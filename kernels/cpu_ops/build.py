@@ -1,6 +1,6 @@
 """Builds and loads the native CPU kernels (`*.c` here, C + OpenMP, called through ctypes).
 
-The C source is compiled on first use with the system C compiler (`cc`, or $CC) for this
+The C sources are compiled on first use with the system C compiler (`cc`, or $CC) for this
 machine (-march=native) into $LLMSVC_CACHE/kernels/<key>/ (default ~/.cache/llmsvc), key =
 hash of source, flags, compiler and CPU flags; later processes load the cached library.
 The build is atomic (temp dir + rename), so concurrent workers are safe.
@@ -25,11 +25,22 @@ from typing import Optional
 
 logger = logging.getLogger(__name__)
 
-_SRC = Path(__file__).with_name("paged_attention.c")
+_SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # all linked into one library
 # -ffast-math only at compile time: linking with it would pull in crtfastmath.o, which
 # flips the whole process's FPU to flush-to-zero when the library loads.
 _CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall"]
 _LDFLAGS = ["-shared", "-fopenmp", "-lm"]
+
+_i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+# every exported function returns int (0 = ok, -1 = rejected arguments); the first arg is the dtype
+_SIGNATURES = {
+    "llmsvc_paged_attention": [_i, _p, _i64, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64,
+                               _f, _p, _i],
+    "llmsvc_rms_norm": [_i, _p, _i64, _p, _p, _i64, _i64, _f, _i],
+    "llmsvc_fused_add_rms_norm": [_i, _p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _f, _i],
+    "llmsvc_silu_and_mul": [_i, _p, _i64, _p, _i64, _i64, _i],
+    "llmsvc_rotary_neox": [_i, _p, _p, _i64, _i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _i],
+}
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -65,15 +76,17 @@ def build(force: bool = False) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler (cc / gcc / $CC) found")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256("\0".join([_SRC.read_text(), *_CFLAGS, *_LDFLAGS, *version, _cpu_flags(),
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in _SOURCES), *_CFLAGS, *_LDFLAGS, *version, _cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     out = _cache_dir() / key / "libllmsvc_cpu.so"
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, so = os.path.join(tmp, "k.o"), os.path.join(tmp, "k.so")
-        for cmd in ([cc, *_CFLAGS, "-c", str(_SRC), "-o", obj], [cc, obj, *_LDFLAGS, "-o", so]):
+        objs = [os.path.join(tmp, p.stem + ".o") for p in _SOURCES]
+        so = os.path.join(tmp, "k.so")
+        cmds = [[cc, *_CFLAGS, "-c", str(p), "-o", o] for p, o in zip(_SOURCES, objs)]
+        for cmd in cmds + [[cc, *objs, *_LDFLAGS, "-o", so]]:
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr}")
@@ -96,10 +109,8 @@ def load() -> Optional[ctypes.CDLL]:
         except Exception as e:  # no compiler, read-only cache, ...: the reference still works
             logger.warning("CPU kernels unavailable, using the torch reference: %s", e)
             return None
-        f = lib.llmsvc_paged_attention
-        i64, vp = ctypes.c_int64, ctypes.c_void_p
-        f.argtypes = [ctypes.c_int, vp, i64, vp, vp, vp, i64, vp, vp, i64, i64, i64, i64, i64,
-                      ctypes.c_float, vp, ctypes.c_int]
-        f.restype = ctypes.c_int
+        for name, argtypes in _SIGNATURES.items():
+            f = getattr(lib, name)
+            f.argtypes, f.restype = argtypes, ctypes.c_int
         _lib = lib
         return lib

@@ -1,0 +1,69 @@
+"""RMSNorm, fused add + RMSNorm, SiLU-and-mul and neox RoPE on the CPU through the native
+kernels in `elementwise.c`: one pass over memory per op, where the torch reference runs
+4-10 separate ops (each a pass and, at decode batch sizes, ~20 us of dispatch).
+Same contracts and rounding as `kernels/reference.py`; fp32 or bf16 storage.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu_ops.build import load
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """CPU tensors of one dtype (fp32 / bf16), contiguous in the last dim, kernels built."""
+    t0 = tensors[0]
+    return (t0.device.type == "cpu" and t0.dtype in _DTYPES and t0.dim() == 2
+            and all(t.dtype == t0.dtype and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
+            and load() is not None)
+
+
+def _check(rc: int, op: str) -> None:
+    if rc != 0:
+        raise ValueError(f"CPU {op}: arguments rejected")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    t, h = x.shape
+    w = weight.contiguous()
+    out = torch.empty((t, h), dtype=x.dtype)
+    _check(load().llmsvc_rms_norm(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), w.data_ptr(),
+                                  out.data_ptr(), t, h, float(eps), torch.get_num_threads()), "rms_norm")
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    t, h = x.shape
+    w = weight.contiguous()
+    out, s = torch.empty((t, h), dtype=x.dtype), torch.empty((t, h), dtype=x.dtype)
+    _check(load().llmsvc_fused_add_rms_norm(_DTYPES[x.dtype], x.data_ptr(), x.stride(0),
+                                            residual.data_ptr(), residual.stride(0), w.data_ptr(),
+                                            out.data_ptr(), s.data_ptr(), t, h, float(eps),
+                                            torch.get_num_threads()), "fused_add_rms_norm")
+    return out, s
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    t, d2 = x.shape
+    out = torch.empty((t, d2 // 2), dtype=x.dtype)
+    _check(load().llmsvc_silu_and_mul(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), out.data_ptr(),
+                                      t, d2 // 2, torch.get_num_threads()), "silu_and_mul")
+    return out
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_size: int) -> None:
+    """In place on query [T, Hq * head_size] and key [T, Hkv * head_size] (rows may be strided)."""
+    t = query.shape[0]
+    pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() \
+        else positions.to(torch.int64).contiguous()
+    cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous() \
+        else cos_sin_cache.float().contiguous()
+    _check(load().llmsvc_rotary_neox(_DTYPES[query.dtype], pos.data_ptr(), query.data_ptr(),
+                                     query.stride(0), query.shape[1] // head_size, key.data_ptr(),
+                                     key.stride(0), key.shape[1] // head_size, head_size,
+                                     cache.data_ptr(), cache.shape[1], cache.shape[0], t,
+                                     torch.get_num_threads()), "rotary_embedding (position out of range?)")
