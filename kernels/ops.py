@@ -5,8 +5,8 @@ Model code calls only these functions. Each op runs its Triton kernel (through t
 the Triton path is forced (env LLMSVC_FORCE_TRITON=1 or `with force_triton():`, meant for
 tests under TRITON_INTERPRET=1). On the CPU, the native kernels in `kernels/cpu_ops`
 (C + OpenMP: paged attention reading K/V in place, one-pass norms, RoPE and SiLU-and-mul)
-run when they are built and take the inputs, and fp32 linear layers multiply MKL-packed
-weights (`pack_linear_weight` at load); anything else calls the torch reference in `kernels/reference.py` directly, with no
+run when they are built and take the inputs, and linear layers multiply weights packed
+once at load for MKL (fp32) or oneDNN (bf16) (`pack_linear_weight`); anything else calls the torch reference in `kernels/reference.py` directly, with no
 custom-op layer in between (it costs ~10x a small CPU op).
 Importing this module works without a GPU and without triton (then only the reference runs).
 """
@@ -114,7 +114,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def pack_linear_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
     """Called once after loading: a pre-packed copy of a linear weight [N, K] for `linear`,
-    or None where the plain path is used (CUDA, non-fp32, no MKL, LLMSVC_CPU_KERNELS=0)."""
+    or None where the plain path is used (CUDA, fp16, no MKL / oneDNN, LLMSVC_CPU_KERNELS=0)."""
     return _cpu_linear.pack(weight)
 
 

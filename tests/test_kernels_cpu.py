@@ -112,21 +112,25 @@ def test_no_compiler_falls_back_with_a_warning(tmp_path):
     assert "CPU kernels unavailable" in r.stderr
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 3, 16, 64, 200, 1024])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_matches_f_linear(m, with_bias):
+def test_packed_linear_matches_f_linear(dtype, m, with_bias):
+    if dtype == torch.bfloat16 and not linear._bf16_ok():
+        pytest.skip("this CPU has no oneDNN bf16 support")
     g = torch.Generator().manual_seed(m)
-    w = torch.randn(96, 80, generator=g)
-    b = torch.randn(96, generator=g) if with_bias else None
-    x = torch.randn(m, 80, generator=g)
+    w = torch.randn(96, 80, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype) if with_bias else None
+    x = torch.randn(m, 80, generator=g).to(dtype)
     packed = linear.pack(w)
     assert packed is not None
     out = ops.linear(x, w, b, packed)
-    torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(out, F.linear(x, w, b), **tol)
 
 
-def test_pack_applies_to_cpu_fp32_only():
-    assert linear.pack(torch.ones(8, 8, dtype=torch.bfloat16)) is None
+def test_pack_applies_to_cpu_fp32_and_bf16_only():
+    assert linear.pack(torch.ones(8, 8, dtype=torch.float16)) is None
     assert ops.linear(torch.ones(0, 8), torch.ones(4, 8), None, linear.pack(torch.ones(4, 8))).shape == (0, 4)
 
 

@@ -1,15 +1,19 @@
-"""Linear layers on the CPU with MKL-packed weights.
+"""Linear layers on the CPU with pre-packed weights.
 
-`F.linear` on the CPU calls MKL sgemm, which repacks the whole weight matrix into its
-blocked layout on every call; with a decode batch of tens of rows that repacking costs as
-much as the multiply (measured here: [64, 576] x [576, 3072] at 109 GFLOP/s unpacked,
-155 packed). `pack(weight)` packs once at load (`cblas_sgemm_pack`, through torch's own
-`mkl::_mkl_reorder_linear_weight`, the op inductor's freezing pass uses) and `linear`
-multiplies with `cblas_sgemm_compute`. fp32 only; the packed copy lives beside the weight.
+`F.linear` on the CPU repacks the whole weight matrix into the GEMM library's blocked
+layout on every call; with a decode batch of tens of rows that repacking costs about as
+much as the multiply. `pack(weight)` packs once at load, through the ops torch's inductor
+uses for frozen weights, and `linear` multiplies the packed copy:
 
-MKL packs B independently of the row count M of A; `linear` passes the call's own M as
-`prepack_batch_size`, so every M takes the packed path (tests check M = 1 .. 1024
-against F.linear).
+  fp32  MKL `cblas_sgemm_pack` / `cblas_sgemm_compute` (`mkl::_mkl_reorder_linear_weight`,
+        `mkl::_mkl_linear`); [64, 576] x [576, 3072]: 109 -> 155 GFLOP/s measured here
+  bf16  oneDNN (`mkldnn::_reorder_linear_weight`, `mkldnn::_linear_pointwise`);
+        the same shape: 273 -> 432 GFLOP/s
+
+Both pack B independently of the row count M of the input: fp32 passes the call's own M as
+`prepack_batch_size` so every M takes the packed path; the tests check M = 1 .. 1024
+against F.linear. The packed copy lives beside the original weight (the embedding and
+checkpoint-shaped code keep using that).
 """
 from __future__ import annotations
 
@@ -21,23 +25,36 @@ import torch.nn.functional as F
 
 
 def enabled() -> bool:
-    return (os.environ.get("LLMSVC_CPU_KERNELS", "1") not in ("", "0")
-            and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
+    return os.environ.get("LLMSVC_CPU_KERNELS", "1") not in ("", "0")
+
+
+def _fp32_ok() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def _bf16_ok() -> bool:
+    return (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """weight [N, K] fp32 on the CPU -> MKL-packed copy (opaque mkldnn tensor), or None
-    when packing does not apply (other dtype or device, MKL missing, disabled by env)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or not enabled():
+    """weight [N, K] fp32 or bf16 on the CPU -> packed copy (opaque), or None when packing
+    does not apply (other dtype or device, library missing, LLMSVC_CPU_KERNELS=0)."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or not enabled():
         return None
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), 64)
+    if weight.dtype == torch.float32 and _fp32_ok():
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), 64)
+    if weight.dtype == torch.bfloat16 and _bf16_ok():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            packed: torch.Tensor) -> torch.Tensor:
-    """x: [M, K] (or [..., K]) -> [M, N]; same result as F.linear(x, weight, bias) up to
-    summation order."""
+    """x: [M, K] (or [..., K]) -> [M, N]; F.linear(x, weight, bias) up to summation order."""
     m = x.numel() // x.shape[-1]
-    if m == 0:
+    if m == 0 or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, m)
+    if weight.dtype == torch.float32:
+        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, m)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
