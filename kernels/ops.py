@@ -94,6 +94,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     if _use_triton(key):
         return _tri.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    if _cpu_attn.supports(key, k_cache):
+        return _cpu_attn.store_kv(key, value, k_cache, v_cache, slot_mapping)
     return _ref.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -124,3 +126,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if packed is not None and x.device.type == "cpu":
         return _cpu_linear.linear(x, weight, bias, packed)
     return F.linear(x, weight, bias)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """[T, V] logits -> [T] int64 index of each row's first maximum (greedy sampling)."""
+    if x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0 and _cpu_ew.supports(x):
+        return _cpu_ew.argmax_rows(x)
+    return _ref.argmax_rows(x)

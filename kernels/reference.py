@@ -60,6 +60,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, V] -> [T] int64, index of the first maximum of each row."""
+    return x.argmax(dim=-1)
+
+
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """cache [N, bs, H, D], block_ids [...] -> [..., bs, H, D] (index_select: one memcpy per block)."""
     flat = cache.index_select(0, block_ids.reshape(-1).long())

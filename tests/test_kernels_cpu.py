@@ -198,3 +198,33 @@ def test_ops_dispatch_uses_the_native_kernels(monkeypatch):
     ops.silu_and_mul(torch.randn(3, 128))
     ops.rotary_embedding(torch.arange(3), x, x.clone(), torch.zeros(8, 64), 64)
     assert calls == ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"]
+
+
+@pytest.mark.parametrize("t,v", [(1, 1), (3, 7), (64, 49152), (5, 100000)])
+def test_argmax_rows_first_maximum(t, v):
+    g = torch.Generator().manual_seed(v)
+    x = torch.randn(t, v + 3, generator=g)[:, :v]  # strided rows
+    x[0, v // 2] = x[0, v - 1] = 99.0  # a tie: the first index wins, as in torch
+    torch.testing.assert_close(elementwise.argmax_rows(x), x.argmax(dim=-1), atol=0, rtol=0)
+    torch.testing.assert_close(ops.argmax_rows(x), x.argmax(dim=-1), atol=0, rtol=0)
+
+
+def test_argmax_rows_nan_counts_as_maximum():
+    x = torch.tensor([[1.0, float("nan"), 5.0], [float("nan"), 2.0, 3.0], [float("-inf"), -1.0, -2.0]])
+    assert elementwise.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist() == [1, 0, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_exactly_the_mapped_slots(dtype):
+    g = torch.Generator().manual_seed(11)
+    nb, bs, h, d = 6, 4, 2, 16
+    k_cache, v_cache = torch.randn(nb, bs, h, d, generator=g).to(dtype), torch.randn(nb, bs, h, d, generator=g).to(dtype)
+    kv = torch.randn(5, 3 * h * d, generator=g).to(dtype)  # strided rows, as from a fused qkv
+    key, value = kv[:, :h * d].view(5, h, d), kv[:, h * d:2 * h * d].view(5, h, d)
+    slots = torch.tensor([3, -1, 23, 0, 9])
+    ek, ev = k_cache.clone(), v_cache.clone()
+    ref.store_kv(key, value, ek, ev, slots)
+    attention.store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ek) and torch.equal(v_cache, ev)
+    with pytest.raises(ValueError, match="outside the cache"):
+        attention.store_kv(key, value, k_cache, v_cache, torch.tensor([0, 1, 2, 3, nb * bs]))

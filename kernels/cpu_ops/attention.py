@@ -1,4 +1,4 @@
-"""Paged attention on the CPU through the native kernel (`paged_attention.c`).
+"""Paged attention and the KV store on the CPU through the native kernels (`paged_attention.c`).
 
 The torch reference runs it as a gather of every sequence's K/V blocks followed by SDPA
 (two extra copies of the cache per layer); the kernel reads K/V in place through the
@@ -52,3 +52,25 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if rc != 0:
         raise ValueError("CPU paged attention rejected its arguments (q_len > seq_len, or bad shapes)")
     return out
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Same contract as `kernels.reference.store_kv`: key, value [T, Hkv, D] (rows may be
+    strided, heads contiguous) into contiguous caches [num_blocks, block_size, Hkv, D]."""
+    t, h, d = key.shape
+    nb, bs = k_cache.shape[:2]
+    if key.stride(2) != 1 or key.stride(1) != d:
+        key = key.contiguous()
+    if value.stride(2) != 1 or value.stride(1) != d:
+        value = value.contiguous()
+    if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
+        key, value = key.to(k_cache.dtype), value.to(k_cache.dtype)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == (h, d)
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() \
+        else slot_mapping.to(torch.int64).contiguous()
+    rc = load().llmsvc_store_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), t, h * d,
+                                nb * bs, k_cache.element_size())
+    if rc != 0:
+        raise ValueError("CPU store_kv: a slot is outside the cache")

@@ -32,13 +32,15 @@ _CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "
 _LDFLAGS = ["-shared", "-fopenmp", "-lm"]
 
 _i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-# every exported function returns int (0 = ok, -1 = rejected arguments); the first arg is the dtype
+# every exported function returns int (0 = ok, -1 = rejected arguments)
 _SIGNATURES = {
     "llmsvc_paged_attention": [_i, _p, _i64, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64,
                                _f, _p, _i],
     "llmsvc_rms_norm": [_i, _p, _i64, _p, _p, _i64, _i64, _f, _i],
     "llmsvc_fused_add_rms_norm": [_i, _p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _f, _i],
     "llmsvc_silu_and_mul": [_i, _p, _i64, _p, _i64, _i64, _i],
+    "llmsvc_store_kv": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64],
+    "llmsvc_argmax_rows": [_p, _i64, _p, _i64, _i64, _i],
     "llmsvc_rotary_neox": [_i, _p, _p, _i64, _i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _i],
 }
 

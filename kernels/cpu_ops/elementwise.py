@@ -1,5 +1,5 @@
-"""RMSNorm, fused add + RMSNorm, SiLU-and-mul and neox RoPE on the CPU through the native
-kernels in `elementwise.c`: one pass over memory per op, where the torch reference runs
+"""RMSNorm, fused add + RMSNorm, SiLU-and-mul, neox RoPE and row argmax on the CPU through
+the native kernels in `elementwise.c`: one pass over memory per op, where the torch reference runs
 4-10 separate ops (each a pass and, at decode batch sizes, ~20 us of dispatch).
 Same contracts and rounding as `kernels/reference.py`; fp32 or bf16 storage.
 """
@@ -67,3 +67,12 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
                                      key.stride(0), key.shape[1] // head_size, head_size,
                                      cache.data_ptr(), cache.shape[1], cache.shape[0], t,
                                      torch.get_num_threads()), "rotary_embedding (position out of range?)")
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, V] fp32 -> [T] int64, first maximum per row (NaN counts as maximum)."""
+    t, v = x.shape
+    out = torch.empty(t, dtype=torch.int64)
+    _check(load().llmsvc_argmax_rows(x.data_ptr(), x.stride(0), out.data_ptr(), t, v,
+                                     torch.get_num_threads()), "argmax")
+    return out

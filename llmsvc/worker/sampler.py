@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import ops
+
 from llmsvc.wire import SampleLogprobs
 from llmsvc.worker.sampling_metadata import SamplingMetadata
 
@@ -63,7 +65,7 @@ class Sampler:
 
         if md.all_greedy and md.penalties is None and md.bias_rows is None \
                 and md.mask_rows is None:  # plain greedy: nothing to process
-            sampled = logits.argmax(dim=-1)
+            sampled = ops.argmax_rows(logits)
             processed = logits
         else:
             # [S, V] float32, contiguous, ours to modify in place
@@ -86,9 +88,9 @@ class Sampler:
         """logits [S, V] float32 contiguous, modified in place into the sampled distribution."""
         apply_logits_processors(logits, md)
         if md.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = ops.argmax_rows(logits)
         else:
-            greedy = None if md.all_random else logits.argmax(dim=-1)
+            greedy = None if md.all_random else ops.argmax_rows(logits)
             if not md.no_temperature:
                 logits.div_(md.temperature.unsqueeze(1))
             apply_min_p(logits, md)
@@ -217,7 +219,7 @@ def exponential_race(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
     for row, gen in md.generators.items():
         noise[row].uniform_(generator=gen)
     noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
-    return probs.div_(noise).argmax(dim=-1)
+    return ops.argmax_rows(probs.div_(noise))
 
 
 def gather_logprobs(lp: torch.Tensor, token_ids: torch.Tensor, max_k: int,
