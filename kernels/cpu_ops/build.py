@@ -100,6 +100,8 @@ def build(force: bool = False) -> Path:
 def load() -> Optional[ctypes.CDLL]:
     """The library with its argtypes set, built on first call; None if unavailable (logged once)."""
     global _lib, _tried
+    if _tried:  # hot path (every op call): no lock once decided
+        return _lib
     with _lock:
         if _tried:
             return _lib
@@ -111,6 +113,7 @@ def load() -> Optional[ctypes.CDLL]:
         except Exception as e:  # no compiler, read-only cache, ...: the reference still works
             logger.warning("CPU kernels unavailable, using the torch reference: %s", e)
             return None
+        logger.info("CPU kernels: native library %s", lib._name)
         for name, argtypes in _SIGNATURES.items():
             f = getattr(lib, name)
             f.argtypes, f.restype = argtypes, ctypes.c_int

@@ -13,11 +13,16 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def supports(*tensors: torch.Tensor) -> bool:
-    """CPU tensors of one dtype (fp32 / bf16), contiguous in the last dim, kernels built."""
+    """CPU tensors of one dtype (fp32 / bf16), contiguous in the last dim, kernels built.
+    On every op call, so kept to plain attribute checks."""
     t0 = tensors[0]
-    return (t0.device.type == "cpu" and t0.dtype in _DTYPES and t0.dim() == 2
-            and all(t.dtype == t0.dtype and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
-            and load() is not None)
+    dt = t0.dtype
+    if dt not in _DTYPES or t0.dim() != 2 or t0.device.type != "cpu" or load() is None:
+        return False
+    for t in tensors:
+        if t.dtype != dt or t.stride(-1) != 1 or t.device.type != "cpu":
+            return False
+    return True
 
 
 def _check(rc: int, op: str) -> None:

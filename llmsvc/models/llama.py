@@ -64,7 +64,8 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache | None,
                 meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D] (this rank's heads)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qk = self.q_size + self.kv_size
+        q, k, v = qkv[:, :self.q_size], qkv[:, self.q_size:qk], qkv[:, qk:]  # views
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
