@@ -108,7 +108,7 @@ def test_merge_delta_concatenates_per_index():
 
 
 def test_backlog_cap_aborts_request_and_raises():
-    fe = FakeEngine(max_model_len=10_000)
+    fe = FakeEngine(max_model_len=10_000, step_delay=0.001)  # paced: the cap, not max_tokens, ends it
 
     async def main():
         ae = await _started(fe, max_backlog_bytes=200)
@@ -128,11 +128,12 @@ def test_backlog_cap_aborts_request_and_raises():
 
 
 def test_cancel_aborts_and_reserves_id_until_confirmed():
-    fe = FakeEngine(max_model_len=10_000)
+    # paced steps: an unpaced fake engine could finish all max_tokens before the gate closes
+    fe = FakeEngine(max_model_len=100_000, step_delay=0.002)
 
     async def main():
         ae = await _started(fe)
-        agen = ae.generate("c", [1], SamplingParams(max_tokens=5000))
+        agen = ae.generate("c", [1], SamplingParams(max_tokens=50_000))
         await agen.__anext__()
         fe.gate.clear()  # hold the engine inside its next step
         await agen.aclose()  # the consumer goes away
