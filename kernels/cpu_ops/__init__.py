@@ -1,7 +1,7 @@
 """CPU fast paths for the ops where plain torch loses most; `kernels/ops.py` picks them.
 
-  attention.py    paged attention read in place (native C kernel, built by build.py)
-  elementwise.py  one-pass RMSNorm, fused add + RMSNorm, SiLU-and-mul, neox RoPE (native)
+  attention.py    paged attention read in place, and the KV store (native C, built by build.py)
+  elementwise.py  one-pass RMSNorm, fused add + RMSNorm, SiLU-and-mul, neox RoPE, row argmax (native)
   linear.py       linear layers on MKL-packed weights (no per-call weight repacking)
 
 Each has the torch reference in `kernels/reference.py` as its ground truth and fallback.

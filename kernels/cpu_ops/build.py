@@ -26,6 +26,7 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # all linked into one library
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # -ffast-math only at compile time: linking with it would pull in crtfastmath.o, which
 # flips the whole process's FPU to flush-to-zero when the library loads.
 _CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall"]
@@ -78,7 +79,7 @@ def build(force: bool = False) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler (cc / gcc / $CC) found")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256("\0".join([*(p.read_text() for p in _SOURCES), *_CFLAGS, *_LDFLAGS, *version, _cpu_flags(),
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in _SOURCES + _HEADERS), *_CFLAGS, *_LDFLAGS, *version, _cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     out = _cache_dir() / key / "libllmsvc_cpu.so"
     if out.exists() and not force:

@@ -11,22 +11,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define PAR_MIN_ELEMS (1 << 15) /* below this, one thread: the fork costs more than the work */
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* LD: storage -> fp32; ST: fp32 -> storage; RND: fp32 rounded as the storage would hold it */
 #define F32_LD(v) (v)

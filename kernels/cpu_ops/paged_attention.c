@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
@@ -44,14 +46,6 @@ static inline void load_row(const void *p, int bf16, int64_t nc, v16 *dst) {
             dst[c] = (v16)(u << 16);
         }
     }
-}
-
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 /* x, y: vectors whose lanes, in segments of 2g, hold two partial sums (lanes i and g+i) for
@@ -166,7 +160,7 @@ static inline __attribute__((always_inline)) void run_head(const args_t *A, cons
             for (int64_t c = 0; c < nc; c++) *(v16 *)((float *)A->out + dst + 16 * c) = acc[a * nc + c];
         } else {
             const float *f = (const float *)(acc + a * nc);
-            for (int64_t d = 0; d < D; d++) ((uint16_t *)A->out)[dst + d] = bf16_round(f[d]);
+            for (int64_t d = 0; d < D; d++) ((uint16_t *)A->out)[dst + d] = f32_to_bf16(f[d]);
         }
     }
 }
