@@ -84,18 +84,24 @@ def assert_invariants(s: ServerThread, timeout: float = 30.0) -> pb.GetServerInf
     return info
 
 
+def unpack_details(st: status_pb2.Status) -> dict:
+    """The google.rpc details of a Status by type name: BadRequest, ErrorInfo, RetryInfo."""
+    out = {}
+    for a in st.details:
+        for cls in (error_details_pb2.BadRequest, error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo):
+            if a.Is(cls.DESCRIPTOR):
+                m = cls()
+                a.Unpack(m)
+                out[cls.__name__] = m
+    return out
+
+
 def rpc_details(e: grpc.RpcError) -> dict:
     """google.rpc details of a failed call by type name: BadRequest, ErrorInfo, RetryInfo."""
     md = dict(e.trailing_metadata() or ())
-    out = {}
-    if "grpc-status-details-bin" in md:
-        for a in status_pb2.Status.FromString(md["grpc-status-details-bin"]).details:
-            for cls in (error_details_pb2.BadRequest, error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo):
-                if a.Is(cls.DESCRIPTOR):
-                    m = cls()
-                    a.Unpack(m)
-                    out[cls.__name__] = m
-    return out
+    if "grpc-status-details-bin" not in md:
+        return {}
+    return unpack_details(status_pb2.Status.FromString(md["grpc-status-details-bin"]))
 
 
 def witness_request(i: int, max_tokens: int = 40) -> pb.GenerateRequest:

@@ -10,10 +10,10 @@ import time
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmsvc.v1 import llmsvc_pb2 as pb
+from tests.reliability_utils import rpc_details
 from tests.server_harness import EOS, ServerThread, fake_engine_factory
 
 SERVICE = "llmsvc.v1.LlmService"
@@ -41,18 +41,7 @@ def free_blocks_back(s: ServerThread, timeout: float = 10.0) -> pb.GetServerInfo
         time.sleep(0.02)
 
 
-def details(e: grpc.RpcError) -> dict:
-    md = dict(e.trailing_metadata() or ())
-    out = {}
-    if "grpc-status-details-bin" in md:
-        st = status_pb2.Status.FromString(md["grpc-status-details-bin"])
-        for a in st.details:
-            for cls in (error_details_pb2.BadRequest, error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo):
-                if a.Is(cls.DESCRIPTOR):
-                    m = cls()
-                    a.Unpack(m)
-                    out[cls.__name__] = m
-    return out
+details = rpc_details  # google.rpc details of a failed call by type name
 
 
 def test_stream_deltas_concatenate_to_unary_text(srv):

@@ -5,7 +5,7 @@ import math
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
+from google.rpc import status_pb2
 
 from llmsvc.engine.async_engine import EngineDeadError, OutputBacklogError
 from llmsvc.engine.errors import DuplicateRequestError, PromptTooLongError, QueueFullError
@@ -13,6 +13,7 @@ from llmsvc.server.errors import ServiceError, to_service_error
 from llmsvc.server.prompt import resolve_prompt
 from llmsvc.server.validation import ModelLimits, build_sampling_params, check_prompt_fits
 from llmsvc.v1 import llmsvc_pb2 as pb
+from tests.reliability_utils import unpack_details
 from tests.server_harness import tiny_tokenizer
 
 LIMITS = ModelLimits(vocab_size=259, max_model_len=64, max_n=4, max_stop_strings=8, max_logprobs=5,
@@ -94,17 +95,9 @@ def test_each_rule_is_invalid_argument_with_field(r, field):
 def _details(err: ServiceError) -> dict:
     st = err.to_status("rid-1")
     md = dict(st.trailing_metadata)
-    from google.rpc import status_pb2
     s = status_pb2.Status.FromString(md["grpc-status-details-bin"])
     assert s.code == err.code.value[0] and s.message == err.message
-    out = {}
-    for a in s.details:
-        for cls in (error_details_pb2.BadRequest, error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo):
-            if a.Is(cls.DESCRIPTOR):
-                m = cls()
-                a.Unpack(m)
-                out[cls.__name__] = m
-    return out
+    return unpack_details(s)
 
 
 def test_prompt_too_long_has_reason_and_metadata():
