@@ -18,7 +18,6 @@ import collections
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -26,7 +25,7 @@ import time
 
 import grpc
 
-from llmsvc.bench.server_proc import free_port, wait_serving
+from llmsvc.bench.server_proc import free_port, stop_server, wait_serving
 from llmsvc.v1 import llmsvc_pb2 as pb
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
 
@@ -243,13 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         traffic.stop.set()
         traffic.channel.close()
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is not None:
+            stop_server(proc, 60)
 
 
 if __name__ == "__main__":

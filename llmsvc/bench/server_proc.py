@@ -47,10 +47,15 @@ def running_server(serve_args: list[str], timeout: float = 900.0):
         wait_serving(target, timeout, proc)
         yield target
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_server(proc, 30)
+
+
+def stop_server(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM (the server drains), then SIGKILL if it is still up after `grace` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
