@@ -10,15 +10,18 @@
  * GQA: the G = Hq / Hkv query heads of KV head h share every K/V row load.
  * D must be a multiple of 16 (checked by the caller and here).
  *
- * Work item = (sequence, tile of up to ROWS query rows), all KV heads in turn; per head
- * nq = rows * G query vectors. Items run in parallel with OpenMP (torch's libgomp is already loaded, so both
- * share one thread pool). Per item, in fp32 (bf16 is widened on load, rounded RNE on store):
+ * Work item = (sequence, tile of up to ROWS query rows) with all its KV heads, whose slices
+ * of a cache row are adjacent: one pass over the rows serves every head, so each row is
+ * streamed from memory once, front to back. Items run in parallel with OpenMP (torch's
+ * libgomp is already loaded, so both share one thread pool). Per item, in fp32 (bf16 is
+ * widened on load, rounded RNE on store):
  *   pass 1  scores[a, s] = scale * q_a . k_s, 16 keys at a time: each key gives a vector of
  *           16 partial sums, and a 4-level shuffle tree turns 16 such vectors into the 16
  *           scores (no per-key horizontal reduction); the next 16 K and V rows are
- *           prefetched (block-table order defeats the hardware prefetcher);
+ *           prefetched, every cache line (block-table order defeats the hardware prefetcher);
  *   softmax over the keys each vector may see (causal limit per query row);
- *   pass 2  acc[a] = sum_s p[a, s] * v_s, reading each V row once for all nq vectors.
+ *   pass 2  acc[a] = sum_s p[a, s] * v_s, 16 keys at a time with a few vectors' accumulators
+ *           in registers (memory accumulators would chain every key through a store).
  * Written with GCC/Clang vector extensions: 512-bit registers on AVX-512, split otherwise.
  */
 #include <math.h>
@@ -82,59 +85,82 @@ typedef struct {
     int bf16;
 } args_t;
 
-/* ws: per-thread fp32 workspace, ROWS*G * (max_keys + 16) scores + 2 * ROWS*G * D.
+/* out[i] = byte address of cache row s0 + i (i < n) of `base` through `table`: one division
+ * per call rather than one per row (rows are visited 16 at a time, and often) */
+static inline void row_ptrs(const char *base, const int32_t *table, int64_t bs, int64_t row_bytes,
+                            int64_t s0, int64_t n, const char **out) {
+    int64_t blk = s0 / bs, off = s0 - blk * bs;
+    for (int64_t i = 0; i < n; i++) {
+        out[i] = base + ((int64_t)table[blk] * bs + off) * row_bytes;
+        if (++off == bs) { off = 0; blk++; }
+    }
+}
+
+/* Heads [h0, h0 + nh) of one item. ws: per-thread fp32 workspace,
+ * nh*ROWS*G * (max_keys + 16) scores + 2 * nh*ROWS*G * D. Each key row's slices of all nh heads
+ * are used while the row is in L1, so a cache row is streamed from memory once, front to back.
  * Always inlined into run_item_<nc> below, so the common head sizes get constant trip counts. */
-static inline __attribute__((always_inline)) void run_head(const args_t *A, const item_t *it, int64_t head,
-                                                           float *ws, int64_t max_keys, const int64_t nc) {
-    const int64_t G = A->Hq / A->Hkv, nq = (int64_t)it->nrows * G, D = 16 * nc;
+static inline __attribute__((always_inline)) void run_heads(const args_t *A, const item_t *it, int64_t h0,
+                                                            int64_t nh, float *ws, int64_t max_keys,
+                                                            const int64_t nc) {
+    const int64_t G = A->Hq / A->Hkv, nqh = (int64_t)it->nrows * G, nq = nqh * nh, D = 16 * nc;
     const int64_t esz = A->bf16 ? 2 : 4, row_stride = A->Hkv * D; /* elements between keys */
     const int64_t q0 = A->qsl[it->seq], q_len = A->qsl[it->seq + 1] - q0;
     const int64_t ctx = A->seq_lens[it->seq], first_lim = ctx - q_len + it->row0 + 1;
     const int64_t n_max = first_lim + it->nrows - 1; /* keys seen by the tile's last row */
     const int64_t n_pad = (n_max + 15) & ~(int64_t)15, sstride = max_keys + 16;
     const int32_t *table = A->block_table + (int64_t)it->seq * A->bt_stride;
-    float *scores = ws;                              /* [nq, sstride] */
-    v16 *qv = (v16 *)(ws + ROWS * G * sstride);      /* [nq, nc] */
-    v16 *acc = qv + ROWS * G * nc;                   /* [nq, nc] */
+    float *scores = ws;                              /* [nq, sstride], vector a = hh * nqh + r * G + g */
+    v16 *qv = (v16 *)(ws + nq * sstride);            /* [nq, nc] */
+    v16 *acc = qv + nq * nc;                         /* [nq, nc] */
     const char *kbase = (const char *)A->k_cache, *vbase = (const char *)A->v_cache;
-#define ROW_PTR(base, s) ((const void *)((base) + esz * (((int64_t)table[(s) / A->BS] * A->BS \
-                                                            + (s) % A->BS) * row_stride + head * D)))
-
     for (int64_t a = 0; a < nq; a++) {
-        const int64_t r = a / G, g = a % G;
-        const char *src = (const char *)A->q + esz * ((q0 + it->row0 + r) * A->q_stride + (head * G + g) * D);
+        const int64_t hh = a / nqh, r = (a % nqh) / G, g = a % G;
+        const char *src = (const char *)A->q + esz * ((q0 + it->row0 + r) * A->q_stride + ((h0 + hh) * G + g) * D);
         load_row(src, A->bf16, nc, qv + a * nc);
         for (int64_t c = 0; c < nc; c++) qv[a * nc + c] *= A->scale;
     }
     /* pass 1 */
+    const int64_t row_bytes = esz * row_stride, head_bytes = esz * D;
+    const char *krow[16], *vrow[16], *knext[16], *vnext[16];
+    row_ptrs(kbase, table, A->BS, row_bytes, 0, n_max < 16 ? n_max : 16, knext);
+    row_ptrs(vbase, table, A->BS, row_bytes, 0, n_max < 16 ? n_max : 16, vnext);
     for (int64_t s0 = 0; s0 < n_pad; s0 += 16) {
         v16 part[16];
         v16 k[16][MAX_NC];
         const int64_t kn = n_max - s0 < 16 ? n_max - s0 : 16;
-        for (int64_t j = 0; j < 16 && s0 + 16 + j < n_max; j++) { /* next group's K and V rows */
-            const char *pk = (const char *)ROW_PTR(kbase, s0 + 16 + j), *pv = (const char *)ROW_PTR(vbase, s0 + 16 + j);
-            for (int64_t c = 0; c < esz * D; c += 64) {
+        memcpy(krow, knext, sizeof krow);
+        const int64_t nn = n_max - s0 - 16 < 16 ? n_max - s0 - 16 : 16; /* rows in the next group */
+        if (nn > 0) {
+            row_ptrs(kbase, table, A->BS, row_bytes, s0 + 16, nn, knext);
+            row_ptrs(vbase, table, A->BS, row_bytes, s0 + 16, nn, vnext);
+        }
+        for (int64_t j = 0; j < nn; j++) { /* next group's K and V rows (this item's heads) */
+            const char *pk = knext[j] + h0 * head_bytes, *pv = vnext[j] + h0 * head_bytes;
+            for (int64_t c = 0; c < head_bytes * nh; c += 64) {
                 __builtin_prefetch(pk + c);
                 __builtin_prefetch(pv + c, 0, 2);
             }
         }
-        for (int64_t j = 0; j < 16; j++) {
-            if (j < kn) load_row(ROW_PTR(kbase, s0 + j), A->bf16, nc, k[j]);
-            else for (int64_t c = 0; c < nc; c++) k[j][c] = (v16){0};
-        }
-        for (int64_t a = 0; a < nq; a++) {
-            const v16 *qa = qv + a * nc;
+        for (int64_t hh = 0; hh < nh; hh++) {
             for (int64_t j = 0; j < 16; j++) {
-                v16 p = qa[0] * k[j][0];
-                for (int64_t c = 1; c < nc; c++) p += qa[c] * k[j][c];
-                part[j] = p;
+                if (j < kn) load_row(krow[j] + (h0 + hh) * head_bytes, A->bf16, nc, k[j]);
+                else for (int64_t c = 0; c < nc; c++) k[j][c] = (v16){0};
             }
-            *(v16 *)(scores + a * sstride + s0) = reduce16(part);
+            for (int64_t a = hh * nqh; a < (hh + 1) * nqh; a++) {
+                const v16 *qa = qv + a * nc;
+                for (int64_t j = 0; j < 16; j++) {
+                    v16 p = qa[0] * k[j][0];
+                    for (int64_t c = 1; c < nc; c++) p += qa[c] * k[j][c];
+                    part[j] = p;
+                }
+                *(v16 *)(scores + a * sstride + s0) = reduce16(part);
+            }
         }
     }
     /* softmax over each vector's visible keys; the rest (up to n_max) get weight 0 */
     for (int64_t a = 0; a < nq; a++) {
-        const int64_t lim = first_lim + a / G;
+        const int64_t lim = first_lim + (a % nqh) / G;
         float *sc = scores + a * sstride, m = sc[0], sum = 0.f;
         for (int64_t s = 1; s < lim; s++) m = sc[s] > m ? sc[s] : m;
         for (int64_t s = 0; s < lim; s++) { sc[s] = expf(sc[s] - m); sum += sc[s]; }
@@ -143,19 +169,37 @@ static inline __attribute__((always_inline)) void run_head(const args_t *A, cons
         for (int64_t s = lim; s < n_max; s++) sc[s] = 0.f;
         for (int64_t c = 0; c < nc; c++) acc[a * nc + c] = (v16){0};
     }
-    /* pass 2 */
-    for (int64_t s = 0; s < n_max; s++) {
-        v16 v[MAX_NC];
-        load_row(ROW_PTR(vbase, s), A->bf16, nc, v);
-        for (int64_t a = 0; a < nq; a++) {
-            const float p = scores[a * sstride + s];
-            for (int64_t c = 0; c < nc; c++) acc[a * nc + c] += p * v[c];
+    /* pass 2, 16 keys at a time (their V rows stay in L1 across heads); per head, up to
+     * 16 / nc vectors' accumulators are held in registers across the 16 keys */
+    const int64_t GA = 16 / nc > 0 ? 16 / nc : 1;
+    for (int64_t s0 = 0; s0 < n_max; s0 += 16) {
+        const int64_t s1 = n_max - s0 < 16 ? n_max : s0 + 16;
+        row_ptrs(vbase, table, A->BS, row_bytes, s0, s1 - s0, vrow);
+        for (int64_t hh = 0; hh < nh; hh++) {
+            for (int64_t a0 = hh * nqh; a0 < (hh + 1) * nqh; a0 += GA) {
+                const int64_t ga = (hh + 1) * nqh - a0 < GA ? (hh + 1) * nqh - a0 : GA;
+                v16 ac[16];
+#pragma GCC unroll 16
+                for (int64_t i = 0; i < GA * nc; i++) ac[i] = i < ga * nc ? acc[a0 * nc + i] : (v16){0};
+                for (int64_t s = s0; s < s1; s++) {
+                    v16 v[MAX_NC];
+                    load_row(vrow[s - s0] + (h0 + hh) * head_bytes, A->bf16, nc, v);
+#pragma GCC unroll 16
+                    for (int64_t g = 0; g < GA; g++) {
+                        const float p = g < ga ? scores[(a0 + g) * sstride + s] : 0.f;
+#pragma GCC unroll 16
+                        for (int64_t c = 0; c < nc; c++) ac[g * nc + c] += p * v[c];
+                    }
+                }
+#pragma GCC unroll 16
+                for (int64_t i = 0; i < GA * nc; i++)
+                    if (i < ga * nc) acc[a0 * nc + i] = ac[i];
+            }
         }
     }
-#undef ROW_PTR
     for (int64_t a = 0; a < nq; a++) {
-        const int64_t r = a / G, g = a % G;
-        const int64_t dst = ((q0 + it->row0 + r) * A->Hq + head * G + g) * D;
+        const int64_t hh = a / nqh, r = (a % nqh) / G, g = a % G;
+        const int64_t dst = ((q0 + it->row0 + r) * A->Hq + (h0 + hh) * G + g) * D;
         if (!A->bf16) {
             for (int64_t c = 0; c < nc; c++) *(v16 *)((float *)A->out + dst + 16 * c) = acc[a * nc + c];
         } else {
@@ -165,13 +209,13 @@ static inline __attribute__((always_inline)) void run_head(const args_t *A, cons
     }
 }
 
-/* One item = every KV head of one (sequence, row tile): the heads of a cache row share its
- * cache lines, so the later heads find their K/V rows in L2. With few tiles (a lone long
- * decode) items are split per head instead, to keep every thread busy. */
+/* One item = every KV head of one (sequence, row tile), in one pass over its cache rows.
+ * With few tiles (a lone long decode) items are split per head instead, to keep every
+ * thread busy. */
 #define DEFINE_RUN_ITEM(NAME, NC)                                                              \
     static void NAME(const args_t *A, const item_t *it, float *ws, int64_t mk) {             \
-        if (it->head >= 0) run_head(A, it, it->head, ws, mk, (NC));                           \
-        else for (int64_t h = 0; h < A->Hkv; h++) run_head(A, it, h, ws, mk, (NC));           \
+        if (it->head >= 0) run_heads(A, it, it->head, 1, ws, mk, (NC));                       \
+        else run_heads(A, it, 0, A->Hkv, ws, mk, (NC));                                       \
     }
 DEFINE_RUN_ITEM(run_item_4, 4)
 DEFINE_RUN_ITEM(run_item_8, 8)
@@ -194,7 +238,10 @@ int llmsvc_paged_attention(int dtype /* 0 = f32, 1 = bf16 */, const void *q, int
         if (seq_lens[i] > max_keys) max_keys = seq_lens[i];
     }
     if (n_items == 0) return 0;
-    const int per_head = n_items < 4 * (int64_t)num_threads && Hkv > 1;
+    /* per-head items: when there are too few items to keep every thread busy, or when an
+     * all-heads workspace (scores for every head) would pass 16 MB per thread */
+    const int64_t all_heads_ws = ROWS * Hq * (max_keys + 16 + 2 * D);
+    const int per_head = Hkv > 1 && (n_items < 4 * (int64_t)num_threads || all_heads_ws > (4 << 20));
     if (per_head) n_items *= Hkv;
     item_t *items = (item_t *)malloc(sizeof(item_t) * n_items);
     if (!items) return -1;
@@ -207,8 +254,7 @@ int llmsvc_paged_attention(int dtype /* 0 = f32, 1 = bf16 */, const void *q, int
                 items[n++] = t;
             }
     }
-    const int64_t G = Hq / Hkv;
-    const size_t ws_floats = (size_t)(ROWS * G) * (size_t)(max_keys + 16 + 2 * D);
+    const size_t ws_floats = (size_t)(ROWS * Hq / (per_head ? Hkv : 1)) * (size_t)(max_keys + 16 + 2 * D);
     void (*fn)(const args_t *, const item_t *, float *, int64_t) =
         D == 64 ? run_item_4 : D == 128 ? run_item_8 : run_item_any;
     int rc = 0;
