@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="write a PNG of the sweep (or throughput bars)")
     e = p.add_argument_group("engine (passed to the server it starts, or used offline)")
     e.add_argument("--dtype", default="float32")
-    e.add_argument("--executor", default="uniproc")
+    e.add_argument("--executor", default="multiproc", help="as `llmsvc serve`'s, whose default this is")
     e.add_argument("--tensor-parallel-size", type=int, default=1)
     e.add_argument("--max-num-seqs", type=int, default=None)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)

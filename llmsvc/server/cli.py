@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct GGUF) [LLMSVC_MODEL]")
     opt("--host", str, "127.0.0.1", help="address to bind (0.0.0.0: every interface, as in the container image)")
     opt("--port", int, 50051, help="port to bind (0 = any free port)")
-    opt("--executor", str, "uniproc", choices=["uniproc", "multiproc", "tp"], help="where the model runs")
+    opt("--executor", str, "multiproc", choices=["uniproc", "multiproc", "tp"],
+        help="where the model runs: multiproc (a worker process, so the gRPC threads and the model never share a GIL), uniproc (this process) or tp (--tensor-parallel-size ranks)")
     opt("--tensor-parallel-size", int, 1, help="ranks for --executor tp")
     opt("--nnodes", int, 1, help="machines sharing the --tensor-parallel-size ranks (multi-node TP)")
     opt("--node-rank", int, 0, help="this machine's index; 0 serves gRPC, the others run headless workers")
