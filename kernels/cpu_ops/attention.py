@@ -20,7 +20,7 @@ def available() -> bool:
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """True when `paged_attention` can take these tensors (CPU, fp32 / bf16, one dtype,
     head_dim a multiple of 16 up to 512)."""
-    return (query.device.type == "cpu" and query.dtype in _DTYPES and k_cache.dtype == query.dtype
+    return (query.is_cpu and query.dtype in _DTYPES and k_cache.dtype == query.dtype
             and query.shape[-1] % 16 == 0 and query.shape[-1] <= 512 and available())
 
 

@@ -17,10 +17,10 @@ def supports(*tensors: torch.Tensor) -> bool:
     On every op call, so kept to plain attribute checks."""
     t0 = tensors[0]
     dt = t0.dtype
-    if dt not in _DTYPES or t0.dim() != 2 or t0.device.type != "cpu" or load() is None:
+    if dt not in _DTYPES or t0.dim() != 2 or load() is None:
         return False
     for t in tensors:
-        if t.dtype != dt or t.stride(-1) != 1 or t.device.type != "cpu":
+        if t.dtype != dt or not t.is_cpu or t.stride(-1) != 1:
             return False
     return True
 
