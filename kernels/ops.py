@@ -123,7 +123,7 @@ def pack_linear_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            packed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, weight, bias); `packed` (from pack_linear_weight) selects the CPU packed GEMM."""
-    if packed is not None and x.device.type == "cpu":
+    if packed is not None and x.is_cpu:
         return _cpu_linear.linear(x, weight, bias, packed)
     return F.linear(x, weight, bias)
 

@@ -51,10 +51,16 @@ def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            packed: torch.Tensor) -> torch.Tensor:
-    """x: [M, K] (or [..., K]) -> [M, N]; F.linear(x, weight, bias) up to summation order."""
+    """x: [M, K] (or [..., K]) -> [M, N]; F.linear(x, weight, bias) up to summation order.
+    On every layer's call: the resolved op overloads skip torch.ops' overload lookup."""
     m = x.numel() // x.shape[-1]
-    if m == 0 or x.dtype != weight.dtype:
+    dt = weight.dtype
+    if m == 0 or x.dtype != dt:
         return F.linear(x, weight, bias)
-    if weight.dtype == torch.float32:
-        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, m)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if dt == torch.float32:
+        return _mkl_linear(x, packed, weight, bias, m)
+    return _linear_pointwise(x, packed, bias, "none", [], "")
+
+
+_mkl_linear = torch.ops.mkl._mkl_linear.default if _fp32_ok() else None
+_linear_pointwise = torch.ops.mkldnn._linear_pointwise.default if _bf16_ok() else None
