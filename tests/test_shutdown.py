@@ -139,3 +139,27 @@ def test_sigint_past_grace_aborts_in_flight_and_exits_0_json_logs(tiny_dir):
         assert finished and finished[0]["request_id"] and finished[0]["request_id"] in finished[0]["msg"]
     finally:
         srv.close()
+
+
+def test_second_sigterm_cuts_the_grace_period_short(tiny_dir):
+    srv = ServeProcess(tiny_dir, "--executor", "uniproc", "--shutdown-grace", "600")
+    try:
+        srv.wait_serving()
+        call = srv.stub.Generate(_stream(4000), timeout=120)  # longer than this test waits
+        msgs = [next(call)]
+        srv.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while srv.status() != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, "health never turned NOT_SERVING"
+            time.sleep(0.01)
+        msgs.append(next(call))  # still streaming: the first signal only drains
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        msgs.extend(call)
+        assert msgs[-1].finish.reason == pb.FinishInfo.REASON_ABORTED
+        assert msgs[-1].num_output_tokens < 4000
+        assert srv.proc.wait(60) == 0, "".join(srv.lines[-40:])
+        assert time.monotonic() - t0 < 60  # not the 600 s grace
+        assert "second stop signal" in "".join(srv.lines)
+    finally:
+        srv.close()

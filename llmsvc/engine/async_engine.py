@@ -76,6 +76,7 @@ class AsyncEngine:
         self._stats = EngineStats()
         self._dead: BaseException | None = None
         self._accepting = True
+        self._grace_cut = False  # end_grace(): shutdown() stops waiting for in-flight requests
         self._dead_event: asyncio.Event | None = None
         self.health_check_interval_s = 1.0  # idle engine thread polls engine.check_health() this often
 
@@ -110,11 +111,16 @@ class AsyncEngine:
         """New generate() calls raise EngineStoppedError from now on (draining)."""
         self._accepting = False
 
+    def end_grace(self) -> None:
+        """Cut a running (or later) shutdown's grace period short: in-flight requests are aborted now."""
+        self._grace_cut = True
+
     async def shutdown(self, grace: float = 0.0) -> None:
-        """Refuse new requests, let in-flight ones finish for `grace` s, abort the rest, stop."""
+        """Refuse new requests, let in-flight ones finish for `grace` s (or until end_grace()),
+        abort the rest, stop."""
         self._accepting = False
         deadline = time.monotonic() + grace
-        while self._streams and self.is_healthy and time.monotonic() < deadline:
+        while self._streams and self.is_healthy and time.monotonic() < deadline and not self._grace_cut:
             await asyncio.sleep(0.02)
         if self._streams and self.is_healthy:
             self.abort(list(self._streams), reason="server shutting down")

@@ -68,6 +68,7 @@ class LlmServer:
         self.engine_died = False
         self._watch: asyncio.Task | None = None
         self._stopped = False
+        self._grace_cut = False  # end_grace(): a second stop signal
 
     @property
     def address(self) -> str:
@@ -154,6 +155,12 @@ class LlmServer:
             await self.shutdown(grace=0.0 if self.engine_died else self.shutdown_grace)
         return 1 if self.engine_died else 0
 
+    def end_grace(self) -> None:
+        """A second stop signal: abort in-flight requests now instead of waiting out the grace."""
+        self._grace_cut = True
+        if self.async_engine is not None:
+            self.async_engine.end_grace()
+
     async def shutdown(self, grace: float = 30.0) -> None:
         """Drain: NOT_SERVING, refuse new requests, let in-flight finish for `grace` s, stop."""
         if self._stopped:
@@ -163,6 +170,8 @@ class LlmServer:
         await self.health.draining()
         logger.info("draining (grace %.1f s)", grace)
         if self.async_engine is not None:
+            if self._grace_cut:
+                self.async_engine.end_grace()
             await self.async_engine.shutdown(grace)
         if self._watch is not None:
             self._watch.cancel()

@@ -2,7 +2,7 @@
 
 Logs "listening on HOST:PORT" once bound and "ready" once the model is loaded and warmed up.
 SIGTERM/SIGINT drain gracefully (NOT_SERVING, new requests UNAVAILABLE, in-flight requests
-get --shutdown-grace seconds). Exit code 1 when the engine died, so an orchestrator restarts it.
+get --shutdown-grace seconds; a second signal aborts them at once). Exit code 1 when the engine died, so an orchestrator restarts it.
 Multi-node tensor parallelism: --nnodes/--node-rank/--master-addr/--master-port; node 0 serves,
 nodes with --node-rank > 0 run their ranks headless (no gRPC) and exit when node 0 goes away.
 Operations: --metrics-port (Prometheus /metrics), --tls-cert/--tls-key[/--tls-client-ca],
@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--no-prefix-caching", bool, help="disable prefix caching")
     opt("--max-waiting-requests", int, 4096, help="admission cap; past it RESOURCE_EXHAUSTED")
     opt("--device", str, "auto", choices=["auto", "cpu", "cuda"], help="device")
-    opt("--shutdown-grace", float, 30.0, help="seconds in-flight requests get on SIGTERM")
+    opt("--shutdown-grace", float, 30.0, help="seconds in-flight requests get on SIGTERM (a second SIGTERM/SIGINT ends it)")
     opt("--log-level", str, "INFO", help="logging level")
     opt("--log-format", str, "text", choices=["text", "json"], help="log lines as text or one JSON object each")
     opt("--metrics-port", int, 0, help="Prometheus /metrics HTTP port (0 = off)")
@@ -148,9 +148,16 @@ async def serve(args, security: dict | None = None) -> int:
     server.shutdown_grace = args.shutdown_grace
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:  # the first drains for --shutdown-grace; a second one cuts that short
+        if stop.is_set():
+            logging.getLogger("llmsvc.server").warning("second stop signal: aborting in-flight requests now")
+            server.end_grace()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):  # not the main thread / platform
             pass
     return await server.serve(stop)
