@@ -37,22 +37,26 @@ def _bf16_ok() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+# resolved overloads (None where the library is missing): the per-layer call skips torch.ops' lookup
+_mkl_linear = torch.ops.mkl._mkl_linear.default if _fp32_ok() else None
+_linear_pointwise = torch.ops.mkldnn._linear_pointwise.default if _bf16_ok() else None
+
+
 def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
     """weight [N, K] fp32 or bf16 on the CPU -> packed copy (opaque), or None when packing
     does not apply (other dtype or device, library missing, LLMSVC_CPU_KERNELS=0)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not enabled():
         return None
-    if weight.dtype == torch.float32 and _fp32_ok():
+    if weight.dtype == torch.float32 and _mkl_linear is not None:
         return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), 64)
-    if weight.dtype == torch.bfloat16 and _bf16_ok():
+    if weight.dtype == torch.bfloat16 and _linear_pointwise is not None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
     return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            packed: torch.Tensor) -> torch.Tensor:
-    """x: [M, K] (or [..., K]) -> [M, N]; F.linear(x, weight, bias) up to summation order.
-    On every layer's call: the resolved op overloads skip torch.ops' overload lookup."""
+    """x: [M, K] (or [..., K]) -> [M, N]; F.linear(x, weight, bias) up to summation order."""
     m = x.numel() // x.shape[-1]
     dt = weight.dtype
     if m == 0 or x.dtype != dt:
@@ -61,6 +65,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         return _mkl_linear(x, packed, weight, bias, m)
     return _linear_pointwise(x, packed, bias, "none", [], "")
 
-
-_mkl_linear = torch.ops.mkl._mkl_linear.default if _fp32_ok() else None
-_linear_pointwise = torch.ops.mkldnn._linear_pointwise.default if _bf16_ok() else None
