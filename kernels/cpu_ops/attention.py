@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_ops.build import load
-
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+from kernels.cpu_ops.build import DTYPE_CODES as _DTYPES, load
 
 
 def available() -> bool:

@@ -23,6 +23,8 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))  # all linked into one library
@@ -31,6 +33,9 @@ _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # flips the whole process's FPU to flush-to-zero when the library loads.
 _CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall"]
 _LDFLAGS = ["-shared", "-fopenmp", "-lm"]
+
+# the `int dtype` argument of the entry points that take either storage type
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # every exported function returns int (0 = ok, -1 = rejected arguments)
