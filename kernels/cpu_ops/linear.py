@@ -64,4 +64,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     if dt == torch.float32:
         return _mkl_linear(x, packed, weight, bias, m)
     return _linear_pointwise(x, packed, bias, "none", [], "")
-

@@ -2,7 +2,8 @@
 
 Logs "listening on HOST:PORT" once bound and "ready" once the model is loaded and warmed up.
 SIGTERM/SIGINT drain gracefully (NOT_SERVING, new requests UNAVAILABLE, in-flight requests
-get --shutdown-grace seconds; a second signal aborts them at once). Exit code 1 when the engine died, so an orchestrator restarts it.
+get --shutdown-grace seconds; a second signal aborts them at once). Exit code 1 when the
+engine died, so an orchestrator restarts it.
 Multi-node tensor parallelism: --nnodes/--node-rank/--master-addr/--master-port; node 0 serves,
 nodes with --node-rank > 0 run their ranks headless (no gRPC) and exit when node 0 goes away.
 Operations: --metrics-port (Prometheus /metrics), --tls-cert/--tls-key[/--tls-client-ca],
@@ -54,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--host", str, "127.0.0.1", help="address to bind (0.0.0.0: every interface, as in the container image)")
     opt("--port", int, 50051, help="port to bind (0 = any free port)")
     opt("--executor", str, "multiproc", choices=["uniproc", "multiproc", "tp"],
-        help="where the model runs: multiproc (a worker process, so the gRPC threads and the model never share a GIL), uniproc (this process) or tp (--tensor-parallel-size ranks)")
+        help="where the model runs: multiproc (a worker process, so the gRPC threads and the model "
+             "never share a GIL), uniproc (this process) or tp (--tensor-parallel-size ranks)")
     opt("--tensor-parallel-size", int, 1, help="ranks for --executor tp")
     opt("--nnodes", int, 1, help="machines sharing the --tensor-parallel-size ranks (multi-node TP)")
     opt("--node-rank", int, 0, help="this machine's index; 0 serves gRPC, the others run headless workers")
@@ -69,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--no-prefix-caching", bool, help="disable prefix caching")
     opt("--max-waiting-requests", int, 4096, help="admission cap; past it RESOURCE_EXHAUSTED")
     opt("--device", str, "auto", choices=["auto", "cpu", "cuda"], help="device")
-    opt("--shutdown-grace", float, 30.0, help="seconds in-flight requests get on SIGTERM (a second SIGTERM/SIGINT ends it)")
+    opt("--shutdown-grace", float, 30.0,
+        help="seconds in-flight requests get on SIGTERM (a second SIGTERM/SIGINT ends it)")
     opt("--log-level", str, "INFO", help="logging level")
     opt("--log-format", str, "text", choices=["text", "json"], help="log lines as text or one JSON object each")
     opt("--metrics-port", int, 0, help="Prometheus /metrics HTTP port (0 = off)")
