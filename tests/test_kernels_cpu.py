@@ -113,20 +113,41 @@ def test_no_compiler_falls_back_with_a_warning(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, 16, 64, 200, 1024])
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 200, 300, 1024])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_matches_f_linear(dtype, m, with_bias):
+@pytest.mark.parametrize("n,k", [(96, 80), (100, 33)])  # whole panels / ragged last panel, K % 4
+def test_packed_linear_matches_f_linear(dtype, m, with_bias, n, k):
     if dtype == torch.bfloat16 and not linear._bf16_ok():
         pytest.skip("this CPU has no oneDNN bf16 support")
     g = torch.Generator().manual_seed(m)
-    w = torch.randn(96, 80, generator=g).to(dtype)
-    b = torch.randn(96, generator=g).to(dtype) if with_bias else None
-    x = torch.randn(m, 80, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    x = torch.randn(m, k, generator=g).to(dtype)
     packed = linear.pack(w)
     assert packed is not None
     out = ops.linear(x, w, b, packed)
     tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else TOL[dtype]
     torch.testing.assert_close(out, F.linear(x, w, b), **tol)
+
+
+def test_fp32_decode_rows_take_the_panel_gemm():
+    # on an AVX-512 machine (CI's) the panel kernel (gemm.c) must be what runs, not a fallback
+    if " avx512f " not in build._cpu_flags() + " ":
+        pytest.skip("no AVX-512F on this CPU: fp32 linear uses MKL's packed GEMM")
+    assert build.load().llmsvc_gemm_f32_supported() == 1
+    w = torch.randn(100, 576)
+    packed = linear.pack(w)
+    assert packed.shape == (3, 576, 48) and packed.data_ptr() % 64 == 0
+    torch.testing.assert_close(packed[2, :, :4], w[96:].t())
+    assert packed[2, :, 4:].abs().sum() == 0  # zero padding past N
+    x = torch.randn(2, 5, 576)[:, 1:]  # [2, 4, 576], rows strided
+    out = linear._gemm_panels(x, packed, None, w)
+    assert out.shape == (2, 4, 100)
+    torch.testing.assert_close(out, F.linear(x, w), atol=1e-4, rtol=1e-5)
+    lib = build.load()
+    bad = torch.empty(packed.numel() + 1)[1:]  # not 64-byte aligned: rejected, not misread
+    assert lib.llmsvc_gemm_f32(x.data_ptr(), 576, bad.data_ptr(), None, out.data_ptr(), 100, 1, 100,
+                               576, 1) == -1
 
 
 def test_pack_applies_to_cpu_fp32_and_bf16_only():

@@ -2,18 +2,21 @@
 
 `F.linear` on the CPU repacks the whole weight matrix into the GEMM library's blocked
 layout on every call; with a decode batch of tens of rows that repacking costs about as
-much as the multiply. `pack(weight)` packs once at load, through the ops torch's inductor
-uses for frozen weights, and `linear` multiplies the packed copy:
+much as the multiply. `pack(weight)` packs once at load and `linear` multiplies the packed
+copy:
 
-  fp32  MKL `cblas_sgemm_pack` / `cblas_sgemm_compute` (`mkl::_mkl_reorder_linear_weight`,
-        `mkl::_mkl_linear`); [64, 576] x [576, 3072]: 109 -> 155 GFLOP/s measured here
+  fp32  our column panels [ceil(N / 48), K, 48] for `gemm.c` (AVX-512), which streams the
+        weights at decode batch sizes faster than MKL; rows beyond PANEL_MAX_M (prefill
+        chunks, where MKL's own blocking wins) go to F.linear on the original weight.
+        Without AVX-512 or the native library: MKL `cblas_sgemm_pack` / `_compute`
+        (`mkl::_mkl_reorder_linear_weight`, `mkl::_mkl_linear`), the ops torch's inductor
+        uses for frozen weights; [64, 576] x [576, 3072]: 109 -> 155 GFLOP/s measured here
   bf16  oneDNN (`mkldnn::_reorder_linear_weight`, `mkldnn::_linear_pointwise`);
         the same shape: 273 -> 432 GFLOP/s
 
-Both pack B independently of the row count M of the input: fp32 passes the call's own M as
-`prepack_batch_size` so every M takes the packed path; the tests check M = 1 .. 1024
-against F.linear. The packed copy lives beside the original weight (the embedding and
-checkpoint-shaped code keep using that).
+Every path packs B independently of the row count M of the input (MKL gets the call's own
+M as `prepack_batch_size`); the tests check M = 1 .. 1024 against F.linear. The packed copy
+lives beside the original weight (the embedding and checkpoint-shaped code keep using that).
 """
 from __future__ import annotations
 
@@ -22,6 +25,14 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from kernels.cpu_ops.build import load
+
+PANEL = 48  # gemm.c's panel width (NR)
+# rows up to which gemm.c beats F.linear / MKL here (2 threads, SmolLM2-135M shapes, ms per
+# 30-layer step: M = 256 256 vs 263 MKL vs 301 F.linear; M = 1024 1349 vs 1242 vs 1170)
+PANEL_MAX_M = 512
+_PANEL_MAX_K = 4096  # keeps a panel (K * 192 bytes) and its prefetched successor inside L2
 
 
 def enabled() -> bool:
@@ -42,11 +53,33 @@ _mkl_linear = torch.ops.mkl._mkl_linear.default if _fp32_ok() else None
 _linear_pointwise = torch.ops.mkldnn._linear_pointwise.default if _bf16_ok() else None
 
 
+def _panels_ok() -> bool:
+    lib = load()
+    return lib is not None and lib.llmsvc_gemm_f32_supported() == 1
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] fp32 -> [ceil(N / 48), K, 48]: panel p holds W[48p : 48p + 48, :]^T,
+    zero-padded past N, 64-byte aligned."""
+    n, k = weight.shape
+    np_ = -(-n // PANEL)
+    w = F.pad(weight, (0, 0, 0, np_ * PANEL - n)) if np_ * PANEL != n else weight
+    out = w.view(np_, PANEL, k).transpose(1, 2).contiguous()  # [np, K, 48]
+    if out.data_ptr() % 64:  # torch's CPU allocator aligns to 64; keep the kernel's contract anyway
+        buf = torch.empty(out.numel() + 16, dtype=out.dtype)
+        off = (-buf.data_ptr() // 4) % 16
+        out = buf[off:off + out.numel()].view(out.shape).copy_(out)
+    return out
+
+
 def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """weight [N, K] fp32 or bf16 on the CPU -> packed copy (opaque), or None when packing
-    does not apply (other dtype or device, library missing, LLMSVC_CPU_KERNELS=0)."""
+    """weight [N, K] fp32 or bf16 on the CPU -> packed copy (fp32 panels: 3-D; MKL / oneDNN:
+    opaque), or None when packing does not apply (other dtype or device, library missing,
+    LLMSVC_CPU_KERNELS=0)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not enabled():
         return None
+    if weight.dtype == torch.float32 and weight.shape[1] <= _PANEL_MAX_K and _panels_ok():
+        return pack_panels(weight.contiguous())
     if weight.dtype == torch.float32 and _mkl_linear is not None:
         return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), 64)
     if weight.dtype == torch.bfloat16 and _linear_pointwise is not None:
@@ -62,5 +95,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     if m == 0 or x.dtype != dt:
         return F.linear(x, weight, bias)
     if dt == torch.float32:
+        if packed.dim() == 3:
+            return _gemm_panels(x, packed, bias, weight) if m <= PANEL_MAX_M else F.linear(x, weight, bias)
         return _mkl_linear(x, packed, weight, bias, m)
     return _linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _gemm_panels(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
+                 weight: torch.Tensor) -> torch.Tensor:
+    n, k = weight.shape
+    flat = x.dim() == 2  # the model's case; reshape and view cost ~3 us each per call
+    x2 = x if flat else x.reshape(-1, k)
+    if x2.stride(-1) != 1 or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())):
+        return F.linear(x, weight, bias)
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype)
+    rc = load().llmsvc_gemm_f32(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
+                                None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n,
+                                k, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError("CPU gemm_f32: arguments rejected")
+    return out if flat else out.view(*x.shape[:-1], n)

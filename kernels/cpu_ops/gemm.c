@@ -1,0 +1,137 @@
+/* fp32 GEMM for decode-sized batches: C[M, N] = A[M, K] @ W[N, K]^T (+ bias).
+ *
+ * At decode batch sizes a step reads every weight from DRAM once and uses it M times, so the
+ * multiply is as fast as the weight stream keeps up with the FMAs. W is packed once (by the
+ * caller, in torch) into column panels of NR = 48 outputs: panel p = W[48p : 48p + 48, :]^T
+ * as [K][48] contiguous, zero-padded past N. Each OpenMP thread takes a static run of panels;
+ * for every 8-row block of A an 8 x 48 micro-kernel keeps the 24 accumulators in zmm
+ * registers across the whole K (3 panel loads + 8 broadcasts + 24 FMAs per k), re-reading
+ * the panel from L2 for the next row block. While it computes, it prefetches the thread's
+ * next panel, its lines split evenly over the row blocks, so the weight stream from DRAM
+ * runs on while the FMAs work on L2-resident data.
+ *
+ * Measured here against MKL's packed sgemm on the 30-layer SmolLM2-135M weight stream
+ * (LM head included), 2 threads, best of 7 alternating rounds: M = 16 43.7 vs 54.6 ms,
+ * M = 64 94.1 vs 96.3 ms. (Panels handed out dynamically lost the prefetch: M = 16 55.1 ms.)
+ *
+ * Rows are taken in chunks of 256 so a chunk of A stays in L2. The caller keeps the panel
+ * (K * 192 bytes) well inside L2 (K <= 4096). Built only with AVX-512F; elsewhere the entry
+ * point returns -1 and the caller uses its other GEMM.
+ */
+#include <stdint.h>
+
+#define NR 48 /* panel width: 3 zmm of fp32 */
+#define MR 8  /* rows per micro-kernel */
+#define MC 256
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+int llmsvc_gemm_f32_supported(void) { return 1; }
+
+#define FMA_ROWS(K_)                                                                      \
+    do {                                                                                  \
+        const float *bk = b + (K_) * NR;                                                  \
+        const __m512 w0 = _mm512_load_ps(bk), w1 = _mm512_load_ps(bk + 16),               \
+                     w2 = _mm512_load_ps(bk + 32);                                        \
+        _Pragma("GCC unroll 8") for (int r = 0; r < mr; r++) {                            \
+            const __m512 av = _mm512_set1_ps(a[r * lda + (K_)]);                          \
+            acc[r][0] = _mm512_fmadd_ps(av, w0, acc[r][0]);                               \
+            acc[r][1] = _mm512_fmadd_ps(av, w1, acc[r][1]);                               \
+            acc[r][2] = _mm512_fmadd_ps(av, w2, acc[r][2]);                               \
+        }                                                                                 \
+    } while (0)
+
+static inline __mmask16 lane_mask(int nc, int lo) {
+    const int n = nc - lo;
+    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* c[0:mr, 0:nc] = a[0:mr, 0:K] @ b[0:K, 0:48] (+ bias[0:nc]); prefetches q lines of pf
+ * (NULL: none) every 4 k */
+static inline __attribute__((always_inline)) void kernel(
+    const int mr, const float *a, int64_t lda, const float *b, int64_t K, float *c, int64_t ldc,
+    int nc, const float *bias, const char *pf, int q) {
+    __m512 acc[MR][3];
+    const __mmask16 m0 = lane_mask(nc, 0), m1 = lane_mask(nc, 16), m2 = lane_mask(nc, 32);
+    __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0;
+    if (bias) {
+        b0 = _mm512_maskz_loadu_ps(m0, bias);
+        b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+        b2 = _mm512_maskz_loadu_ps(m2, bias + 32);
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < mr; r++) {
+        acc[r][0] = b0;
+        acc[r][1] = b1;
+        acc[r][2] = b2;
+    }
+    int64_t k = 0;
+    if (pf) {
+        for (; k + 4 <= K; k += 4) {
+            for (int j = 0; j < q; j++) _mm_prefetch(pf + j * 64, _MM_HINT_T0);
+            pf += q * 64;
+            FMA_ROWS(k); FMA_ROWS(k + 1); FMA_ROWS(k + 2); FMA_ROWS(k + 3);
+        }
+    } else {
+        for (; k + 4 <= K; k += 4) {
+            FMA_ROWS(k); FMA_ROWS(k + 1); FMA_ROWS(k + 2); FMA_ROWS(k + 3);
+        }
+    }
+    for (; k < K; k++) FMA_ROWS(k);
+    _Pragma("GCC unroll 8") for (int r = 0; r < mr; r++) {
+        _mm512_mask_storeu_ps(c + r * ldc, m0, acc[r][0]);
+        _mm512_mask_storeu_ps(c + r * ldc + 16, m1, acc[r][1]);
+        _mm512_mask_storeu_ps(c + r * ldc + 32, m2, acc[r][2]);
+    }
+}
+
+#define KERNEL_CASE(R) \
+    case R: kernel(R, a, lda, b, K, c, ldc, nc, bias, pf, q); break;
+
+static void row_block(int mr, const float *a, int64_t lda, const float *b, int64_t K, float *c,
+                      int64_t ldc, int nc, const float *bias, const char *pf, int q) {
+    switch (mr) {
+        KERNEL_CASE(1) KERNEL_CASE(2) KERNEL_CASE(3) KERNEL_CASE(4)
+        KERNEL_CASE(5) KERNEL_CASE(6) KERNEL_CASE(7) KERNEL_CASE(8)
+    }
+}
+
+/* a [M, K] (row stride lda), packed [ceil(N / 48)][K][48] (64-byte aligned), bias [N] or
+ * NULL, c [M, N] (row stride ldc); nt OpenMP threads */
+int llmsvc_gemm_f32(const float *a, int64_t lda, const float *packed, const float *bias, float *c,
+                    int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
+    if (((uintptr_t)packed) % 64 || M < 0 || N <= 0 || K <= 0) return -1;
+    const int64_t np = (N + NR - 1) / NR;
+    const char *end = (const char *)(packed + np * K * NR);
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t mc = M - m0 < MC ? M - m0 : MC;
+        const int64_t nb = (mc + MR - 1) / MR;
+        /* the next panel's K * 3 lines, split over this panel's nb row blocks */
+        const int64_t share = (K * 3 + nb - 1) / nb;
+        const int64_t steps = K / 4 > 0 ? K / 4 : 1;
+        const int q = (int)((share + steps - 1) / steps);
+        _Pragma("omp parallel for num_threads(nt) schedule(static) if (nt > 1 && np > 1)")
+        for (int64_t p = 0; p < np; p++) {
+            const float *panel = packed + p * K * NR;
+            const int nc = (int)(N - p * NR < NR ? N - p * NR : NR);
+            for (int64_t i = 0; i < nb; i++) {
+                const int64_t m = i * MR;
+                const char *pf = (const char *)(panel + K * NR) + i * share * 64;
+                if (pf + (int64_t)q * steps * 64 > end) pf = 0;
+                row_block((int)(mc - m < MR ? mc - m : MR), a + (m0 + m) * lda, lda, panel, K,
+                          c + (m0 + m) * ldc + p * NR, ldc, nc, bias ? bias + p * NR : 0, pf, q);
+            }
+        }
+    }
+    return 0;
+}
+
+#else
+int llmsvc_gemm_f32_supported(void) { return 0; }
+
+int llmsvc_gemm_f32(const float *a, int64_t lda, const float *packed, const float *bias, float *c,
+                    int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
+    (void)a; (void)lda; (void)packed; (void)bias; (void)c; (void)ldc; (void)M; (void)N; (void)K; (void)nt;
+    return -1;
+}
+#endif
