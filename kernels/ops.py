@@ -6,8 +6,9 @@ the Triton path is forced (env LLMSVC_FORCE_TRITON=1 or `with force_triton():`, 
 tests under TRITON_INTERPRET=1). On the CPU, the native kernels in `kernels/cpu_ops`
 (C + OpenMP: paged attention reading K/V in place, one-pass norms, RoPE and SiLU-and-mul)
 run when they are built and take the inputs, and linear layers multiply weights packed
-once at load for MKL (fp32) or oneDNN (bf16) (`pack_linear_weight`); anything else calls the torch reference in `kernels/reference.py` directly, with no
-custom-op layer in between (it costs ~10x a small CPU op).
+once at load (`pack_linear_weight`): fp32 panels for the native GEMM (MKL without it),
+oneDNN for bf16. Anything else calls the torch reference in `kernels/reference.py`
+directly, with no custom-op layer in between (it costs ~10x a small CPU op).
 Importing this module works without a GPU and without triton (then only the reference runs).
 """
 from __future__ import annotations
