@@ -10,6 +10,7 @@ import torch
 from llmsvc.config import EngineConfig
 from llmsvc.sampling_params import SamplingParams
 from llmsvc.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from llmsvc.worker import host_malloc
 from llmsvc.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+        if self.device.type == "cpu":  # weights and cache are in place: step activations from here on
+            host_malloc.keep_activations_mapped()
         self.runner.warmup()
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
