@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from kernels.cpu_ops.build import load
 
 PANEL = 48  # gemm.c's panel width (NR)
-# rows up to which gemm.c beats F.linear / MKL here (2 threads, SmolLM2-135M shapes, ms per
-# 30-layer step: M = 256 256 vs 263 MKL vs 301 F.linear; M = 1024 1349 vs 1242 vs 1170)
+# rows up to which gemm.c is at least as fast as F.linear here (2 threads, SmolLM2-135M layer
+# shapes, ms per 30-layer pass, best of 4 alternating rounds; ours / MKL packed / F.linear):
+# M = 256: 329 / 323 / 361, M = 512: 655 / 635 / 658, M = 1024: 1349 / 1242 / 1170
 PANEL_MAX_M = 512
 _PANEL_MAX_K = 4096  # keeps a panel (K * 192 bytes) and its prefetched successor inside L2
 
