@@ -155,6 +155,20 @@ def test_pack_applies_to_cpu_fp32_and_bf16_only():
     assert ops.linear(torch.ones(0, 8), torch.ones(4, 8), None, linear.pack(torch.ones(4, 8))).shape == (0, 4)
 
 
+@pytest.mark.parametrize("nt", [1, 2, 3, 7])
+@pytest.mark.parametrize("n", [48, 100, 1000])  # 1, 3 and 21 panels: fewer panels than threads too
+def test_panel_gemm_takes_every_panel_once_for_any_thread_count(nt, n):
+    # threads own static runs of panels and steal from each other's back: every panel computed
+    if build.load().llmsvc_gemm_f32_supported() != 1:
+        pytest.skip("no AVX-512F: no panel GEMM")
+    g = torch.Generator().manual_seed(n * 10 + nt)
+    w, x = torch.randn(n, 64, generator=g), torch.randn(19, 64, generator=g)
+    out = torch.full((19, n), float("nan"))
+    assert build.load().llmsvc_gemm_f32(x.data_ptr(), 64, linear.pack_panels(w).data_ptr(), None,
+                                        out.data_ptr(), n, 19, n, 64, nt) == 0
+    torch.testing.assert_close(out, F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
 # -- one-pass elementwise ops (elementwise.c) -----------------------------------------------
 
 EW_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
