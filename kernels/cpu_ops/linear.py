@@ -30,8 +30,9 @@ from kernels.cpu_ops.build import load
 
 PANEL = 48  # gemm.c's panel width (NR)
 # rows up to which gemm.c is at least as fast as F.linear here (2 threads, SmolLM2-135M layer
-# shapes, ms per 30-layer pass, best of 4 alternating rounds; ours / MKL packed / F.linear):
-# M = 256: 329 / 323 / 361, M = 512: 655 / 635 / 658, M = 1024: 1349 / 1242 / 1170
+# shapes, ms per 30-layer pass, ours / MKL packed / F.linear; best of 4 alternating rounds:
+# M = 256: 329 / 323 / 361, M = 512: 655 / 635 / 658; best of 5, one after the other:
+# M = 1024: 1349 / 1242 / 1170)
 PANEL_MAX_M = 512
 _PANEL_MAX_K = 4096  # keeps a panel (K * 192 bytes) and its prefetched successor inside L2
 
