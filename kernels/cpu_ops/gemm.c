@@ -164,7 +164,7 @@ int llmsvc_gemm_f32(const float *a, int64_t lda, const float *packed, const floa
         _Pragma("omp parallel num_threads(nt) if (nt > 1 && np > 1)")
         {
             const int me = omp_get_thread_num(), team = omp_get_num_threads();
-            /* own run (a smaller team than nt leaves runs that only thieves take) */
+            /* own runs: run t goes to thread t % team when OpenMP gives fewer than nt threads */
             for (int t = me; t < nt; t += team) {
                 int64_t p;
                 while ((p = take(&ranges[t], 1)) >= 0) {
