@@ -102,6 +102,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = _gather_blocks(k_cache, bt).flatten(1, 2).transpose(1, 2)  # [B, Hkv, nblk*bs, D]
         v = _gather_blocks(v_cache, bt).flatten(1, 2).transpose(1, 2)
         mask = torch.arange(nblk * bs, device=query.device) < ctx[:, None]  # [B, S]
+        # slots past ctx hold whatever a block's last owner left (NaN after an overflow):
+        # zero them, since a masked score still multiplies its V row by 0 (0 * NaN = NaN)
+        k, v = (x.masked_fill(~mask[:, None, :, None], 0) for x in (k, v))
         q = (query if rows is None else query[rows]).view(n_dec, hkv, g, d)  # [B, Hkv, G, D]
         o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask[:, None, None, :],
                                            scale=scale)

@@ -8,19 +8,21 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3,
 GUARD = 64  # NaN elements on each side of a guarded tensor
 
 
-def guarded(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of t inside a NaN-filled buffer (-1 for integer tensors): reads past
-    either end see the guard."""
+def guarded(t: torch.Tensor, device=None) -> torch.Tensor:
+    """A contiguous copy of t inside a NaN-filled buffer (-1 for integer tensors) on `device`
+    (default: t's): reads past either end see the guard."""
     fill = float("nan") if t.dtype.is_floating_point else -1
-    buf = torch.full((t.numel() + 2 * GUARD,), fill, dtype=t.dtype)
+    buf = torch.full((t.numel() + 2 * GUARD,), fill, dtype=t.dtype, device=device or t.device)
     view = buf[GUARD:GUARD + t.numel()].view(t.shape)
     view.copy_(t)
     return view
 
 
-def guarded_rows(t: torch.Tensor, pad: int = 8) -> torch.Tensor:
-    """t [R, C] copied into a NaN buffer [R, C + pad] and sliced back: row stride C + pad."""
-    buf = torch.full((t.shape[0] + 1, t.shape[1] + pad), float("nan"), dtype=t.dtype)
+def guarded_rows(t: torch.Tensor, pad: int = 8, device=None) -> torch.Tensor:
+    """t [R, C] copied into a NaN buffer [R, C + pad] on `device` (default: t's) and sliced
+    back: row stride C + pad."""
+    buf = torch.full((t.shape[0] + 1, t.shape[1] + pad), float("nan"), dtype=t.dtype,
+                     device=device or t.device)
     view = buf[:t.shape[0], :t.shape[1]]
     view.copy_(t)
     return view
@@ -30,12 +32,13 @@ class PagedBatch:
     """A mixed batch over a paged cache: every slot not owned by a sequence holds NaN.
 
     seqs: [(ctx, q_len)]; physical blocks are a random permutation; the block table is padded
-    with the id of a NaN-only block. `clean()` gives the caches with NaN replaced by 0 for the
-    reference (which multiplies masked positions by zero and would propagate NaN).
+    with the id of a NaN-only block. Inputs are drawn on the CPU (the same values on any
+    device) and placed on `device`; `clean_args()` gives CPU copies with NaN replaced by 0,
+    to compute the expected output from.
     """
 
     def __init__(self, seqs, num_q_heads, num_kv_heads, head_dim, block_size=16,
-                 dtype=torch.float32, seed=0, spare_blocks=3):
+                 dtype=torch.float32, seed=0, spare_blocks=3, device="cpu"):
         g = torch.Generator().manual_seed(seed)
         self.seqs = seqs
         nblk = [(ctx + block_size - 1) // block_size for ctx, _ in seqs]
@@ -68,12 +71,19 @@ class PagedBatch:
         q[:, -1] = float("nan")  # an extra NaN head after the real ones: query has row stride Hq+1
         self.query = q[:, :num_q_heads]
         self.scale = head_dim ** -0.5
+        self._cpu = (self.query, self.k_cache, self.v_cache, self.block_tables,
+                     self.query_start_loc, self.seq_lens)
+        if torch.device(device).type != "cpu":
+            self.query = q.to(device)[:, :num_q_heads]
+            self.k_cache, self.v_cache, self.block_tables, self.query_start_loc, self.seq_lens = (
+                guarded(t, device) for t in self._cpu[1:])
 
     def args(self):
         return (self.query, self.k_cache, self.v_cache, self.block_tables, self.query_start_loc,
                 self.seq_lens, self.scale)
 
     def clean_args(self):
-        return (self.query.contiguous(), torch.nan_to_num(self.k_cache, nan=0.0),
-                torch.nan_to_num(self.v_cache, nan=0.0), self.block_tables.clone(),
-                self.query_start_loc.clone(), self.seq_lens.clone(), self.scale)
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens = self._cpu
+        return (query.contiguous(), torch.nan_to_num(k_cache, nan=0.0),
+                torch.nan_to_num(v_cache, nan=0.0), block_tables.clone(),
+                query_start_loc.clone(), seq_lens.clone(), self.scale)

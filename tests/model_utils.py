@@ -62,12 +62,13 @@ def load_hf_model(model_dir: str, dtype=torch.float32):
                                                              attn_implementation="eager").eval()
 
 
-def load_our_model(model_dir: str, dtype: str = "float32", max_model_len: int | None = None):
+def load_our_model(model_dir: str, dtype: str = "float32", max_model_len: int | None = None,
+                   device: str = "cpu"):
     from llmsvc.config import ModelConfig
     from llmsvc.models.llama import build_model
     from llmsvc.models.resolve import resolve_model_config
     mc = resolve_model_config(ModelConfig(model=model_dir, dtype=dtype, max_model_len=max_model_len))
-    return build_model(mc, "cpu")
+    return build_model(mc, device)
 
 
 class PagedRunner:
@@ -75,14 +76,17 @@ class PagedRunner:
     takes {seq_id: new token ids} (a whole prompt, a prefill chunk or one decode token),
     flattens them into one [T] batch, allocates blocks from a SHUFFLED free list (so a
     sequence's blocks are non-contiguous and out of order), and returns per-sequence
-    logits [n_new, vocab] (or only the last row with last_only=True)."""
+    logits [n_new, vocab] (or only the last row with last_only=True). Caches and step
+    inputs live on the model's device."""
 
     def __init__(self, model, num_blocks: int = 64, block_size: int = 16, seed: int = 0):
         cfg = model.config
         num_layers, num_kv_heads, head_dim = kv_cache_spec(cfg)  # this TP rank's heads
-        dtype = next(model.parameters()).dtype
+        param = next(model.parameters())
+        dtype, self.device = param.dtype, param.device
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                           torch.zeros(shape, dtype=dtype, device=self.device))
                           for _ in range(num_layers)]
         self.model, self.block_size = model, block_size
         self.free_blocks = list(range(num_blocks))
@@ -112,17 +116,19 @@ class PagedRunner:
             tables.append(table)
             self.num_computed[sid] = end
         width = max(len(t) for t in tables)
+        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                      device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
             max_seq_len=max(seq_lens))
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
-                            meta, self.kv_caches)
+        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
+                            torch.tensor(positions, dtype=torch.int64, device=dev), meta, self.kv_caches)
         if last_only:
-            rows = torch.tensor(qsl[1:], dtype=torch.int64) - 1
+            rows = torch.tensor(qsl[1:], dtype=torch.int64, device=dev) - 1
             logits = self.model.compute_logits(hidden[rows])
             return {sid: logits[i] for i, sid in enumerate(batch)}
         logits = self.model.compute_logits(hidden)

@@ -81,3 +81,17 @@ def test_any_text_roundtrips_through_deltas(text):
     _, deltas = stream(tok, ids)
     assert "".join(deltas) == tok.decode(ids)
     assert all("\ufffd" not in x for x in deltas[:-1]) or "\ufffd" in tok.decode(ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 49151), min_size=1, max_size=24), st.booleans())
+def test_backend_decode_equals_the_transformers_wrapper(ids, skip):
+    """The detokenizer calls the `tokenizers` backend directly when the tokenizer class does not
+    override decoding; it must give what `tokenizer.decode` gives, special ids included."""
+    tok = smollm2_tokenizer()
+    d = IncrementalDetokenizer(tok, [], skip_special_tokens=skip, spaces_between_special_tokens=False)
+    assert d._backend_decode is not None
+    ids = [1, 2] + ids if skip else ids
+    assert d.decode(ids) == tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+    _, deltas = stream(tok, ids, prompt=(), skip_special_tokens=skip, spaces_between_special_tokens=False)
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)

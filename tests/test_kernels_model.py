@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from kernels import ops
-from kernels.triton_ops import HAS_TRITON
+from kernels.triton_ops import HAS_TRITON, INTERPRET
 
 pytestmark = [
     pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"),
+    pytest.mark.skipif(not INTERPRET, reason="CPU tensors take the Triton path only in the "
+                       "interpreter; test_cuda.py runs the model on a GPU against HF"),
     pytest.mark.skipif(importlib.util.find_spec("llmsvc.models.llama") is None,
                        reason="llmsvc.models.llama does not exist yet"),
 ]

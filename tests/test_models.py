@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_utils import PagedRunner, load_hf_model, load_our_model, make_tiny_model_dir
+from model_utils import PagedRunner, load_hf_model, load_our_model, make_tiny_model_dir, tiny_hf_config
 
 ATOL = 1e-4
 
@@ -166,3 +166,19 @@ def test_rejects_unknown_checkpoint_tensor(tmp_path):
     save_file(sd, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="up_proj|gate_up_proj"):
         load_our_model(d)
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if "rope" in n] + ["llama-untied"])
+def test_rope_table_follows_the_build_device(name):
+    """build_model builds under `with torch.device(device)`: every rope type's cos/sin table
+    must land there (llama3's came back on the CPU and broke loading on CUDA). The meta device
+    shows it without a GPU."""
+    from llmsvc.models.layers.rotary import get_rope
+
+    cfg = {k: v for k, v in CONFIGS[name].items() if k not in ("arch", "tie")}
+    hf_config = tiny_hf_config(CONFIGS[name]["arch"], **cfg)
+    cpu = get_rope(hf_config, 16, 64).cos_sin_cache
+    with torch.device("meta"):
+        rope = get_rope(hf_config, 16, 64)
+    assert rope.cos_sin_cache.device.type == "meta"
+    assert rope.cos_sin_cache.shape == cpu.shape and cpu.device.type == "cpu"

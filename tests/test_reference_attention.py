@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernel_utils import PagedBatch
 from kernels.reference import paged_attention
 
 
@@ -45,3 +46,13 @@ def test_mixed_batch_with_repeated_shapes_matches_loop(hq, hkv):
     got = paged_attention(query, k_cache, v_cache, tables, qsl, seq_lens, 0.3)
     torch.testing.assert_close(got, naive(query, k_cache, v_cache, tables, qsl, seq_lens, 0.3),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_stale_nan_in_unowned_slots_never_reaches_the_output(dtype):
+    """A freed block keeps what its last owner wrote (NaN after an overflow): the slots past a
+    sequence's context, in its own last block and in the table's padding, must not leak."""
+    batch = PagedBatch([(1, 1), (17, 1), (30, 1), (40, 9), (5, 5)], 6, 2, 8, dtype=dtype, seed=4)
+    out = paged_attention(*batch.args())
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out, paged_attention(*batch.clean_args()), atol=0, rtol=0)

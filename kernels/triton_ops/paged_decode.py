@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# the block table's width and the split count change from step to step: one compiled variant
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
                          part_o_ptr, part_m_ptr, part_l_ptr, scale,
                          stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
@@ -65,7 +66,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
     tl.store(part_o_ptr + ml_off[:, None] * D_PAD + d[None, :], acc, mask=r_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, qsl_ptr,
                           stride_ot, stride_oh, head_size, num_q_heads, num_splits,
                           S_PAD: tl.constexpr, D_PAD: tl.constexpr):

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# the block table's width changes from step to step (1 at warm-up): one compiled variant
+@triton.jit(do_not_specialize=["stride_bt"])
 def _varlen_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, scale,
                         stride_qt, stride_qh, stride_ot, stride_oh,
                         stride_cb, stride_cs, stride_ch, stride_bt,

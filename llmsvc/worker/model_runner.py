@@ -60,20 +60,35 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     def warmup(self) -> None:
-        """One tiny prefill and decode through every op (writes only block 0; nothing is cached yet)."""
-        from llmsvc.sampling_params import SamplingParams
-
+        """A tiny prefill and decode through every op (block 0 only; nothing is cached yet). On
+        CUDA also a 512-token prefill, a decode past the 512-key split-K threshold and a mixed
+        step, so every Triton kernel variant compiles here and not in a user's first request."""
         n = min(self.block_size, 8)
-        for num_computed, num_new in ((0, n), (n, 1)):
-            so = SchedulerOutput.make_empty()
-            so.scheduled_new_reqs = [NewRequestData("__warmup__", [0] * (n + 1), [], SamplingParams(
-                temperature=0.0), [0], num_computed)]
-            so.num_scheduled_tokens = {"__warmup__": num_new}
-            so.total_num_scheduled_tokens = num_new
-            self.execute_model(so)
-        self.states.clear()
+        steps = [{"w0": (0, n)}, {"w0": (n, 1)}]  # req -> (num_computed, num_new), per step
+        long_len = 512 + 2
+        long_blocks = -(-long_len // self.block_size)
+        if (self.device.type == "cuda" and self.num_blocks > long_blocks
+                and (self.config.model_config.max_model_len or 0) >= long_len):
+            steps += [{"w1": (0, 512)}, {"w1": (512, 1)}, {"w1": (513, 1), "w0": (0, n)}]
+        tables = {"w0": [0], "w1": list(range(1, long_blocks + 1))}
+        prompt_len = {"w0": n + 1, "w1": long_len}
+        for step in steps:
+            self._warmup_step(step, tables, prompt_len)
+            self.states.clear()
         if self.device.type == "cuda" and not self.config.model_config.enforce_eager:
             self.graph_runner = capture_decode_graphs(self)
+
+    def _warmup_step(self, step: dict, tables: dict, prompt_len: dict) -> None:
+        from llmsvc.sampling_params import SamplingParams
+
+        so = SchedulerOutput.make_empty()
+        for req, (num_computed, num_new) in step.items():
+            so.scheduled_new_reqs.append(NewRequestData(
+                f"__warmup_{req}__", [0] * prompt_len[req], [], SamplingParams(temperature=0.0),
+                tables[req], num_computed))
+            so.num_scheduled_tokens[f"__warmup_{req}__"] = num_new
+        so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
+        self.execute_model(so)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:

@@ -119,6 +119,15 @@ class Worker:
         return {"num_steps": self.num_steps, "execute_time_s": self.execute_time_s}
 
     def shutdown(self) -> None:
+        """Drops the model, the KV cache and the CUDA graphs: an engine in a process that goes
+        on (offline `LLM`, uniproc) gives its GPU memory back."""
+        if self.runner is not None:
+            self.runner = None
+            if self.device.type == "cuda":
+                import gc
+
+                gc.collect()  # the captured graphs and their runner refer to each other
+                torch.cuda.empty_cache()
         if self.world_size > 1:
             import torch.distributed as dist
 

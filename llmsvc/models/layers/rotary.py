@@ -33,7 +33,7 @@ def rope_parameters(hf_config) -> dict:
 
 
 def compute_inv_freq(hf_config, head_size: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [rotary_dim / 2] float32, attention_factor) as HF computes them."""
+    """(inv_freq [rotary_dim / 2] float32 on the CPU, attention_factor) as HF computes them."""
     params = rope_parameters(hf_config)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -41,10 +41,11 @@ def compute_inv_freq(hf_config, head_size: int) -> tuple[torch.Tensor, float]:
     if rope_type == "default":
         dim = int(head_size * params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)))
         base = float(params["rope_theta"])
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    with torch.device("cpu"):  # whatever device the model is being built on
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     return inv_freq.float(), float(attention_factor)
 
 
@@ -54,10 +55,13 @@ class RotaryEmbedding(nn.Module):
         self.head_size = head_size
         inv_freq, self.attention_factor = compute_inv_freq(hf_config, head_size)
         self.rotary_dim = 2 * inv_freq.numel()
-        t = torch.arange(max_position, dtype=torch.float)
+        # computed on the CPU whatever the device (the same table everywhere), then moved to the
+        # device the model is being built on (`with torch.device(...)` in build_model)
+        t = torch.arange(max_position, dtype=torch.float, device="cpu")
         freqs = t[:, None] * inv_freq[None, :]  # [max_position, rotary_dim / 2]
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * self.attention_factor
-        self.register_buffer("cos_sin_cache", cache, persistent=False)  # [max_position, rotary_dim]
+        self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()),
+                             persistent=False)  # [max_position, rotary_dim]
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
