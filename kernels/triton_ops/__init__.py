@@ -18,3 +18,7 @@ except ImportError:  # pragma: no cover
 
 # Triton reads TRITON_INTERPRET when @triton.jit runs (import time): remember what it was.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# keys per split-K decode program: a decode whose context exceeds this takes the split-K path
+# (model runners warm both paths up; defined here so that importing it needs no triton)
+DEFAULT_DECODE_SPLIT = 512

@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 import triton
 
+from kernels.triton_ops import DEFAULT_DECODE_SPLIT
 from kernels.triton_ops._utils import check_float, check_same_device, next_pow2
 from kernels.triton_ops.paged_decode import _decode_reduce_kernel, _decode_split_kernel
 from kernels.triton_ops.varlen_attention import _varlen_attn_kernel
 
-DEFAULT_DECODE_SPLIT = 512  # keys per split-K program; contexts above this use split-K decode
 BLOCK_M = 64  # query rows (tokens x grouped heads) per varlen program
 BLOCK_N = 32  # keys per inner iteration
 

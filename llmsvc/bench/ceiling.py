@@ -34,15 +34,24 @@ def param_counts(model_dir: str) -> dict:
             "prompt_flops_per_token": 2 * body, "gen_flops_per_token": 2 * (body + lm_head)}
 
 
+def bench_device(device: str = "auto"):
+    """(torch.device, sync) for a peer measurement: "auto" is the engine's default (the GPU
+    where there is one); sync() waits for the device's queued work (a no-op on the CPU)."""
+    import torch
+
+    from llmsvc.worker.worker import resolve_device
+
+    dev = resolve_device(device)
+    return dev, (torch.cuda.synchronize if dev.type == "cuda" else (lambda: None))
+
+
 def gemm_flops(dtype: str = "float32", n: int = 4096, repeats: int = 3, device: str = "auto") -> float:
     """Best-of-`repeats` FLOP/s of an n x n x n matmul in `dtype` on the engine's device (auto:
     the GPU where there is one, else the CPU with all its threads). fp32 on a GPU is plain
     fp32 (no TF32), as the engine computes it."""
     import torch
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    device, sync = bench_device(device)
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     a, b = (torch.randn(n, n, dtype=dt, device=device) for _ in range(2))
     torch.mm(a, b)  # warm up

@@ -17,11 +17,11 @@ def run_hf(model_dir: str, prompts: list[list[int]], output_len: int, dtype: str
     import torch
     from transformers import AutoModelForCausalLM
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    from llmsvc.bench.ceiling import bench_device
+
+    device, sync = bench_device(device)
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt).to(device).eval()
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     with torch.inference_mode():  # warm-up outside the clock, as the engine warms up at start
         model.generate(torch.tensor(prompts[:1], device=device), do_sample=False, max_new_tokens=2,
                        pad_token_id=model.config.eos_token_id or 0)

@@ -9,6 +9,7 @@ its leading space for tokenizers that drop it when decoding a lone token.
 from __future__ import annotations
 
 _REPLACEMENT = "\ufffd"
+_PROMPT_CONTEXT = 5  # prompt ids kept in the initial window
 
 
 def _backend_decode(tokenizer):
@@ -26,7 +27,6 @@ def _backend_decode(tokenizer):
             or cls._decode is not PreTrainedTokenizerFast._decode):
         return None
     return backend.decode
-_PROMPT_CONTEXT = 5  # prompt ids kept in the initial window
 
 
 class IncrementalDetokenizer:

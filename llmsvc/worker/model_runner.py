@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from kernels.triton_ops import DEFAULT_DECODE_SPLIT
 from llmsvc.config import EngineConfig
 from llmsvc.models.llama import build_model, kv_cache_spec
 from llmsvc.models.parallel import get_tp_rank, get_tp_world_size
@@ -65,11 +66,12 @@ class ModelRunner:
         step, so every Triton kernel variant compiles here and not in a user's first request."""
         n = min(self.block_size, 8)
         steps = [{"w0": (0, n)}, {"w0": (n, 1)}]  # req -> (num_computed, num_new), per step
-        long_len = 512 + 2
+        split = DEFAULT_DECODE_SPLIT
+        long_len = split + 2
         long_blocks = -(-long_len // self.block_size)
         if (self.device.type == "cuda" and self.num_blocks > long_blocks
                 and (self.config.model_config.max_model_len or 0) >= long_len):
-            steps += [{"w1": (0, 512)}, {"w1": (512, 1)}, {"w1": (513, 1), "w0": (0, n)}]
+            steps += [{"w1": (0, split)}, {"w1": (split, 1)}, {"w1": (split + 1, 1), "w0": (0, n)}]
         tables = {"w0": [0], "w1": list(range(1, long_blocks + 1))}
         prompt_len = {"w0": n + 1, "w1": long_len}
         for step in steps:
