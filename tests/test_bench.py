@@ -64,6 +64,9 @@ def test_summary_statistics():
     assert s["output_tok_s"] == 5 / 4.0 and s["input_tok_s"] == 20 / 4.0
     assert s["ttft_s"]["mean"] == 1.5 and s["tpot_s"]["mean"] == (0.5 + 1.0) / 2
     assert s["itl_s"]["p50"] == 0.5
+    assert s["prompt_tokens"] == 20 and s["cached_prompt_tokens"] == 0
+    recs[1].cached_tokens = 8
+    assert summarize(recs, wall_s=4.0)["cached_prompt_tokens"] == 8
 
 
 def test_ceiling_from_parameter_counts(tmp_path):
@@ -83,9 +86,11 @@ def test_bench_cli_offline_and_serve_on_a_tiny_model(tmp_path):
 
     d = make_tiny_served_model_dir(tmp_path / "m")
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    cmd = [sys.executable, "-m", "llmsvc", "bench", str(d), "--num-requests", "4", "--input-len", "12",
-           "--output-len", "5", "--mode", "both", "--compare-prefix-caching", "--sweep-concurrency", "2",
-           "--json", str(out), "--plot", str(png)]
+    # 4 prompts of 40 tokens sharing 32 (two full blocks): with 2 in flight at a time, the
+    # second pair finds the first pair's prefix in the cache
+    cmd = [sys.executable, "-m", "llmsvc", "bench", str(d), "--num-requests", "4", "--input-len", "40",
+           "--shared-prefix-len", "32", "--output-len", "5", "--mode", "both", "--compare-prefix-caching",
+           "--sweep-concurrency", "2", "--json", str(out), "--plot", str(png)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["workloads"]["custom"]
@@ -93,5 +98,9 @@ def test_bench_cli_offline_and_serve_on_a_tiny_model(tmp_path):
         assert res[kind]["completed"] == 4 and res[kind]["failed"] == 0
         assert res[kind]["output_tok_s"] > 0
     assert set(res["sweep_concurrency"]) == {"2.0"}
+    assert res["serve_no_prefix_caching"]["cached_prompt_tokens"] == 0
+    assert res["sweep_concurrency"]["2.0"]["cached_prompt_tokens"] >= 2 * 32
+    assert res["sweep_concurrency"]["2.0"]["prompt_tokens"] == 4 * 40
+    assert "came from the prefix cache" in r.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "llmsvc gRPC" in r.stdout and "gRPC streaming cost" in r.stdout

@@ -87,7 +87,18 @@ def _offline_engine(a, prefix_caching: bool = True):
 def _line(tag: str, s: dict) -> str:
     return (f"  {tag:<28} {s['output_tok_s']:8.1f} out tok/s  {s['input_tok_s']:8.1f} in tok/s  "
             f"{s['request_throughput']:6.2f} req/s  TTFT {fmt_ms(s['ttft_s'])}  TPOT {fmt_ms(s['tpot_s'])}"
-            + (f"  FAILED {s['failed']}: {s['errors']}" if s["failed"] else ""))
+            + (f"  FAILED {s['failed']}: {s['errors']}" if s["failed"] else "")
+            + _cached_note(s))
+
+
+def _cached_note(s: dict) -> str:
+    """Prompt tokens served from the prefix cache: a shared prefix, or an earlier run's prompts
+    still cached in a long-running server (--server), which flatters prefill figures."""
+    cached, total = s.get("cached_prompt_tokens", 0), s.get("prompt_tokens", 0)
+    if not (cached and total):
+        return ""
+    return (f"\n  {'':<28} {cached} of {total} prompt tokens ({100 * cached / total:.0f}%) came from "
+            "the prefix cache")
 
 
 def _prefill_tok_s(records) -> float:

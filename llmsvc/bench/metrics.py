@@ -11,6 +11,7 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)  # arrival time of each output token
     end: float = 0.0
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens the server took from its prefix cache
 
     @property
     def output_len(self) -> int:
@@ -62,6 +63,8 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "itl_s": percentiles(itl),
         "e2e_s": percentiles([r.end - r.start for r in ok]),
         "errors": sorted({r.error for r in records if r.error})[:5],
+        "prompt_tokens": in_tokens,
+        "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
     }
 
 

@@ -36,6 +36,7 @@ def run_offline(engine, prompts: list[list[int]], output_len: int, offsets: list
         for o in outs:
             rec = records[o.request_id]
             rec.token_times += [now] * len(o.outputs[0].token_ids)
+            rec.cached_tokens = o.num_cached_tokens
             if o.finished:
                 rec.end = now
                 bar.update(1)
@@ -68,6 +69,8 @@ async def _serve(target: str, prompts, output_len, offsets, concurrency: int | N
                     async for msg in stub.Generate(req):
                         now = time.perf_counter()
                         rec.token_times += [now] * len(msg.token_ids)
+                        if msg.HasField("prompt"):
+                            rec.cached_tokens = msg.prompt.num_cached_tokens
                     rec.end = time.perf_counter()
                 except grpc.aio.AioRpcError as e:
                     rec.error = f"{e.code().name}: {e.details()}"
