@@ -104,3 +104,16 @@ def test_bench_cli_offline_and_serve_on_a_tiny_model(tmp_path):
     assert "came from the prefix cache" in r.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "llmsvc gRPC" in r.stdout and "gRPC streaming cost" in r.stdout
+
+
+def test_server_mode_rejects_compare_prefix_caching_and_tolerates_no_tokens():
+    """--compare-prefix-caching needs servers started with caching off: against --server it
+    would compare the cache with itself. A run in which no request got a token summarizes."""
+    from llmsvc.bench.cli import _prefill_tok_s
+
+    r = subprocess.run([sys.executable, "-m", "llmsvc", "bench", "--server", "127.0.0.1:1",
+                        "--compare-prefix-caching"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "cannot be used with --server" in r.stderr
+    assert _prefill_tok_s([]) == 0.0
+    s = summarize([RequestRecord(10, 0.0, [], 0.0, error="UNAVAILABLE: loading")], wall_s=1.0)
+    assert s["completed"] == 0 and s["failed"] == 1 and s["output_tok_s"] == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 
 from llmsvc.bench.metrics import fmt_ms, summarize
@@ -102,14 +103,16 @@ def _cached_note(s: dict) -> str:
 
 
 def _prefill_tok_s(records) -> float:
-    """Prompt tokens over the time until the last request got its first token."""
+    """Prompt tokens over the time until the last request got its first token (0 if none did)."""
+    if not records:
+        return 0.0
     start = min(r.start for r in records)
     return sum(r.prompt_len for r in records) / (max(r.token_times[0] for r in records) - start)
 
 
 def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict) -> None:
     from llmsvc.bench.runners import run_offline, run_serving
-    from llmsvc.bench.server_proc import running_server
+    from llmsvc.bench.server_proc import running_server, wait_serving
 
     prompts = build_prompts(w, vocab)
     offsets = arrival_offsets(w)
@@ -121,6 +124,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
         offs = offsets if rate is None else arrival_offsets(dataclasses.replace(w, arrival="poisson", rate=rate))
         conc = concurrency or w.concurrency
         if a.server:
+            wait_serving(a.server, timeout=180.0)  # a server still loading answers UNAVAILABLE
             recs, wall = run_serving(a.server, prompts, w.output_len, offs, conc)
         else:
             with running_server(_serve_args(a, prefix_caching)) as target:
@@ -148,7 +152,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
         off["prefill_tok_s"] = _prefill_tok_s([r for r in recs if r.token_times])
         res["serve_no_prefix_caching"] = off
         on = ours.get("prefill_tok_s") or _prefill_tok_s(recs)
-        res["prefix_caching_prefill_speedup"] = on / off["prefill_tok_s"]
+        res["prefix_caching_prefill_speedup"] = on / off["prefill_tok_s"] if off["prefill_tok_s"] else float("nan")
         print(_line("llmsvc gRPC, no prefix cache", off))
         print(f"  prefill throughput with / without prefix caching: {on:.0f} / {off['prefill_tok_s']:.0f} "
               f"tok/s = {res['prefix_caching_prefill_speedup']:.2f}x")
@@ -192,6 +196,11 @@ def _executors_main(a) -> int:
 def main(a) -> int:
     if getattr(a, "executors", None):
         return _executors_main(a)
+    if a.server and a.compare_prefix_caching:
+        # the no-cache run needs a server started with prefix caching off
+        print("llmsvc bench: --compare-prefix-caching starts its own servers; it cannot be used "
+              "with --server", file=sys.stderr)
+        return 2
     from llmsvc.config import ModelConfig
     from llmsvc.models.resolve import resolve_model_config
     from transformers import AutoTokenizer
