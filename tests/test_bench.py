@@ -64,6 +64,7 @@ def test_summary_statistics():
     assert s["output_tok_s"] == 5 / 4.0 and s["input_tok_s"] == 20 / 4.0
     assert s["ttft_s"]["mean"] == 1.5 and s["tpot_s"]["mean"] == (0.5 + 1.0) / 2
     assert s["itl_s"]["p50"] == 0.5
+    assert s["prefill_tok_s"] == 20 / 2.0  # until the last first token, at 2.0
     assert s["prompt_tokens"] == 20 and s["cached_prompt_tokens"] == 0
     recs[1].cached_tokens = 8
     assert summarize(recs, wall_s=4.0)["cached_prompt_tokens"] == 8
@@ -109,11 +110,28 @@ def test_bench_cli_offline_and_serve_on_a_tiny_model(tmp_path):
 def test_server_mode_rejects_compare_prefix_caching_and_tolerates_no_tokens():
     """--compare-prefix-caching needs servers started with caching off: against --server it
     would compare the cache with itself. A run in which no request got a token summarizes."""
-    from llmsvc.bench.cli import _prefill_tok_s
-
     r = subprocess.run([sys.executable, "-m", "llmsvc", "bench", "--server", "127.0.0.1:1",
                         "--compare-prefix-caching"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "cannot be used with --server" in r.stderr
-    assert _prefill_tok_s([]) == 0.0
     s = summarize([RequestRecord(10, 0.0, [], 0.0, error="UNAVAILABLE: loading")], wall_s=1.0)
     assert s["completed"] == 0 and s["failed"] == 1 and s["output_tok_s"] == 0
+    assert s["prefill_tok_s"] == 0.0
+
+
+def test_offline_compare_prefix_caching_reruns_offline(tmp_path):
+    """--mode offline --compare-prefix-caching compares two in-process engines (it used to
+    start a server for the no-cache run and divide the offline prefill rate by that)."""
+    from tests.server_harness import make_tiny_served_model_dir
+
+    d = make_tiny_served_model_dir(tmp_path / "m")
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "-m", "llmsvc", "bench", str(d), "--num-requests", "4",
+                        "--input-len", "40", "--shared-prefix-len", "32", "--output-len", "3",
+                        "--mode", "offline", "--compare-prefix-caching",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())["workloads"]["custom"]
+    assert "serve" not in res and "serve_no_prefix_caching" not in res
+    assert res["offline_no_prefix_caching"]["cached_prompt_tokens"] == 0
+    assert res["offline"]["prefill_tok_s"] > 0 and res["offline_no_prefix_caching"]["prefill_tok_s"] > 0
+    assert "llmsvc offline, no prefix cache" in r.stdout

@@ -102,14 +102,6 @@ def _cached_note(s: dict) -> str:
             "the prefix cache")
 
 
-def _prefill_tok_s(records) -> float:
-    """Prompt tokens over the time until the last request got its first token (0 if none did)."""
-    if not records:
-        return 0.0
-    start = min(r.start for r in records)
-    return sum(r.prompt_len for r in records) / (max(r.token_times[0] for r in records) - start)
-
-
 def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict) -> None:
     from llmsvc.bench.runners import run_offline, run_serving
     from llmsvc.bench.server_proc import running_server, wait_serving
@@ -131,29 +123,31 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
                 recs, wall = run_serving(target, prompts, w.output_len, offs, conc)
         return recs, summarize(recs, wall)
 
-    if a.mode in ("offline", "both"):
-        engine = _offline_engine(a)
+    def offline(prefix_caching=True):
+        engine = _offline_engine(a, prefix_caching)
         try:
             recs, wall = run_offline(engine, prompts, w.output_len, offsets)
         finally:
             engine.shutdown()
-        res["offline"] = summarize(recs, wall)
+        return recs, summarize(recs, wall)
+
+    if a.mode in ("offline", "both"):
+        _, res["offline"] = offline()
         print(_line("llmsvc offline", res["offline"]))
     if a.mode in ("serve", "both"):
-        recs, res["serve"] = serve()
-        res["serve"]["prefill_tok_s"] = _prefill_tok_s([r for r in recs if r.token_times])
+        _, res["serve"] = serve()
         print(_line("llmsvc gRPC", res["serve"]))
         if a.mode == "both":
             res["grpc_cost"] = 1 - res["serve"]["output_tok_s"] / res["offline"]["output_tok_s"]
             print(f"  gRPC streaming cost vs offline: {100 * res['grpc_cost']:.1f}% of output tok/s")
     ours = res.get("serve") or res["offline"]
-    if a.compare_prefix_caching:
-        recs, off = serve(prefix_caching=False)
-        off["prefill_tok_s"] = _prefill_tok_s([r for r in recs if r.token_times])
-        res["serve_no_prefix_caching"] = off
-        on = ours.get("prefill_tok_s") or _prefill_tok_s(recs)
+    if a.compare_prefix_caching:  # the same mode again, prefix caching off
+        kind, run = ("offline", offline) if a.mode == "offline" else ("serve", serve)
+        _, off = run(prefix_caching=False)
+        res[f"{kind}_no_prefix_caching"] = off
+        on = ours["prefill_tok_s"]
         res["prefix_caching_prefill_speedup"] = on / off["prefill_tok_s"] if off["prefill_tok_s"] else float("nan")
-        print(_line("llmsvc gRPC, no prefix cache", off))
+        print(_line(f"llmsvc {'offline' if kind == 'offline' else 'gRPC'}, no prefix cache", off))
         print(f"  prefill throughput with / without prefix caching: {on:.0f} / {off['prefill_tok_s']:.0f} "
               f"tok/s = {res['prefix_caching_prefill_speedup']:.2f}x")
     if a.baseline == "hf":

@@ -45,6 +45,14 @@ def percentiles(xs: list[float]) -> dict:
     return {"mean": sum(s) / len(s), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
 
 
+def _prefill_tok_s(ok: list[RequestRecord]) -> float:
+    """Prompt tokens over the time until the last request got its first token (0 if none did)."""
+    if not ok:
+        return 0.0
+    span = max(r.token_times[0] for r in ok) - min(r.start for r in ok)
+    return sum(r.prompt_len for r in ok) / span if span > 0 else 0.0
+
+
 def summarize(records: list[RequestRecord], wall_s: float) -> dict:
     ok = [r for r in records if r.error is None and r.token_times]
     out_tokens = sum(r.output_len for r in ok)
@@ -63,6 +71,7 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "itl_s": percentiles(itl),
         "e2e_s": percentiles([r.end - r.start for r in ok]),
         "errors": sorted({r.error for r in records if r.error})[:5],
+        "prefill_tok_s": _prefill_tok_s(ok),
         "prompt_tokens": in_tokens,
         "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
     }
