@@ -21,15 +21,14 @@ pytestmark = pytest.mark.skipif(
 
 from executor_driver import greedy_generate  # noqa: E402
 from model_utils import PagedRunner, load_hf_model, load_our_model, make_tiny_model_dir  # noqa: E402
+from test_executors import engine_config, run  # noqa: E402
+from test_models import CONFIGS as CPU_CONFIGS  # noqa: E402
 
 CONFIGS = {
     "llama-untied": dict(arch="llama", tie=False),
     "qwen2-bias-tied": dict(arch="qwen2", tie=True),
     "llama3-rope-gqa4": dict(arch="llama", num_attention_heads=8, num_key_value_heads=2,
-                             rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
-                                              "factor": 8.0, "low_freq_factor": 1.0,
-                                              "high_freq_factor": 4.0,
-                                              "original_max_position_embeddings": 64}),
+                             rope_parameters=CPU_CONFIGS["llama3-rope"]["rope_parameters"]),
     "head-dim-128": dict(arch="llama", hidden_size=256, num_attention_heads=2,
                          num_key_value_heads=1),
 }
@@ -93,27 +92,6 @@ def test_bfloat16_on_cuda_close_to_fp32(tmp_path):
     assert 0 < err < 0.25, err
 
 
-def _engine_config(model_dir, device, executor="uniproc", enforce_eager=False, **cache):
-    from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-    from llmsvc.models.resolve import resolve_model_config
-
-    mc = resolve_model_config(ModelConfig(model=str(model_dir), enforce_eager=enforce_eager))
-    cc = CacheConfig(**(cache or dict(num_kv_blocks_override=256)))
-    return EngineConfig(model_config=mc, cache_config=cc,
-                        parallel_config=ParallelConfig(executor=executor), device=device)
-
-
-def _run(config, prompts, max_new=16, chunk=None):
-    from executors import create_executor
-
-    ex = create_executor(config)
-    try:
-        ex.initialize_kv_cache(ex.determine_num_kv_blocks())
-        return greedy_generate(ex, prompts, max_new, chunk=chunk)
-    finally:
-        ex.shutdown()
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), arch="llama")
@@ -122,7 +100,7 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cpu_tokens(tiny_dir):
     prompts = _prompts(320, lens=(5, 17, 33, 1, 70, 9, 2, 40, 3))  # 9 decodes: graph size 16
-    return prompts, _run(_engine_config(tiny_dir, "cpu"), prompts)
+    return prompts, run(engine_config(tiny_dir, num_blocks=256), prompts, max_new=16)
 
 
 @pytest.mark.parametrize("executor,enforce_eager,chunk", [
@@ -131,7 +109,8 @@ def cpu_tokens(tiny_dir):
 def test_executor_on_cuda_matches_cpu(tiny_dir, cpu_tokens, executor, enforce_eager, chunk):
     """Eager and CUDA-graph decode steps (9 sequences padded to a captured batch of 16)."""
     prompts, expected = cpu_tokens
-    got = _run(_engine_config(tiny_dir, "cuda", executor, enforce_eager), prompts, chunk=chunk)
+    got = run(engine_config(tiny_dir, executor, num_blocks=256, device="cuda",
+                            enforce_eager=enforce_eager), prompts, max_new=16, chunk=chunk)
     assert got == expected
 
 
@@ -143,7 +122,8 @@ def test_uniproc_shutdown_gives_gpu_memory_back(tiny_dir):
     torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info()[0]
     allocated_before = torch.cuda.memory_allocated()
-    ex = create_executor(_engine_config(tiny_dir, "cuda", gpu_memory_utilization=0.3))
+    ex = create_executor(engine_config(tiny_dir, num_blocks=None, device="cuda",
+                                       gpu_memory_utilization=0.3))
     try:
         ex.initialize_kv_cache(ex.determine_num_kv_blocks())
         greedy_generate(ex, _prompts(320, lens=(5, 9)), 4)

@@ -15,11 +15,14 @@ from llmsvc.models.resolve import resolve_model_config
 from model_utils import make_tiny_model_dir
 
 
-def engine_config(model_dir, executor="uniproc", tp=1, num_blocks=96) -> EngineConfig:
-    return EngineConfig(model_config=resolve_model_config(ModelConfig(model=str(model_dir))),
-                        cache_config=CacheConfig(num_kv_blocks_override=num_blocks),
+def engine_config(model_dir, executor="uniproc", tp=1, num_blocks=96, device="cpu",
+                  enforce_eager=False, **cache) -> EngineConfig:
+    """num_blocks=None: size the KV pool as the worker would (cache: other CacheConfig fields)."""
+    mc = resolve_model_config(ModelConfig(model=str(model_dir), enforce_eager=enforce_eager))
+    return EngineConfig(model_config=mc,
+                        cache_config=CacheConfig(num_kv_blocks_override=num_blocks, **cache),
                         parallel_config=ParallelConfig(executor=executor, tensor_parallel_size=tp),
-                        device="cpu")
+                        device=device)
 
 
 def run(config, prompts, max_new=8, chunk=None):
