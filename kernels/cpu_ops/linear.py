@@ -11,8 +11,10 @@ copy:
         Without AVX-512 or the native library: MKL `cblas_sgemm_pack` / `_compute`
         (`mkl::_mkl_reorder_linear_weight`, `mkl::_mkl_linear`), the ops torch's inductor
         uses for frozen weights; [64, 576] x [576, 3072]: 109 -> 155 GFLOP/s measured here
-  bf16  oneDNN (`mkldnn::_reorder_linear_weight`, `mkldnn::_linear_pointwise`);
-        the same shape: 273 -> 432 GFLOP/s
+  bf16  with AMX and K % 32 == 0: VNNI tile panels [ceil(N / 64), K / 2, 128] for
+        `gemm_amx.c`, up to AMX_MAX_M rows (F.linear on the original weight beyond);
+        elsewhere oneDNN (`mkldnn::_reorder_linear_weight`, `mkldnn::_linear_pointwise`),
+        [64, 576] x [576, 3072]: 273 -> 432 GFLOP/s against F.linear
 
 Every path packs B independently of the row count M of the input (MKL gets the call's own
 M as `prepack_batch_size`); the tests check M = 1 .. 1024 against F.linear. The packed copy
@@ -35,6 +37,12 @@ PANEL = 48  # gemm.c's panel width (NR)
 # M = 1024: 1349 / 1242 / 1170)
 PANEL_MAX_M = 512
 _PANEL_MAX_K = 4096  # keeps a panel (K * 192 bytes) and its prefetched successor inside L2
+AMX_PANEL = 64  # gemm_amx.c's panel width (NP)
+# rows up to which gemm_amx.c is at least as fast as oneDNN's packed matmul here (ms per
+# SmolLM2-135M weight stream, 30 layers + LM head, 2 threads: M = 16 24.5 / 26.1,
+# M = 32 27.2 / 42.2, M = 64 33.2 / 38.4, M = 128 52.1 / 53.8; 10 layers, M = 256 28-33 /
+# 32-35, F.linear 21-41); F.linear wins at M = 1024 (97-106 against 110-157 ms)
+AMX_MAX_M = 256
 
 
 def enabled() -> bool:
@@ -60,23 +68,45 @@ def _panels_ok() -> bool:
     return lib is not None and lib.llmsvc_gemm_f32_supported() == 1
 
 
+def _amx_ok() -> bool:
+    lib = load()
+    return lib is not None and lib.llmsvc_gemm_bf16_supported() == 1
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy of it whose data starts on a 64-byte boundary."""
+    if t.data_ptr() % 64 == 0:
+        return t
+    buf = torch.empty(t.numel() + 64 // t.element_size(), dtype=t.dtype)
+    off = (-buf.data_ptr() // t.element_size()) % (64 // t.element_size())
+    return buf[off:off + t.numel()].view(t.shape).copy_(t)
+
+
+def pack_amx(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16, K % 32 == 0 -> [ceil(N / 64), K / 2, 128]: panel p, K block kb,
+    column tile j is the VNNI tile [16 pairs][16 columns][2] of W[64p + 16j + c, 32kb + 2r + e],
+    zero-padded past N, 64-byte aligned."""
+    n, k = weight.shape
+    np_ = -(-n // AMX_PANEL)
+    w = F.pad(weight, (0, 0, 0, np_ * AMX_PANEL - n)) if np_ * AMX_PANEL != n else weight
+    # [np, j, c, kb, r, e] -> [np, kb, j, r, c, e]
+    out = w.view(np_, 4, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+    return _aligned(out.view(np_, k // 2, 2 * AMX_PANEL))
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] fp32 -> [ceil(N / 48), K, 48]: panel p holds W[48p : 48p + 48, :]^T,
     zero-padded past N, 64-byte aligned."""
     n, k = weight.shape
     np_ = -(-n // PANEL)
     w = F.pad(weight, (0, 0, 0, np_ * PANEL - n)) if np_ * PANEL != n else weight
-    out = w.view(np_, PANEL, k).transpose(1, 2).contiguous()  # [np, K, 48]
-    if out.data_ptr() % 64:  # torch's CPU allocator aligns to 64; keep the kernel's contract anyway
-        buf = torch.empty(out.numel() + 16, dtype=out.dtype)
-        off = (-buf.data_ptr() // 4) % 16
-        out = buf[off:off + out.numel()].view(out.shape).copy_(out)
-    return out
+    # torch's CPU allocator aligns to 64; _aligned keeps the kernel's contract anyway
+    return _aligned(w.view(np_, PANEL, k).transpose(1, 2).contiguous())  # [np, K, 48]
 
 
 def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """weight [N, K] fp32 or bf16 on the CPU -> packed copy (fp32 panels: 3-D; MKL / oneDNN:
-    opaque), or None when packing does not apply (other dtype or device, library missing,
+    """weight [N, K] fp32 or bf16 on the CPU -> packed copy (fp32 or AMX panels: 3-D; MKL /
+    oneDNN: opaque), or None when packing does not apply (other dtype or device, library missing,
     LLMSVC_CPU_KERNELS=0)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not enabled():
         return None
@@ -84,6 +114,8 @@ def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
         return pack_panels(weight.contiguous())
     if weight.dtype == torch.float32 and _mkl_linear is not None:
         return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), 64)
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and _amx_ok():
+        return pack_amx(weight.contiguous())
     if weight.dtype == torch.bfloat16 and _linear_pointwise is not None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
     return None
@@ -100,11 +132,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         if packed.dim() == 3:
             return _gemm_panels(x, packed, bias, weight) if m <= PANEL_MAX_M else F.linear(x, weight, bias)
         return _mkl_linear(x, packed, weight, bias, m)
+    if packed.dim() == 3:
+        return _gemm_amx(x, packed, bias, weight) if m <= AMX_MAX_M else F.linear(x, weight, bias)
     return _linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _gemm_panels(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
-                 weight: torch.Tensor) -> torch.Tensor:
+def _native(entry, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
+            weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight^T through a native packed GEMM `entry` (gemm.c / gemm_amx.c)."""
     n, k = weight.shape
     flat = x.dim() == 2  # the model's case; reshape and view cost ~3 us each per call
     x2 = x if flat else x.reshape(-1, k)
@@ -112,9 +147,18 @@ def _gemm_panels(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Ten
         return F.linear(x, weight, bias)
     m = x2.shape[0]
     out = torch.empty((m, n), dtype=x.dtype)
-    rc = load().llmsvc_gemm_f32(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
-                                None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n,
-                                k, torch.get_num_threads())
+    rc = entry(x2.data_ptr(), x2.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+               out.data_ptr(), n, m, n, k, torch.get_num_threads())
     if rc != 0:
-        raise ValueError("CPU gemm_f32: arguments rejected")
+        raise ValueError("CPU packed GEMM: arguments rejected")
     return out if flat else out.view(*x.shape[:-1], n)
+
+
+def _gemm_panels(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
+                 weight: torch.Tensor) -> torch.Tensor:
+    return _native(load().llmsvc_gemm_f32, x, packed, bias, weight)
+
+
+def _gemm_amx(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
+              weight: torch.Tensor) -> torch.Tensor:
+    return _native(load().llmsvc_gemm_bf16, x, packed, bias, weight)
