@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from kernels import reference as _ref
 from kernels.cpu_ops import attention as _cpu_attn
+from kernels.cpu_ops import decoder as _cpu_decoder
 from kernels.cpu_ops import elementwise as _cpu_ew
 from kernels.cpu_ops import linear as _cpu_linear
 from kernels.triton_ops import HAS_TRITON, INTERPRET
@@ -127,6 +128,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if packed is not None and x.is_cpu:
         return _cpu_linear.linear(x, weight, bias, packed)
     return F.linear(x, weight, bias)
+
+
+DecoderLayerWeights = _cpu_decoder.LayerWeights
+
+
+def decoder_layers_plan(layers: list, dtype: torch.dtype, hidden: int, num_heads: int,
+                        num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
+                        cos_sin_cache: torch.Tensor, scale: float):
+    """A handle for running every Llama decoder layer in one native call (`decoder_layers`),
+    or None where the per-op path is the only one (GPU, forced Triton, weights not packed for
+    the native GEMMs, LLMSVC_NATIVE_LAYERS=0). layers: DecoderLayerWeights per layer."""
+    if _forced:
+        return None
+    return _cpu_decoder.make_plan(layers, dtype, hidden, num_heads, num_kv_heads, head_dim,
+                                  intermediate, eps, cos_sin_cache, scale)
+
+
+def decoder_layers(plan, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches):
+    """(hidden, residual) after every layer, bit for bit what the per-op layers give, or None
+    when this step must run layer by layer. hidden [T, H] (the embeddings) is overwritten."""
+    if plan is None or _forced:
+        return None
+    return plan.run(hidden, positions, meta, kv_caches)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,8 @@ _SIGNATURES = {
     "llmsvc_gemm_f32": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
     "llmsvc_gemm_bf16_supported": [],
     "llmsvc_gemm_bf16": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
+    "llmsvc_llama_layers": [_i, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _p, _i64, _p,
+                            _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f, _f, _i],
     "llmsvc_rotary_neox": [_i, _p, _p, _i64, _i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _i],
 }
 

@@ -15,6 +15,7 @@ import os
 import torch
 import torch.nn as nn
 
+from kernels import ops
 from llmsvc.config import ModelConfig
 from llmsvc.models.layers.activation import SiluAndMul
 from llmsvc.models.layers.attention import Attention, AttentionMetadata
@@ -95,13 +96,46 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, max_position)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self._native_plan = None  # ops.decoder_layers_plan, made at the first forward (weights packed)
+        self._native_planned = False
 
     def forward(self, input_ids, positions, meta, kv_caches):
         hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, kv_caches[i] if kv_caches else None, meta)
+        if not self._native_planned:
+            self._native_plan, self._native_planned = self._make_native_plan(), True
+        out = ops.decoder_layers(self._native_plan, hidden, positions, meta, kv_caches)
+        if out is not None:
+            hidden, residual = out
+        else:
+            for i, layer in enumerate(self.layers):
+                hidden, residual = layer(positions, hidden, residual, kv_caches[i] if kv_caches else None, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _make_native_plan(self):
+        """All layers in one native call (CPU) where every layer fits it: no TP, no bias
+        beyond q/k/v, the same rope table in every layer."""
+        first = self.layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        if get_tp_world_size() > 1 or any(
+                l.self_attn.o_proj.bias is not None or l.mlp.gate_up_proj.bias is not None
+                or l.mlp.down_proj.bias is not None
+                or l.self_attn.rotary_emb.cos_sin_cache is not attn.rotary_emb.cos_sin_cache
+                and not torch.equal(l.self_attn.rotary_emb.cos_sin_cache, attn.rotary_emb.cos_sin_cache)
+                for l in self.layers):
+            return None
+        weights = [ops.DecoderLayerWeights(
+            l.input_layernorm.weight.data, l.post_attention_layernorm.weight.data,
+            l.self_attn.qkv_proj.packed_weight,
+            None if l.self_attn.qkv_proj.bias is None else l.self_attn.qkv_proj.bias.data,
+            l.self_attn.o_proj.packed_weight, l.mlp.gate_up_proj.packed_weight,
+            l.mlp.down_proj.packed_weight) for l in self.layers]
+        if first.input_layernorm.eps != first.post_attention_layernorm.eps:
+            return None
+        return ops.decoder_layers_plan(
+            weights, self.norm.weight.dtype, self.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
+            attn.head_dim, mlp.down_proj.weight.shape[1], first.input_layernorm.eps,
+            attn.rotary_emb.cos_sin_cache, attn.attn.scale)
 
 
 class LlamaForCausalLM(nn.Module):

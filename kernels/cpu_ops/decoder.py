@@ -1,0 +1,129 @@
+"""Every decoder layer of a Llama-family model in one native call (`decoder.c`).
+
+The model hands over its per-layer weights once (`make_plan`); a step whose every GEMM
+would take the native packed kernels anyway (fp32 panels up to PANEL_MAX_M rows, bf16 AMX
+up to AMX_MAX_M) then runs all layers in one ctypes call instead of ~20 Python-level calls
+per layer. The result is bit for bit the per-op path's (the same kernels with the same
+arguments), which is this op's reference: `tests/test_native_layers.py` checks it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kernels.cpu_ops import linear
+from kernels.cpu_ops.build import DTYPE_CODES, load
+
+LP_N = 9  # decoder.c's LP_* fields per layer
+
+
+@dataclass
+class LayerWeights:
+    """One layer's tensors as the model holds them: norm weights [H], packed projection
+    weights (from `pack_linear_weight`), the optional qkv bias [(Hq + 2 Hkv) D]."""
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: Optional[torch.Tensor]
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def enabled() -> bool:
+    return os.environ.get("LLMSVC_NATIVE_LAYERS", "1") not in ("", "0")
+
+
+class DecoderPlan:
+    """Addresses of one model's layer weights; `run` executes a step's layers when it can."""
+
+    def __init__(self, layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
+                 cos_sin_cache: torch.Tensor, scale: float):
+        self.layers, self.dtype, self.code = layers, dtype, DTYPE_CODES[dtype]
+        self.h, self.hq, self.hkv, self.d, self.i = hidden, num_heads, num_kv_heads, head_dim, intermediate
+        self.eps, self.scale, self.cos_sin = float(eps), float(scale), cos_sin_cache
+        self.max_m = linear.PANEL_MAX_M if dtype == torch.float32 else linear.AMX_MAX_M
+        self.ptrs = torch.zeros((len(layers), LP_N), dtype=torch.int64)
+        for row, lw in zip(self.ptrs, layers):
+            row[:7] = torch.tensor([lw.input_norm.data_ptr(), lw.post_norm.data_ptr(), lw.qkv.data_ptr(),
+                                    0 if lw.qkv_bias is None else lw.qkv_bias.data_ptr(), lw.o.data_ptr(),
+                                    lw.gate_up.data_ptr(), lw.down.data_ptr()])
+        self._caches_key: tuple = ()
+        self._fn = load().llmsvc_llama_layers
+
+    def _bind_caches(self, kv_caches: list) -> bool:
+        first, last = kv_caches[0][0], kv_caches[-1][1]
+        key = (len(kv_caches), first.data_ptr(), last.data_ptr(), first.shape)
+        if key == self._caches_key:
+            return True
+        if len(kv_caches) != len(self.layers) or first.numel() == 0:
+            return False
+        for l, (kc, vc) in enumerate(kv_caches):
+            if not (kc.is_cpu and kc.dtype == self.dtype == vc.dtype and kc.is_contiguous()
+                    and vc.is_contiguous() and kc.shape == vc.shape and tuple(kc.shape[2:]) == (self.hkv, self.d)):
+                return False
+            self.ptrs[l, 7], self.ptrs[l, 8] = kc.data_ptr(), vc.data_ptr()
+        self._caches_key = key
+        return True
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta,
+            kv_caches: Optional[list]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """hidden: [T, H] embeddings (overwritten). Returns (hidden, residual) after the last
+        layer, as the per-op loop would, or None when this step must take that loop (no cache,
+        too many rows for the native GEMMs, unexpected dtypes or layouts)."""
+        t = hidden.shape[0]
+        if (not kv_caches or t == 0 or t > self.max_m or hidden.dtype != self.dtype
+                or not hidden.is_cpu or not hidden.is_contiguous() or not self._bind_caches(kv_caches)):
+            return None
+        kc = kv_caches[0][0]
+        nb, bs = kc.shape[0], kc.shape[1]
+        pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() \
+            else positions.to(torch.int64).contiguous()
+        slots = meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.is_contiguous() \
+            else meta.slot_mapping.to(torch.int64).contiguous()
+        bt = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.to(torch.int32)
+        if bt.stride(-1) != 1:
+            bt = bt.contiguous()
+        qsl = meta.query_start_loc.to(torch.int32).contiguous()
+        sl = meta.seq_lens.to(torch.int32).contiguous()
+        q, kv = self.hq * self.d, self.hkv * self.d
+        dt = self.dtype
+        res, nrm = torch.empty((t, self.h), dtype=dt), torch.empty((t, self.h), dtype=dt)
+        qkv, att = torch.empty((t, q + 2 * kv), dtype=dt), torch.empty((t, q), dtype=dt)
+        gu, act = torch.empty((t, 2 * self.i), dtype=dt), torch.empty((t, self.i), dtype=dt)
+        rc = self._fn(self.code, len(self.layers), self.ptrs.data_ptr(), hidden.data_ptr(), res.data_ptr(),
+                      nrm.data_ptr(), qkv.data_ptr(), att.data_ptr(), gu.data_ptr(), act.data_ptr(),
+                      pos.data_ptr(), self.cos_sin.data_ptr(), self.cos_sin.shape[1], self.cos_sin.shape[0],
+                      slots.data_ptr(), nb * bs, bt.data_ptr(), bt.stride(0), qsl.data_ptr(), sl.data_ptr(),
+                      sl.shape[0], t, self.h, self.hq, self.hkv, self.d, self.i, bs, self.eps, self.scale,
+                      torch.get_num_threads())
+        if rc != 0:
+            raise ValueError("CPU decoder layers: a kernel rejected its arguments "
+                             "(position or slot out of range, or query longer than its context)")
+        return hidden, res
+
+
+def make_plan(layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_heads: int,
+              num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
+              cos_sin_cache: torch.Tensor, scale: float) -> Optional[DecoderPlan]:
+    """A plan when every layer's tensors suit the native kernels (CPU, fp32 with gemm.c
+    panels or bf16 with AMX panels, contiguous, head_dim a multiple of 16), else None."""
+    if not enabled() or load() is None or dtype not in DTYPE_CODES or not layers:
+        return None
+    if head_dim % 16 or head_dim > 512 or hidden > 65536 or num_heads % num_kv_heads:
+        return None
+    if not (cos_sin_cache.is_cpu and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()):
+        return None
+    for lw in layers:
+        for p in (lw.qkv, lw.o, lw.gate_up, lw.down):  # 3-D: our own panels, not MKL / oneDNN's
+            if p is None or p.dim() != 3 or p.dtype != dtype or not p.is_cpu:
+                return None
+        for w in (lw.input_norm, lw.post_norm, lw.qkv_bias):
+            if w is not None and (w.dtype != dtype or not w.is_cpu or not w.is_contiguous()):
+                return None
+    return DecoderPlan(layers, dtype, hidden, num_heads, num_kv_heads, head_dim, intermediate, eps,
+                       cos_sin_cache, scale)

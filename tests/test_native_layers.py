@@ -1,0 +1,112 @@
+"""All decoder layers in one native call (kernels/cpu_ops/decoder.c) == the per-op layers.
+
+The per-op path (each LlamaDecoderLayer through kernels.ops) is this op's reference and is
+itself checked against Hugging Face in test_models.py; the one-call path must give the same
+logits bit for bit, since it calls the same kernels with the same arguments."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import ops
+from kernels.cpu_ops import build, decoder, linear
+from model_utils import PagedRunner, load_our_model, make_tiny_model_dir
+from test_models import CONFIGS
+
+
+def _native_available(dtype: str) -> bool:
+    lib = build.load()
+    if lib is None:
+        return False
+    if dtype == "float32":
+        return lib.llmsvc_gemm_f32_supported() == 1
+    return lib.llmsvc_gemm_bf16_supported() == 1
+
+
+@pytest.fixture
+def count_native(monkeypatch):
+    calls = {"native": 0, "per_op": 0}
+    run = decoder.DecoderPlan.run
+
+    def counted(self, *a):
+        out = run(self, *a)
+        calls["native" if out is not None else "per_op"] += 1
+        return out
+    monkeypatch.setattr(decoder.DecoderPlan, "run", counted)
+    return calls
+
+
+def _steps(runner: PagedRunner, seed: int) -> list[dict]:
+    """A prefill batch, a chunk over a cached prefix beside decodes, then decodes; returns the
+    logits of each step."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = {i: torch.randint(3, 300, (n,), generator=g).tolist() for i, n in enumerate([37, 12, 1, 20])}
+    out = [runner.step(prompts)]
+    out.append(runner.step({0: [5], 1: [7, 8, 9, 10, 11], 2: [4], 3: [6]}))
+    for t in range(3):
+        out.append(runner.step({i: [10 + t + i] for i in range(4)}))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "llama3-rope", "gqa4-hd128"])
+def test_one_native_call_equals_the_per_op_layers(tmp_path, count_native, dtype, name):
+    if not _native_available(dtype):
+        pytest.skip(f"no native {dtype} GEMM on this CPU: every step takes the per-op path")
+    cfg = CONFIGS.get(name) or dict(arch="llama", tie=False, hidden_size=256, num_attention_heads=8,
+                                    num_key_value_heads=2, head_dim=128, intermediate_size=160)
+    d = make_tiny_model_dir(tmp_path, **cfg)
+    logits = []
+    for native in (True, False):
+        model = load_our_model(d, dtype=dtype)
+        if not native:
+            model.model._native_plan, model.model._native_planned = None, True
+        logits.append(_steps(PagedRunner(model, num_blocks=48, seed=3), seed=7))
+    assert count_native == {"native": 5, "per_op": 0}  # every step of the first model ran natively
+    for native_step, per_op_step in zip(*logits):
+        assert native_step.keys() == per_op_step.keys()
+        for k in native_step:
+            assert torch.equal(native_step[k], per_op_step[k]), (k, (native_step[k] - per_op_step[k]).abs().max())
+
+
+def test_steps_beyond_the_native_gemm_rows_take_the_per_op_path(tmp_path, count_native):
+    if not _native_available("float32"):
+        pytest.skip("no native fp32 GEMM")
+    d = make_tiny_model_dir(tmp_path, "llama", max_position_embeddings=1024)
+    model = load_our_model(d)
+    runner = PagedRunner(model, num_blocks=48)
+    big = {0: [3 + i % 300 for i in range(linear.PANEL_MAX_M + 1)]}  # a row past the panel GEMM's limit
+    runner.step(big)
+    runner.step({0: [5]})
+    assert count_native == {"native": 1, "per_op": 1}
+
+
+def test_no_plan_where_the_per_op_path_must_run(tmp_path, monkeypatch):
+    d = make_tiny_model_dir(tmp_path, "llama", attention_bias=True)  # o_proj has a bias
+    model = load_our_model(d)
+    assert model.model._make_native_plan() is None
+    monkeypatch.setenv("LLMSVC_NATIVE_LAYERS", "0")
+    plain = load_our_model(make_tiny_model_dir(tmp_path, "qwen2"))
+    assert plain.model._make_native_plan() is None
+    # profiling forward without a cache: the plan declines the step
+    monkeypatch.delenv("LLMSVC_NATIVE_LAYERS")
+    if _native_available("float32"):
+        plan = plain.model._make_native_plan()
+        assert plan is not None
+        assert ops.decoder_layers(plan, torch.zeros(3, 64), torch.arange(3), None, None) is None
+
+
+def test_bad_position_is_an_error_not_a_wild_read(tmp_path):
+    if not _native_available("float32"):
+        pytest.skip("no native fp32 GEMM")
+    d = make_tiny_model_dir(tmp_path, "llama")
+    model = load_our_model(d)  # max_position_embeddings 256
+    runner = PagedRunner(model, num_blocks=48)
+    runner.step({0: [3, 4, 5]})
+    meta_positions = torch.tensor([300])  # past the rope table
+    kv = runner.kv_caches
+    from llmsvc.models.layers.attention import AttentionMetadata
+    meta = AttentionMetadata(torch.tensor([3]), torch.tensor([runner.block_tables[0]], dtype=torch.int32),
+                             torch.tensor([0, 1], dtype=torch.int32), torch.tensor([4], dtype=torch.int32), 1, 4)
+    with pytest.raises(ValueError, match="rejected"):
+        model(torch.tensor([7]), meta_positions, meta, kv)
