@@ -114,15 +114,17 @@ class LlamaModel(nn.Module):
 
     def _make_native_plan(self):
         """All layers in one native call (CPU) where every layer fits it: no TP, no bias
-        beyond q/k/v, the same rope table in every layer."""
+        beyond q/k/v, one norm eps and one rope table for every layer."""
         first = self.layers[0]
         attn, mlp = first.self_attn, first.mlp
-        if get_tp_world_size() > 1 or any(
-                l.self_attn.o_proj.bias is not None or l.mlp.gate_up_proj.bias is not None
-                or l.mlp.down_proj.bias is not None
-                or l.self_attn.rotary_emb.cos_sin_cache is not attn.rotary_emb.cos_sin_cache
-                and not torch.equal(l.self_attn.rotary_emb.cos_sin_cache, attn.rotary_emb.cos_sin_cache)
-                for l in self.layers):
+        rope = attn.rotary_emb.cos_sin_cache
+        for l in self.layers:
+            if (l.self_attn.o_proj.bias is not None or l.mlp.gate_up_proj.bias is not None
+                    or l.mlp.down_proj.bias is not None or l.input_layernorm.eps != first.input_layernorm.eps
+                    or l.post_attention_layernorm.eps != first.input_layernorm.eps
+                    or not torch.equal(l.self_attn.rotary_emb.cos_sin_cache, rope)):
+                return None
+        if get_tp_world_size() > 1:
             return None
         weights = [ops.DecoderLayerWeights(
             l.input_layernorm.weight.data, l.post_attention_layernorm.weight.data,
@@ -130,12 +132,10 @@ class LlamaModel(nn.Module):
             None if l.self_attn.qkv_proj.bias is None else l.self_attn.qkv_proj.bias.data,
             l.self_attn.o_proj.packed_weight, l.mlp.gate_up_proj.packed_weight,
             l.mlp.down_proj.packed_weight) for l in self.layers]
-        if first.input_layernorm.eps != first.post_attention_layernorm.eps:
-            return None
         return ops.decoder_layers_plan(
             weights, self.norm.weight.dtype, self.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
             attn.head_dim, mlp.down_proj.weight.shape[1], first.input_layernorm.eps,
-            attn.rotary_emb.cos_sin_cache, attn.attn.scale)
+            rope, attn.attn.scale)
 
 
 class LlamaForCausalLM(nn.Module):
