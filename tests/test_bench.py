@@ -135,3 +135,13 @@ def test_offline_compare_prefix_caching_reruns_offline(tmp_path):
     assert res["offline_no_prefix_caching"]["cached_prompt_tokens"] == 0
     assert res["offline"]["prefill_tok_s"] > 0 and res["offline_no_prefix_caching"]["prefill_tok_s"] > 0
     assert "llmsvc offline, no prefix cache" in r.stdout
+
+
+def test_gemm_weight_stream_bench_runs_every_implementation(capsys):
+    from benchmarks import gemm
+    gemm.main(["--rows", "3", "--layers", "1", "--rounds", "1", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert "1 layers + LM head" in out
+    line = next(l for l in out.splitlines() if "M =    3" in l)
+    for name in ("ours", "library", "F.linear"):
+        assert f"{name} " in line and "GB/s" in line
