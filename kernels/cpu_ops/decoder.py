@@ -112,7 +112,7 @@ def make_plan(layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_h
               cos_sin_cache: torch.Tensor, scale: float) -> Optional[DecoderPlan]:
     """A plan when every layer's tensors suit the native kernels (CPU, fp32 with gemm.c
     panels or bf16 with AMX panels, contiguous, head_dim a multiple of 16), else None."""
-    if not enabled() or load() is None or dtype not in DTYPE_CODES or not layers:
+    if not enabled() or dtype not in DTYPE_CODES or not layers:
         return None
     if head_dim % 16 or head_dim > 512 or hidden > 65536 or num_heads % num_kv_heads:
         return None
@@ -125,5 +125,7 @@ def make_plan(layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_h
         for w in (lw.input_norm, lw.post_norm, lw.qkv_bias):
             if w is not None and (w.dtype != dtype or not w.is_cpu or not w.is_contiguous()):
                 return None
+    if load() is None:  # last: a GPU model never builds the CPU library for this
+        return None
     return DecoderPlan(layers, dtype, hidden, num_heads, num_kv_heads, head_dim, intermediate, eps,
                        cos_sin_cache, scale)
