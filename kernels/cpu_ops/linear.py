@@ -38,10 +38,11 @@ PANEL = 48  # gemm.c's panel width (NR)
 PANEL_MAX_M = 512
 _PANEL_MAX_K = 4096  # keeps a panel (K * 192 bytes) and its prefetched successor inside L2
 AMX_PANEL = 64  # gemm_amx.c's panel width (NP)
-# rows up to which gemm_amx.c is at least as fast as oneDNN's packed matmul here (ms per
-# SmolLM2-135M weight stream, 30 layers + LM head, 2 threads: M = 16 24.5 / 26.1,
-# M = 32 27.2 / 42.2, M = 64 33.2 / 38.4, M = 128 52.1 / 53.8; 10 layers, M = 256 28-33 /
-# 32-35, F.linear 21-41); F.linear wins at M = 1024 (97-106 against 110-157 ms)
+# rows up to which gemm_amx.c is used; beyond, F.linear on the original weight (no second
+# packed copy). `python -m benchmarks.gemm --dtype bfloat16`, ms per SmolLM2-135M weight
+# stream (30 layers + LM head), ours / oneDNN packed / F.linear: M = 16 23.1 / 30.4 / 40.7,
+# M = 64 35.0 / 35.5 / 57.5, M = 128 69.0 / 62.3 / 92.5, M = 256 132.4 / 117.8 / 159.3;
+# 10 layers at M = 1024: F.linear 97-106 against ours 110-157
 AMX_MAX_M = 256
 
 
