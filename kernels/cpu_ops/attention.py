@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_ops.build import DTYPE_CODES as _DTYPES, load
+from kernels.cpu_ops.build import DTYPE_CODES as _DTYPES, as_c_array, as_c_rows, load
 
 
 def available() -> bool:
@@ -36,11 +36,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         query = query.contiguous()
     assert dk == d and v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and hq % hkv == 0
-    bt = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
-    if bt.stride(-1) != 1:
-        bt = bt.contiguous()
-    qsl = query_start_loc.to(torch.int32).contiguous()
-    sl = seq_lens.to(torch.int32).contiguous()
+    bt = as_c_rows(block_tables, torch.int32)
+    qsl, sl = as_c_array(query_start_loc, torch.int32), as_c_array(seq_lens, torch.int32)
     out = torch.empty((t, hq, d), dtype=query.dtype)
     rc = lib.llmsvc_paged_attention(_DTYPES[query.dtype], query.data_ptr(), query.stride(0),
                                     k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
@@ -65,8 +62,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
         key, value = key.to(k_cache.dtype), value.to(k_cache.dtype)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == (h, d)
-    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() \
-        else slot_mapping.to(torch.int64).contiguous()
+    slots = as_c_array(slot_mapping, torch.int64)
     rc = load().llmsvc_store_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
                                 k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), t, h * d,
                                 nb * bs, k_cache.element_size())

@@ -37,6 +37,19 @@ _LDFLAGS = ["-shared", "-fopenmp", "-lm"]
 # the `int dtype` argument of the entry points that take either storage type
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
+
+def as_c_array(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t itself when it already is a contiguous `dtype` array (the hot path), else a copy:
+    what an entry point taking a plain `int64_t *` / `int32_t *` / `float *` needs."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
+def as_c_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 2-D `dtype` array whose rows may be strided but whose last dim is contiguous (the
+    entry point takes the row stride): t itself when it already is one, else a copy."""
+    t = t if t.dtype == dtype else t.to(dtype)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
 _i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # every exported function returns int (0 = ok, -1 = rejected arguments)
 _SIGNATURES = {

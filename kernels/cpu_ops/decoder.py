@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from kernels.cpu_ops import linear
-from kernels.cpu_ops.build import DTYPE_CODES, load
+from kernels.cpu_ops.build import DTYPE_CODES, as_c_array, as_c_rows, load
 
 LP_N = 9  # decoder.c's LP_* fields per layer
 
@@ -81,15 +81,9 @@ class DecoderPlan:
             return None
         kc = kv_caches[0][0]
         nb, bs = kc.shape[0], kc.shape[1]
-        pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() \
-            else positions.to(torch.int64).contiguous()
-        slots = meta.slot_mapping if meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.is_contiguous() \
-            else meta.slot_mapping.to(torch.int64).contiguous()
-        bt = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.to(torch.int32)
-        if bt.stride(-1) != 1:
-            bt = bt.contiguous()
-        qsl = meta.query_start_loc.to(torch.int32).contiguous()
-        sl = meta.seq_lens.to(torch.int32).contiguous()
+        pos, slots = as_c_array(positions, torch.int64), as_c_array(meta.slot_mapping, torch.int64)
+        bt = as_c_rows(meta.block_tables, torch.int32)
+        qsl, sl = as_c_array(meta.query_start_loc, torch.int32), as_c_array(meta.seq_lens, torch.int32)
         q, kv = self.hq * self.d, self.hkv * self.d
         dt = self.dtype
         res, nrm = torch.empty((t, self.h), dtype=dt), torch.empty((t, self.h), dtype=dt)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_ops.build import DTYPE_CODES as _DTYPES, load
+from kernels.cpu_ops.build import DTYPE_CODES as _DTYPES, as_c_array, load
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -61,10 +61,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
                      cos_sin_cache: torch.Tensor, head_size: int) -> None:
     """In place on query [T, Hq * head_size] and key [T, Hkv * head_size] (rows may be strided)."""
     t = query.shape[0]
-    pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() \
-        else positions.to(torch.int64).contiguous()
-    cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous() \
-        else cos_sin_cache.float().contiguous()
+    pos, cache = as_c_array(positions, torch.int64), as_c_array(cos_sin_cache, torch.float32)
     _check(load().llmsvc_rotary_neox(_DTYPES[query.dtype], pos.data_ptr(), query.data_ptr(),
                                      query.stride(0), query.shape[1] // head_size, key.data_ptr(),
                                      key.stride(0), key.shape[1] // head_size, head_size,
