@@ -69,16 +69,22 @@ def test_one_native_call_equals_the_per_op_layers(tmp_path, count_native, dtype,
             assert torch.equal(native_step[k], per_op_step[k]), (k, (native_step[k] - per_op_step[k]).abs().max())
 
 
-def test_steps_beyond_the_native_gemm_rows_take_the_per_op_path(tmp_path, count_native):
+def test_steps_beyond_the_native_gemm_rows_take_the_per_op_path(tmp_path, count_native, caplog):
     if not _native_available("float32"):
         pytest.skip("no native fp32 GEMM")
     d = make_tiny_model_dir(tmp_path, "llama", max_position_embeddings=1024)
     model = load_our_model(d)
     runner = PagedRunner(model, num_blocks=48)
+    with caplog.at_level("INFO", logger="kernels.cpu_ops.decoder"):
+        runner.step({0: [3]})  # the first forward makes the plan and says so, once
+        runner.free(0)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"CPU decoder layers: 2 layers in one native call for steps of up to {linear.PANEL_MAX_M} "
+        "tokens (float32, panel GEMM); larger steps run layer by layer"]
     big = {0: [3 + i % 300 for i in range(linear.PANEL_MAX_M + 1)]}  # a row past the panel GEMM's limit
     runner.step(big)
     runner.step({0: [5]})
-    assert count_native == {"native": 1, "per_op": 1}
+    assert count_native == {"native": 2, "per_op": 1}
 
 
 def test_no_plan_where_the_per_op_path_must_run(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ arguments), which is this op's reference: `tests/test_native_layers.py` checks i
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -16,6 +17,8 @@ import torch
 
 from kernels.cpu_ops import linear
 from kernels.cpu_ops.build import DTYPE_CODES, as_c_array, as_c_rows, load
+
+logger = logging.getLogger(__name__)
 
 LP_N = 9  # decoder.c's LP_* fields per layer
 
@@ -121,5 +124,9 @@ def make_plan(layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_h
                 return None
     if load() is None:  # last: a GPU model never builds the CPU library for this
         return None
-    return DecoderPlan(layers, dtype, hidden, num_heads, num_kv_heads, head_dim, intermediate, eps,
+    plan = DecoderPlan(layers, dtype, hidden, num_heads, num_kv_heads, head_dim, intermediate, eps,
                        cos_sin_cache, scale)
+    logger.info("CPU decoder layers: %d layers in one native call for steps of up to %d tokens (%s, %s "
+                "GEMM); larger steps run layer by layer", len(layers), plan.max_m,
+                str(dtype).removeprefix("torch."), "panel" if dtype == torch.float32 else "AMX")
+    return plan
