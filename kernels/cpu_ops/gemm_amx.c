@@ -157,6 +157,10 @@ int llmsvc_gemm_bf16(const uint16_t *a, int64_t lda, const uint16_t *packed, con
         K % KB || lda < K)
         return -1;
     const int64_t np = (N + NP - 1) / NP, nkb = K / KB;
+    /* the next panel's K * 2 lines, a share per row block of this panel, q lines per K step
+     * (a prefetch never faults, so the last share may run past the panel's end) */
+    const int64_t nb = (M + 15) / 16, share = (K * 2 + nb - 1) / nb;
+    const int q = (int)((share + nkb - 1) / nkb);
     nt = nt < 1 ? 1 : nt;
     _Pragma("omp parallel num_threads(nt) if (nt > 1 && np > 1)")
     {
@@ -171,11 +175,8 @@ int llmsvc_gemm_bf16(const uint16_t *a, int64_t lda, const uint16_t *packed, con
                 const int mr1 = (int)(M - m0 <= 16 ? 0 : M - m0 - 16 < 16 ? M - m0 - 16 : 16);
                 const int key = mr + 64 * mr1;
                 if (key != cur) configure(mr, mr1), cur = key;
-                /* the next panel's K * 2 lines, split over this panel's row blocks (a
-                 * prefetch never faults, so the share may run past the panel's end) */
-                const int64_t nb = (M + 15) / 16, share = (K * 2 + nb - 1) / nb;
+                /* a pair of row blocks takes its two shares over its 2 * nkb steps */
                 const char *pf = p + 1 < hi ? (const char *)(panel + K * NP) + (m0 / 16) * share * 64 : 0;
-                const int q = (int)(((mr1 ? 2 : 1) * share + (mr1 ? 2 : 1) * nkb - 1) / ((mr1 ? 2 : 1) * nkb));
                 if (mr1) block2(a + m0 * lda, lda, panel, nkb, c + m0 * ldc + p * NP, ldc,
                                 bias ? bias + p * NP : 0, mr1, nc, pf, q);
                 else block(a + m0 * lda, lda, panel, nkb, c + m0 * ldc + p * NP, ldc,
