@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmsvc.bench.ceiling import ceiling, param_counts
+from llmsvc.bench.ceiling import ceiling, kv_bytes_per_token, memory_floor, param_counts, read_bandwidth
 from llmsvc.bench.metrics import RequestRecord, percentiles, summarize
 from llmsvc.bench.workloads import (PACKAGED, SHARED, Workload, arrival_offsets, build_prompts,
                                     load_workloads, ordinary_vocab)
@@ -80,6 +80,24 @@ def test_ceiling_from_parameter_counts(tmp_path):
     r = ceiling(w, c, flops_per_s=1e9)
     total = 2 * 10 * c["prompt_flops_per_token"] + 2 * 5 * c["gen_flops_per_token"]
     assert r["min_seconds"] == pytest.approx(total / 1e9) and r["output_tok_s"] == pytest.approx(10 / r["min_seconds"])
+
+
+def test_memory_floor_counts_weights_per_decode_step_and_every_kv_read(tmp_path):
+    d = make_tiny_model_dir(tmp_path, arch="llama", tie=True)
+    cfg = json.loads((Path(d) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kvb = kv_bytes_per_token(str(d), 2)
+    assert kvb == 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
+    c = param_counts(str(d))
+    # 2 requests of 10 prompt tokens, 4 output tokens: 3 decode steps reading 11, 12, 13 rows
+    m = memory_floor(Workload("w", 2, 10, 4), c, kv_token_bytes=kvb, dtype_bytes=2, bytes_per_s=1e9)
+    assert m["weight_read_gb"] == pytest.approx(3 * c["total"] * 2 / 1e9)  # tied: every parameter once a step
+    assert m["kv_read_gb"] == pytest.approx(2 * (11 + 12 + 13) * kvb / 1e9)
+    assert m["min_seconds"] == pytest.approx(m["weight_read_gb"] + m["kv_read_gb"])
+    assert m["output_tok_s"] == pytest.approx(8 / m["min_seconds"])
+    one = memory_floor(Workload("w", 1, 10, 1), c, kvb, 2, 1e9)  # prefill only: no decode reads
+    assert one["min_seconds"] == 0 and one["output_tok_s"] == float("inf")
+    assert read_bandwidth(n_bytes=1 << 24, repeats=1, device="cpu") > 0
 
 
 def test_bench_cli_offline_and_serve_on_a_tiny_model(tmp_path):

@@ -13,7 +13,7 @@
  * Measured here against MKL's packed sgemm on the 30-layer SmolLM2-135M weight stream
  * (LM head included), 2 threads, best of 7 alternating rounds: M = 16 43.7 vs 54.6 ms,
  * M = 64 94.1 vs 96.3 ms. (Panels handed out by OpenMP's dynamic schedule lost the prefetch:
- * M = 16 55.1 ms.) Stealing from the back of another thread's run (below), against the plain
+ * M = 16 55.1 ms.) Stealing from the back of another thread's run (panel_runs.h), against the plain
  * static split: M = 16 34.1 vs 35.3 ms, M = 64 77.3 vs 96.9; with a process spinning 2 ms of
  * every 20 beside it, 46.5 vs 51.3 and 95.4 vs 109.0.
  *
@@ -23,6 +23,8 @@
  */
 #include <omp.h>
 #include <stdint.h>
+
+#include "panel_runs.h"
 
 #define NR 48 /* panel width: 3 zmm of fp32 */
 #define MR 8  /* rows per micro-kernel */
@@ -109,7 +111,8 @@ typedef struct {
 } gemm_t;
 
 /* all row blocks of rows [m0, m0 + mc) against panel p; prefetches panel pf_p (-1: none) */
-static void do_panel(const gemm_t *g, int64_t p, int64_t pf_p) {
+static void do_panel(void *ctx, int64_t p, int64_t pf_p) {
+    const gemm_t *g = (const gemm_t *)ctx;
     const int64_t K = g->K;
     const float *panel = g->packed + p * K * NR;
     const int nc = (int)(g->N - p * NR < NR ? g->N - p * NR : NR);
@@ -122,29 +125,8 @@ static void do_panel(const gemm_t *g, int64_t p, int64_t pf_p) {
     }
 }
 
-/* Panels [lo, hi) of one thread, packed in one word (lo in the low 32 bits) so that the owner
- * (taking lo, front to back, prefetching lo + 1) and a thief (taking hi - 1, back to front)
- * claim each panel exactly once with one compare-and-swap. */
-typedef struct { uint64_t lo_hi; char pad[56]; } range_t;
-#define MAX_NT 256
-
-static int64_t take(range_t *r, int front) {
-    uint64_t v = __atomic_load_n(&r->lo_hi, __ATOMIC_RELAXED);
-    for (;;) {
-        const uint32_t lo = (uint32_t)v, hi = (uint32_t)(v >> 32);
-        if (lo >= hi) return -1;
-        const uint64_t nv = front ? ((uint64_t)hi << 32) | (lo + 1) : ((uint64_t)(hi - 1) << 32) | lo;
-        if (__atomic_compare_exchange_n(&r->lo_hi, &v, nv, 1, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
-            return front ? (int64_t)lo : (int64_t)hi - 1;
-    }
-}
-
 /* a [M, K] (row stride lda), packed [ceil(N / 48)][K][48] (64-byte aligned), bias [N] or
- * NULL, c [M, N] (row stride ldc); nt OpenMP threads.
- * Each thread owns a static run of panels (so the panel it prefetches is the one it takes
- * next); a thread that finishes early takes panels from the back of the others' runs. On a
- * 2-core box the gRPC server, the client or any other process preempts a thread now and
- * then: with a plain static split the other thread then waits at the barrier. */
+ * NULL, c [M, N] (row stride ldc); nt OpenMP threads sharing the panels as panel_runs.h says. */
 int llmsvc_gemm_f32(const float *a, int64_t lda, const float *packed, const float *bias, float *c,
                     int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
     if (((uintptr_t)packed) % 64 || M < 0 || N <= 0 || K <= 0 || N / NR >= (1ll << 31)) return -1;
@@ -159,25 +141,9 @@ int llmsvc_gemm_f32(const float *a, int64_t lda, const float *packed, const floa
         g.steps = K / 4 > 0 ? K / 4 : 1;
         g.q = (int)((g.share + g.steps - 1) / g.steps);
         range_t ranges[MAX_NT] __attribute__((aligned(64)));
-        for (int t = 0; t < nt; t++)
-            ranges[t].lo_hi = ((uint64_t)((t + 1) * np / nt) << 32) | (uint64_t)(t * np / nt);
+        split_runs(ranges, nt, np);
         _Pragma("omp parallel num_threads(nt) if (nt > 1 && np > 1)")
-        {
-            const int me = omp_get_thread_num(), team = omp_get_num_threads();
-            /* own runs: run t goes to thread t % team when OpenMP gives fewer than nt threads */
-            for (int t = me; t < nt; t += team) {
-                int64_t p;
-                while ((p = take(&ranges[t], 1)) >= 0) {
-                    const uint64_t v = __atomic_load_n(&ranges[t].lo_hi, __ATOMIC_RELAXED);
-                    do_panel(&g, p, (uint32_t)v < (uint32_t)(v >> 32) ? p + 1 : -1);
-                }
-            }
-            for (int d = 1; d < nt; d++) {  /* then the others', from the back */
-                range_t *r = &ranges[(me + d) % nt];
-                int64_t p;
-                while ((p = take(r, 0)) >= 0) do_panel(&g, p, p > 0 ? p - 1 : -1);
-            }
-        }
+        run_panels(ranges, nt, omp_get_thread_num(), omp_get_num_threads(), do_panel, &g);
     }
     return 0;
 }

@@ -37,6 +37,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "panel_runs.h"
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -148,42 +150,62 @@ static inline void block2(const uint16_t *a, int64_t lda, const uint16_t *panel,
     }
 }
 
+typedef struct {
+    const uint16_t *a, *packed, *bias;
+    uint16_t *c;
+    int64_t lda, ldc, M, N, K, nkb, share;
+    int q;
+} amx_t;
+
+typedef struct {
+    const amx_t *g;
+    int cur; /* the tile configuration this thread loaded: mr + 64 * mr1, 0 = none */
+} amx_thread_t;
+
+/* every row block of C against panel p; prefetches panel pf_p (-1: none) */
+static void amx_panel(void *ctx, int64_t p, int64_t pf_p) {
+    amx_thread_t *th = (amx_thread_t *)ctx;
+    const amx_t *g = th->g;
+    const int64_t K = g->K, M = g->M;
+    const uint16_t *panel = g->packed + p * K * NP;
+    const int nc = (int)(g->N - p * NP < NP ? g->N - p * NP : NP);
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
+        const int mr1 = (int)(M - m0 <= 16 ? 0 : M - m0 - 16 < 16 ? M - m0 - 16 : 16);
+        const int key = mr + 64 * mr1;
+        if (key != th->cur) configure(mr, mr1), th->cur = key;
+        /* a pair of row blocks takes its two shares over its 2 * nkb steps */
+        const char *pf = pf_p >= 0 ? (const char *)(g->packed + pf_p * K * NP) + (m0 / 16) * g->share * 64 : 0;
+        const uint16_t *bias = g->bias ? g->bias + p * NP : 0;
+        if (mr1) block2(g->a + m0 * g->lda, g->lda, panel, g->nkb, g->c + m0 * g->ldc + p * NP, g->ldc, bias,
+                        mr1, nc, pf, g->q);
+        else block(g->a + m0 * g->lda, g->lda, panel, g->nkb, g->c + m0 * g->ldc + p * NP, g->ldc, bias, mr, nc,
+                   pf, g->q);
+    }
+}
+
 /* a [M, K] bf16 (row stride lda elements), packed as above (64-byte aligned), bias [N] or NULL,
- * c [M, N] bf16 (row stride ldc); K % 32 == 0; nt OpenMP threads, each a contiguous run of
- * panels. Returns -1 (nothing written) when AMX is unavailable or the arguments are bad. */
+ * c [M, N] bf16 (row stride ldc); K % 32 == 0; nt OpenMP threads sharing the panels as
+ * panel_runs.h says. Returns -1 (nothing written) when AMX is unavailable or the arguments are
+ * bad. */
 int llmsvc_gemm_bf16(const uint16_t *a, int64_t lda, const uint16_t *packed, const uint16_t *bias,
                      uint16_t *c, int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
     if (!llmsvc_gemm_bf16_supported() || ((uintptr_t)packed) % 64 || M < 0 || N <= 0 || K <= 0 ||
-        K % KB || lda < K)
+        K % KB || lda < K || (N + NP - 1) / NP >= (1ll << 31))
         return -1;
     const int64_t np = (N + NP - 1) / NP, nkb = K / KB;
     /* the next panel's K * 2 lines, a share per row block of this panel, q lines per K step
      * (a prefetch never faults, so the last share may run past the panel's end) */
     const int64_t nb = (M + 15) / 16, share = (K * 2 + nb - 1) / nb;
-    const int q = (int)((share + nkb - 1) / nkb);
-    nt = nt < 1 ? 1 : nt;
+    const amx_t g = {a, packed, bias, c, lda, ldc, M, N, K, nkb, share, (int)((share + nkb - 1) / nkb)};
+    nt = nt < 1 ? 1 : nt > MAX_NT ? MAX_NT : nt;
+    range_t ranges[MAX_NT] __attribute__((aligned(64)));
+    split_runs(ranges, nt, np);
     _Pragma("omp parallel num_threads(nt) if (nt > 1 && np > 1)")
     {
-        const int me = omp_get_thread_num(), team = omp_get_num_threads();
-        const int64_t lo = me * np / team, hi = (me + 1) * np / team;
-        int cur = 0;
-        for (int64_t p = lo; p < hi; p++) {
-            const uint16_t *panel = packed + p * K * NP;
-            const int nc = (int)(N - p * NP < NP ? N - p * NP : NP);
-            for (int64_t m0 = 0; m0 < M; m0 += 32) {
-                const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
-                const int mr1 = (int)(M - m0 <= 16 ? 0 : M - m0 - 16 < 16 ? M - m0 - 16 : 16);
-                const int key = mr + 64 * mr1;
-                if (key != cur) configure(mr, mr1), cur = key;
-                /* a pair of row blocks takes its two shares over its 2 * nkb steps */
-                const char *pf = p + 1 < hi ? (const char *)(panel + K * NP) + (m0 / 16) * share * 64 : 0;
-                if (mr1) block2(a + m0 * lda, lda, panel, nkb, c + m0 * ldc + p * NP, ldc,
-                                bias ? bias + p * NP : 0, mr1, nc, pf, q);
-                else block(a + m0 * lda, lda, panel, nkb, c + m0 * ldc + p * NP, ldc,
-                           bias ? bias + p * NP : 0, mr, nc, pf, q);
-            }
-        }
-        if (cur) _tile_release();
+        amx_thread_t th = {&g, 0};
+        run_panels(ranges, nt, omp_get_thread_num(), omp_get_num_threads(), amx_panel, &th);
+        if (th.cur) _tile_release();
     }
     return 0;
 }

@@ -2,9 +2,17 @@
 
 A prompt token costs 2 x (parameters without the embedding) FLOPs, a generated token
 2 x (all parameters, LM head included): attention's own FLOPs are left out, as in the issue.
+
+Beside it, the memory floor: bytes no schedule can avoid reading, at the read bandwidth
+measured in the same run. Every decode step reads every weight once (at least output_len - 1
+steps), and the step that makes a request's token j + 1 reads the K/V of its input_len + j
+cache rows in every layer. A decode-heavy workload in bf16 can be bound by these bytes rather
+than by the GEMM rate; the K/V reads, which the FLOP ceiling leaves out, also say how long
+attention must take at the least.
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -72,3 +80,43 @@ def ceiling(w: Workload, counts: dict, flops_per_s: float) -> dict:
     seconds = (prompt + gen) / flops_per_s
     return {"gemm_gflops": flops_per_s / 1e9, "workload_tflop": (prompt + gen) / 1e12,
             "min_seconds": seconds, "output_tok_s": w.total_output_tokens / seconds}
+
+
+def kv_bytes_per_token(model_dir: str, dtype_bytes: int) -> int:
+    """K and V of one token in every layer: 2 x layers x KV heads x head_dim x dtype size."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * dtype_bytes
+
+
+def read_bandwidth(n_bytes: int = 1 << 29, repeats: int = 3, device: str = "auto") -> float:
+    """Best-of-`repeats` bytes/s of summing an `n_bytes` fp32 buffer (far larger than the CPU
+    caches) on the engine's device, all threads."""
+    import torch
+
+    device, sync = bench_device(device)
+    x = torch.ones(n_bytes // 4, dtype=torch.float32, device=device)
+    x.sum()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return n_bytes / best
+
+
+def memory_floor(w: Workload, counts: dict, kv_token_bytes: int, dtype_bytes: int,
+                 bytes_per_s: float) -> dict:
+    """Fewest bytes workload `w` must read (weights once per decode step, every decode step's
+    K/V) and the time they take at `bytes_per_s`."""
+    steps = max(w.output_len - 1, 0)
+    weights = steps * (counts["gen_flops_per_token"] // 2) * dtype_bytes  # body + LM head
+    rows = steps * w.input_len + steps * (steps + 1) // 2  # sum of input_len + j, j = 1 .. steps
+    kv = w.num_requests * rows * kv_token_bytes
+    seconds = (weights + kv) / bytes_per_s
+    return {"read_gb_s": bytes_per_s / 1e9, "weight_read_gb": weights / 1e9, "kv_read_gb": kv / 1e9,
+            "min_seconds": seconds, "kv_seconds": kv / bytes_per_s,
+            "output_tok_s": w.total_output_tokens / seconds if seconds else float("inf")}

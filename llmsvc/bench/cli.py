@@ -159,13 +159,21 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
         print(_line("HF transformers generate", res["hf"]))
         print(f"  llmsvc / HF output tok/s: {res['ratio_vs_hf']:.2f}x")
     if a.ceiling:
-        from llmsvc.bench.ceiling import ceiling, gemm_flops, param_counts
+        from llmsvc.bench.ceiling import (ceiling, gemm_flops, kv_bytes_per_token, memory_floor,
+                                          param_counts, read_bandwidth)
 
-        c = ceiling(w, param_counts(model_dir), gemm_flops(a.dtype))
+        counts = param_counts(model_dir)
+        c = ceiling(w, counts, gemm_flops(a.dtype))
         c["fraction"] = ours["output_tok_s"] / c["output_tok_s"]
         res["ceiling"] = c
         print(f"  ceiling ({a.dtype} GEMM {c['gemm_gflops']:.0f} GFLOP/s, {c['workload_tflop']:.2f} TFLOP): "
               f"{c['output_tok_s']:.0f} out tok/s; llmsvc reaches {100 * c['fraction']:.0f}%")
+        nb = 4 if a.dtype == "float32" else 2
+        m = memory_floor(w, counts, kv_bytes_per_token(model_dir, nb), nb, read_bandwidth())
+        res["memory_floor"] = m
+        print(f"  memory floor ({m['weight_read_gb']:.1f} GB of weights + {m['kv_read_gb']:.1f} GB of K/V "
+              f"at {m['read_gb_s']:.1f} GB/s): {m['output_tok_s']:.0f} out tok/s; the K/V reads alone take "
+              f"{m['kv_seconds']:.1f} s, outside the FLOP ceiling")
     for kind, values in (("rate", a.sweep_rate), ("concurrency", a.sweep_concurrency)):
         if values:
             sweep = res.setdefault(f"sweep_{kind}", {})
