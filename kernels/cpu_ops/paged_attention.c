@@ -34,6 +34,9 @@
 #include <string.h>
 
 #include "bf16.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -49,8 +52,15 @@ static inline void load_row(const void *p, int bf16, int64_t nc, v16 *dst) {
         for (int64_t c = 0; c < nc; c++) dst[c] = *(const v16 *)((const float *)p + 16 * c);
     } else {
         for (int64_t c = 0; c < nc; c++) {
+#ifdef __AVX512F__ /* one widening load; GCC splits the generic conversion into 8-lane halves
+            * (bf16, 64 x 192 keys x 30 layers with K/V in L2: 18.2 -> 15.4 ms; a 1024-token
+            * prefill step 69.4 -> 57.5; from DRAM, bound by the reads, 27.0 -> 27.3) */
+            const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + 16 * c)));
+            dst[c] = (v16)_mm512_slli_epi32(w, 16);
+#else
             v16u u = __builtin_convertvector(*(const v16h *)((const uint16_t *)p + 16 * c), v16u);
             dst[c] = (v16)(u << 16);
+#endif
         }
     }
 }
