@@ -12,7 +12,6 @@ attention must take at the least.
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -53,6 +52,19 @@ def bench_device(device: str = "auto"):
     return dev, (torch.cuda.synchronize if dev.type == "cuda" else (lambda: None))
 
 
+def _best_seconds(fn, sync, repeats: int) -> float:
+    """Fastest of `repeats` timed calls of fn (each waited for with sync), after one warm-up."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def gemm_flops(dtype: str = "float32", n: int = 4096, repeats: int = 3, device: str = "auto") -> float:
     """Best-of-`repeats` FLOP/s of an n x n x n matmul in `dtype` on the engine's device (auto:
     the GPU where there is one, else the CPU with all its threads). fp32 on a GPU is plain
@@ -62,15 +74,7 @@ def gemm_flops(dtype: str = "float32", n: int = 4096, repeats: int = 3, device: 
     device, sync = bench_device(device)
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     a, b = (torch.randn(n, n, dtype=dt, device=device) for _ in range(2))
-    torch.mm(a, b)  # warm up
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
+    return 2 * n ** 3 / _best_seconds(lambda: torch.mm(a, b), sync, repeats)
 
 
 def ceiling(w: Workload, counts: dict, flops_per_s: float) -> dict:
@@ -83,11 +87,14 @@ def ceiling(w: Workload, counts: dict, flops_per_s: float) -> dict:
 
 
 def kv_bytes_per_token(model_dir: str, dtype_bytes: int) -> int:
-    """K and V of one token in every layer: 2 x layers x KV heads x head_dim x dtype size."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * dtype_bytes
+    """K and V of one token in every layer: 2 x layers x KV heads x head_dim x dtype size, the
+    shapes the worker allocates its caches with (one rank)."""
+    from transformers import AutoConfig
+
+    from llmsvc.models.llama import kv_cache_spec
+
+    layers, kv_heads, head_dim = kv_cache_spec(AutoConfig.from_pretrained(model_dir), tp_size=1)
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
 def read_bandwidth(n_bytes: int = 1 << 29, repeats: int = 3, device: str = "auto") -> float:
@@ -97,15 +104,7 @@ def read_bandwidth(n_bytes: int = 1 << 29, repeats: int = 3, device: str = "auto
 
     device, sync = bench_device(device)
     x = torch.ones(n_bytes // 4, dtype=torch.float32, device=device)
-    x.sum()
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return n_bytes / best
+    return n_bytes / _best_seconds(x.sum, sync, repeats)
 
 
 def memory_floor(w: Workload, counts: dict, kv_token_bytes: int, dtype_bytes: int,
