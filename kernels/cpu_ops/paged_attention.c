@@ -13,16 +13,19 @@
  * Work item = (sequence, tile of up to ROWS query rows) with all its KV heads, whose slices
  * of a cache row are adjacent: one pass over the rows serves every head, so each row is
  * streamed from memory once, front to back. Items run in parallel with OpenMP (torch's
- * libgomp is already loaded, so both share one thread pool). Per item, in fp32 (bf16 is
+ * libgomp is already loaded, so both share one thread pool), claimed dynamically one item
+ * ahead, so that the thread can prefetch the next item's first rows. Per item, in fp32 (bf16 is
  * widened on load, rounded RNE on store):
- *   pass 1  scores[a, s] = scale * q_a . k_s, 16 keys at a time: each key gives a vector of
- *           16 partial sums, and a 4-level shuffle tree turns 16 such vectors into the 16
- *           scores (no per-key horizontal reduction); the next 16 K and V rows are
- *           prefetched, every cache line (block-table order defeats the hardware prefetcher),
- *           a head's slice of a row after each K row load: issued as one burst, the prefetches
- *           stalled on full fill buffers (B = 64 decode rows at 192 keys, 30 layers, K/V in
- *           L3: fp32 24.1 -> 21.9 ms; bf16 from DRAM 32.4 -> 28.4 ms; fp32 from DRAM, at the
- *           bandwidth either way, 40.4 -> 40.2);
+ *   pass 1  scores[a, s] = scale * q_a . k_s, 16 keys at a time: the 16 K rows are first
+ *           copied (widened) into a workspace front to back, every head of a row in turn, so
+ *           memory sees one sequential stream per block rather than nh strided ones (64 decode
+ *           rows x 192 keys x 30 layers from DRAM, with the next-item prefetch below: fp32
+ *           45.4 -> 38.7 ms, bf16 27.9 -> 25.8; K/V in L3, fp32 3 layers 4.1 -> 3.7); each key then gives a
+ *           vector of 16 partial sums, and a 4-level shuffle tree turns 16 such vectors into
+ *           the 16 scores (no per-key horizontal reduction). The next 16 K and V rows are
+ *           prefetched, every cache line (block-table order defeats the hardware prefetcher;
+ *           without them the same step takes 48 ms), spread over this group's row loads: as
+ *           one burst they stalled on full fill buffers;
  *   softmax over the keys each vector may see (causal limit per query row);
  *   pass 2  acc[a] = sum_s p[a, s] * v_s, 16 keys at a time with a few vectors' accumulators
  *           in registers (memory accumulators would chain every key through a store).
@@ -46,6 +49,8 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 #define ROWS 4      /* query rows per work item (prefill tiles) */
 #define MAX_NC 32   /* D / 16 bound: head_dim <= 512 */
 
+#include "reduce16.h"
+
 /* Row of D = 16 * nc elements at p (fp32 or bf16) -> nc fp32 vectors. */
 static inline void load_row(const void *p, int bf16, int64_t nc, v16 *dst) {
     if (!bf16) {
@@ -63,27 +68,6 @@ static inline void load_row(const void *p, int bf16, int64_t nc, v16 *dst) {
 #endif
         }
     }
-}
-
-/* x, y: vectors whose lanes, in segments of 2g, hold two partial sums (lanes i and g+i) for
- * g keys each; returns segments of 2g lanes: g summed keys from x, then g from y. */
-#define COMBINE(x, y, lo, hi) (__builtin_shuffle((x), (y), (lo)) + __builtin_shuffle((x), (y), (hi)))
-static const v16i LO1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-static const v16i HI1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-static const v16i LO2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-static const v16i HI2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-static const v16i LO4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-static const v16i HI4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-static const v16i LO8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-static const v16i HI8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-
-/* p[j]: 16 partial-sum vectors, one per key j -> lane j holds the full sum of key j. */
-static inline v16 reduce16(const v16 *p) {
-    v16 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++) a[i] = COMBINE(p[2 * i], p[2 * i + 1], LO1, HI1);
-    for (int i = 0; i < 4; i++) b[i] = COMBINE(a[2 * i], a[2 * i + 1], LO2, HI2);
-    for (int i = 0; i < 2; i++) c[i] = COMBINE(b[2 * i], b[2 * i + 1], LO4, HI4);
-    return COMBINE(c[0], c[1], LO8, HI8);
 }
 
 typedef struct {
@@ -110,13 +94,29 @@ static inline void row_ptrs(const char *base, const int32_t *table, int64_t bs, 
     }
 }
 
-/* Heads [h0, h0 + nh) of one item. ws: per-thread fp32 workspace,
- * nh*ROWS*G * (max_keys + 16) scores + 2 * nh*ROWS*G * D. Each key row's slices of all nh heads
- * are used while the row is in L1, so a cache row is streamed from memory once, front to back.
+/* The first 16 K and V rows (slices of heads [h0, h0 + nh)) of the item a thread runs next,
+ * prefetched into L2 a few lines at a time while this item's softmax and pass 2 run from
+ * cache, so that the next item does not start cold (1-3% off a decode step from DRAM). Not
+ * when the next item is this one's next row tile: those rows are in cache already, and the
+ * prefetches made a prefill step (8 x 128 rows) 10-20% slower. */
+typedef struct {
+    const char *rows[2 * 16];
+    int64_t n, lines, line; /* rows, cache lines per row slice, next line to prefetch */
+    int64_t off;            /* byte offset of the slice within a row */
+} pf_t;
+
+static inline void pf_step(pf_t *pf, int64_t count) {
+    for (; count > 0 && pf->line < pf->n * pf->lines; count--, pf->line++)
+        __builtin_prefetch(pf->rows[pf->line / pf->lines] + pf->off + 64 * (pf->line % pf->lines), 0, 2);
+}
+
+/* Heads [h0, h0 + nh) of one item; nx: the item this thread runs next, or NULL. ws: per-thread
+ * fp32 workspace, nh*ROWS*G * (max_keys + 16) scores + 2 * nh*ROWS*G * D + 16 * nh * D. Each
+ * cache row is streamed from memory once, front to back.
  * Always inlined into run_item_<nc> below, so the common head sizes get constant trip counts. */
 static inline __attribute__((always_inline)) void run_heads(const args_t *A, const item_t *it, int64_t h0,
-                                                            int64_t nh, float *ws, int64_t max_keys,
-                                                            const int64_t nc) {
+                                                            int64_t nh, const item_t *nx, float *ws,
+                                                            int64_t max_keys, const int64_t nc) {
     const int64_t G = A->Hq / A->Hkv, nqh = (int64_t)it->nrows * G, nq = nqh * nh, D = 16 * nc;
     const int64_t esz = A->bf16 ? 2 : 4, row_stride = A->Hkv * D; /* elements between keys */
     const int64_t q0 = A->qsl[it->seq], q_len = A->qsl[it->seq + 1] - q0;
@@ -127,6 +127,7 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     float *scores = ws;                              /* [nq, sstride], vector a = hh * nqh + r * G + g */
     v16 *qv = (v16 *)(ws + nq * sstride);            /* [nq, nc] */
     v16 *acc = qv + nq * nc;                         /* [nq, nc] */
+    v16 *kb = acc + nq * nc;                         /* [nh, 16, nc]: a group's K rows */
     const char *kbase = (const char *)A->k_cache, *vbase = (const char *)A->v_cache;
     for (int64_t a = 0; a < nq; a++) {
         const int64_t hh = a / nqh, r = (a % nqh) / G, g = a % G;
@@ -137,41 +138,56 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     /* pass 1 */
     const int64_t row_bytes = esz * row_stride, head_bytes = esz * D;
     const char *krow[16], *vrow[16], *knext[16], *vnext[16];
-    row_ptrs(kbase, table, A->BS, row_bytes, 0, n_max < 16 ? n_max : 16, knext);
-    row_ptrs(vbase, table, A->BS, row_bytes, 0, n_max < 16 ? n_max : 16, vnext);
     for (int64_t s0 = 0; s0 < n_pad; s0 += 16) {
         v16 part[16];
-        v16 k[16][MAX_NC];
         const int64_t kn = n_max - s0 < 16 ? n_max - s0 : 16;
-        memcpy(krow, knext, sizeof krow);
+        row_ptrs(kbase, table, A->BS, row_bytes, s0, kn, krow);
         const int64_t nn = n_max - s0 - 16 < 16 ? n_max - s0 - 16 : 16; /* rows in the next group */
         if (nn > 0) {
             row_ptrs(kbase, table, A->BS, row_bytes, s0 + 16, nn, knext);
             row_ptrs(vbase, table, A->BS, row_bytes, s0 + 16, nn, vnext);
         }
-        for (int64_t hh = 0; hh < nh; hh++) {
-            for (int64_t j = 0; j < 16; j++) {
-                if (j < kn) load_row(krow[j] + (h0 + hh) * head_bytes, A->bf16, nc, k[j]);
-                else for (int64_t c = 0; c < nc; c++) k[j][c] = (v16){0};
-                if (j < nn) { /* the next group's row j, this head's slice: spread over the loads */
-                    const char *pk = knext[j] + (h0 + hh) * head_bytes, *pv = vnext[j] + (h0 + hh) * head_bytes;
-                    for (int64_t c = 0; c < head_bytes; c += 64) {
-                        __builtin_prefetch(pk + c);
-                        __builtin_prefetch(pv + c, 0, 2);
-                    }
+        /* the group's K rows, front to back (all nh slices of a row are adjacent) */
+        for (int64_t j = 0; j < 16; j++) {
+            for (int64_t hh = 0; hh < nh; hh++) {
+                v16 *dst = kb + (hh * 16 + j) * nc;
+                if (j < kn) load_row(krow[j] + (h0 + hh) * head_bytes, A->bf16, nc, dst);
+                else for (int64_t c = 0; c < nc; c++) dst[c] = (v16){0};
+            }
+            if (j < nn) { /* the next group's row j: spread over the loads */
+                const char *pk = knext[j] + h0 * head_bytes, *pv = vnext[j] + h0 * head_bytes;
+                for (int64_t c = 0; c < nh * head_bytes; c += 64) {
+                    __builtin_prefetch(pk + c);
+                    __builtin_prefetch(pv + c, 0, 2);
                 }
             }
+        }
+        for (int64_t hh = 0; hh < nh; hh++) {
+            const v16 *k = kb + hh * 16 * nc;
             for (int64_t a = hh * nqh; a < (hh + 1) * nqh; a++) {
                 const v16 *qa = qv + a * nc;
                 for (int64_t j = 0; j < 16; j++) {
-                    v16 p = qa[0] * k[j][0];
-                    for (int64_t c = 1; c < nc; c++) p += qa[c] * k[j][c];
+                    v16 p = qa[0] * k[j * nc];
+                    for (int64_t c = 1; c < nc; c++) p += qa[c] * k[j * nc + c];
                     part[j] = p;
                 }
                 *(v16 *)(scores + a * sstride + s0) = reduce16(part);
             }
         }
     }
+    pf_t pf = {.n = 0, .line = 0};
+    if (nx && (nx->seq != it->seq || nx->head != it->head)) { /* else: rows this item just read */
+        const int64_t nql = A->qsl[nx->seq + 1] - A->qsl[nx->seq];
+        const int64_t nmx = A->seq_lens[nx->seq] - nql + nx->row0 + nx->nrows; /* its n_max */
+        const int64_t rows = nmx < 16 ? nmx : 16;
+        const int32_t *nt = A->block_table + (int64_t)nx->seq * A->bt_stride;
+        row_ptrs(kbase, nt, A->BS, row_bytes, 0, rows, pf.rows);
+        row_ptrs(vbase, nt, A->BS, row_bytes, 0, rows, pf.rows + rows);
+        pf.n = 2 * rows;
+        pf.off = nx->head >= 0 ? nx->head * head_bytes : 0;
+        pf.lines = ((nx->head >= 0 ? head_bytes : row_bytes) + 63) / 64;
+    }
+    const int64_t pf_per = (pf.n * pf.lines + ((n_max + 15) / 16) * nh - 1) / (((n_max + 15) / 16) * nh);
     /* softmax over each vector's visible keys; the rest (up to n_max) get weight 0 */
     for (int64_t a = 0; a < nq; a++) {
         const int64_t lim = first_lim + (a % nqh) / G;
@@ -190,6 +206,7 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
         const int64_t s1 = n_max - s0 < 16 ? n_max : s0 + 16;
         row_ptrs(vbase, table, A->BS, row_bytes, s0, s1 - s0, vrow);
         for (int64_t hh = 0; hh < nh; hh++) {
+            pf_step(&pf, pf_per);
             for (int64_t a0 = hh * nqh; a0 < (hh + 1) * nqh; a0 += GA) {
                 const int64_t ga = (hh + 1) * nqh - a0 < GA ? (hh + 1) * nqh - a0 : GA;
                 v16 ac[16];
@@ -227,9 +244,9 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
  * With few tiles (a lone long decode) items are split per head instead, to keep every
  * thread busy. */
 #define DEFINE_RUN_ITEM(NAME, NC)                                                              \
-    static void NAME(const args_t *A, const item_t *it, float *ws, int64_t mk) {             \
-        if (it->head >= 0) run_heads(A, it, it->head, 1, ws, mk, (NC));                       \
-        else run_heads(A, it, 0, A->Hkv, ws, mk, (NC));                                       \
+    static void NAME(const args_t *A, const item_t *it, const item_t *nx, float *ws, int64_t mk) { \
+        if (it->head >= 0) run_heads(A, it, it->head, 1, nx, ws, mk, (NC));                   \
+        else run_heads(A, it, 0, A->Hkv, nx, ws, mk, (NC));                                   \
     }
 DEFINE_RUN_ITEM(run_item_4, 4)
 DEFINE_RUN_ITEM(run_item_8, 8)
@@ -268,10 +285,12 @@ int llmsvc_paged_attention(int dtype /* 0 = f32, 1 = bf16 */, const void *q, int
                 items[n++] = t;
             }
     }
-    const size_t ws_floats = (size_t)(ROWS * Hq / (per_head ? Hkv : 1)) * (size_t)(max_keys + 16 + 2 * D);
-    void (*fn)(const args_t *, const item_t *, float *, int64_t) =
+    const size_t ws_floats = (size_t)(ROWS * Hq / (per_head ? Hkv : 1)) * (size_t)(max_keys + 16 + 2 * D) +
+                             (size_t)(16 * D * (per_head ? 1 : Hkv));
+    void (*fn)(const args_t *, const item_t *, const item_t *, float *, int64_t) =
         D == 64 ? run_item_4 : D == 128 ? run_item_8 : run_item_any;
     int rc = 0;
+    int64_t claimed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         float *ws = (float *)aligned_alloc(64, ((ws_floats * sizeof(float)) + 63) & ~(size_t)63);
@@ -279,30 +298,15 @@ int llmsvc_paged_attention(int dtype /* 0 = f32, 1 = bf16 */, const void *q, int
 #pragma omp atomic write
             rc = -1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t x = 0; x < n_items; x++)
-            if (ws) fn(&A, &items[x], ws, max_keys);
+        /* dynamic, one item claimed ahead: the thread prefetches it while finishing this one */
+        int64_t x = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        while (x < n_items) {
+            const int64_t y = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            if (ws) fn(&A, &items[x], y < n_items ? &items[y] : NULL, ws, max_keys);
+            x = y;
+        }
         free(ws);
     }
     free(items);
     return rc;
-}
-
-/* The step's new K/V rows into their cache slots: key/value [T, Hkv*D] (row strides ks, vs;
- * heads contiguous), caches [num_slots, Hkv*D] viewed flat, slot_mapping [T] int64 with -1 =
- * skip. One memcpy per row and cache, no mask tensor, no host sync. Rejects a slot outside
- * the cache. esz: element size in bytes (the caches have the key's dtype). */
-int llmsvc_store_kv(const void *key, int64_t ks, const void *value, int64_t vs, void *k_cache,
-                    void *v_cache, const int64_t *slot_mapping, int64_t T, int64_t row_elems,
-                    int64_t num_slots, int64_t esz) {
-    for (int64_t t = 0; t < T; t++)
-        if (slot_mapping[t] >= num_slots || slot_mapping[t] < -1) return -1;
-    const size_t row = (size_t)(row_elems * esz);
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t s = slot_mapping[t];
-        if (s < 0) continue;
-        memcpy((char *)k_cache + s * row, (const char *)key + t * ks * esz, row);
-        memcpy((char *)v_cache + s * row, (const char *)value + t * vs * esz, row);
-    }
-    return 0;
 }
