@@ -20,12 +20,12 @@
  *           copied (widened) into a workspace front to back, every head of a row in turn, so
  *           memory sees one sequential stream per block rather than nh strided ones (64 decode
  *           rows x 192 keys x 30 layers from DRAM, with the next-item prefetch below: fp32
- *           45.4 -> 38.7 ms, bf16 27.9 -> 25.8; K/V in L3, fp32 3 layers 4.1 -> 3.7); each key then gives a
- *           vector of 16 partial sums, and a 4-level shuffle tree turns 16 such vectors into
- *           the 16 scores (no per-key horizontal reduction). The next 16 K and V rows are
- *           prefetched, every cache line (block-table order defeats the hardware prefetcher;
- *           without them the same step takes 48 ms), spread over this group's row loads: as
- *           one burst they stalled on full fill buffers;
+ *           45.4 -> 38.7 ms, bf16 27.9 -> 25.8; K/V in L3, fp32 3 layers 4.1 -> 3.7); each
+ *           key then gives a vector of 16 partial sums, and a 4-level shuffle tree turns 16
+ *           such vectors into the 16 scores (no per-key horizontal reduction). The next 16 K
+ *           and V rows are prefetched, every cache line (block-table order defeats the
+ *           hardware prefetcher; without them the same step takes 48 ms), spread over this
+ *           group's row loads: as one burst they stalled on full fill buffers;
  *   softmax over the keys each vector may see (causal limit per query row);
  *   pass 2  acc[a] = sum_s p[a, s] * v_s, 16 keys at a time with a few vectors' accumulators
  *           in registers (memory accumulators would chain every key through a store).
@@ -34,7 +34,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "bf16.h"
 #ifdef __AVX512F__
@@ -187,7 +186,8 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
         pf.off = nx->head >= 0 ? nx->head * head_bytes : 0;
         pf.lines = ((nx->head >= 0 ? head_bytes : row_bytes) + 63) / 64;
     }
-    const int64_t pf_per = (pf.n * pf.lines + ((n_max + 15) / 16) * nh - 1) / (((n_max + 15) / 16) * nh);
+    const int64_t pass2_iters = (n_pad / 16) * nh; /* pf_step calls: one per (group, head) */
+    const int64_t pf_per = (pf.n * pf.lines + pass2_iters - 1) / pass2_iters;
     /* softmax over each vector's visible keys; the rest (up to n_max) get weight 0 */
     for (int64_t a = 0; a < nq; a++) {
         const int64_t lim = first_lim + (a % nqh) / G;
