@@ -82,6 +82,12 @@ typedef struct {
     int bf16;
 } args_t;
 
+/* Keys the item's last query row sees: the cache rows the item reads. */
+static inline int64_t item_keys(const args_t *A, const item_t *it) {
+    const int64_t q_len = A->qsl[it->seq + 1] - A->qsl[it->seq];
+    return A->seq_lens[it->seq] - q_len + it->row0 + it->nrows;
+}
+
 /* out[i] = byte address of cache row s0 + i (i < n) of `base` through `table`: one division
  * per call rather than one per row (rows are visited 16 at a time, and often) */
 static inline void row_ptrs(const char *base, const int32_t *table, int64_t bs, int64_t row_bytes,
@@ -120,7 +126,7 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     const int64_t esz = A->bf16 ? 2 : 4, row_stride = A->Hkv * D; /* elements between keys */
     const int64_t q0 = A->qsl[it->seq], q_len = A->qsl[it->seq + 1] - q0;
     const int64_t ctx = A->seq_lens[it->seq], first_lim = ctx - q_len + it->row0 + 1;
-    const int64_t n_max = first_lim + it->nrows - 1; /* keys seen by the tile's last row */
+    const int64_t n_max = item_keys(A, it); /* = first_lim + nrows - 1 */
     const int64_t n_pad = (n_max + 15) & ~(int64_t)15, sstride = max_keys + 16;
     const int32_t *table = A->block_table + (int64_t)it->seq * A->bt_stride;
     float *scores = ws;                              /* [nq, sstride], vector a = hh * nqh + r * G + g */
@@ -176,9 +182,7 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     }
     pf_t pf = {.n = 0, .line = 0};
     if (nx && (nx->seq != it->seq || nx->head != it->head)) { /* else: rows this item just read */
-        const int64_t nql = A->qsl[nx->seq + 1] - A->qsl[nx->seq];
-        const int64_t nmx = A->seq_lens[nx->seq] - nql + nx->row0 + nx->nrows; /* its n_max */
-        const int64_t rows = nmx < 16 ? nmx : 16;
+        const int64_t nmx = item_keys(A, nx), rows = nmx < 16 ? nmx : 16;
         const int32_t *nt = A->block_table + (int64_t)nx->seq * A->bt_stride;
         row_ptrs(kbase, nt, A->BS, row_bytes, 0, rows, pf.rows);
         row_ptrs(vbase, nt, A->BS, row_bytes, 0, rows, pf.rows + rows);
