@@ -7,8 +7,8 @@ Random weights with the default model's layer shapes (SmolLM2-135M: hidden 576, 
 them; each round multiplies an [M, K] activation through all layers and the LM head, so
 the weights stream from DRAM as in a decode step. Prints ms per pass (best of the rounds)
 and the weight bytes per second for:
-  ours     `kernels.ops.linear` on the engine's packed copy (gemm.c fp32 panels, gemm_amx.c
-           bf16 tile panels; whatever `pack_linear_weight` chose on this CPU)
+  ours     `kernels.ops.linear` on the engine's packed copy (gemm.c fp32 panels, gemm_bf16.c
+           bf16 VNNI panels on AMX or AVX512-BF16; whatever `pack_linear_weight` chose on this CPU)
   library  MKL's packed sgemm (fp32) or oneDNN's packed matmul (bf16), the paths torch's
            inductor uses for frozen weights
   F.linear torch's plain linear on the unpacked weight

@@ -7,9 +7,9 @@ tests under TRITON_INTERPRET=1). On the CPU, the native kernels in `kernels/cpu_
 (C + OpenMP: paged attention reading K/V in place, one-pass norms, RoPE and SiLU-and-mul)
 run when they are built and take the inputs, and linear layers multiply weights packed
 once at load (`pack_linear_weight`): fp32 panels for the native GEMM (MKL without it),
-AMX tile panels for bf16 (oneDNN without AMX). A model may also hand all its decoder
-layers to one native call (`decoder_layers`, `kernels/cpu_ops/decoder.c`), whose reference
-is the per-op path itself. Anything else calls the torch reference in `kernels/reference.py`
+bf16 VNNI panels for AMX tiles or AVX512-BF16 dot products (oneDNN without either). A
+model may also hand all its decoder layers to one native call (`decoder_layers`,
+`kernels/cpu_ops/decoder.c`), whose reference is the per-op path itself. Anything else calls the torch reference in `kernels/reference.py`
 directly, with no custom-op layer in between (it costs ~10x a small CPU op).
 Importing this module works without a GPU and without triton (then only the reference runs).
 """

@@ -115,11 +115,11 @@ def test_no_compiler_falls_back_with_a_warning(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 3, 16, 64, 200, 300, 1024])
 @pytest.mark.parametrize("with_bias", [False, True])
-# whole panels / ragged last panel, K % 4 / K % 32 == 0 (bf16: the AMX panels)
+# whole panels / ragged last panel, K % 4 / K % 32 == 0 (bf16: the native VNNI panels)
 @pytest.mark.parametrize("n,k", [(96, 80), (100, 33), (100, 64)])
 def test_packed_linear_matches_f_linear(dtype, m, with_bias, n, k):
-    if dtype == torch.bfloat16 and not linear._bf16_ok() and not (k % 32 == 0 and linear._amx_ok()):
-        pytest.skip("this CPU has neither oneDNN bf16 nor AMX")
+    if dtype == torch.bfloat16 and not linear._bf16_ok() and not (k % 32 == 0 and linear._bf16_panels_ok()):
+        pytest.skip("this CPU has neither oneDNN bf16 nor a native bf16 GEMM")
     g = torch.Generator().manual_seed(m)
     w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if with_bias else None
@@ -170,16 +170,27 @@ def test_panel_gemm_takes_every_panel_once_for_any_thread_count(nt, n):
     torch.testing.assert_close(out, F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
-def _amx_or_skip():
-    if build.load().llmsvc_gemm_bf16_supported() != 1:
-        pytest.skip("no AMX-BF16 (or the kernel refused the tile state): bf16 linear uses oneDNN")
+# the two bf16 packed GEMMs behind gemm_bf16.c: both read pack_amx's panels
+BF16_GEMMS = ["llmsvc_gemm_bf16_amx", "llmsvc_gemm_bf16_dp"]
 
 
-def test_bf16_decode_rows_take_the_amx_gemm():
-    # on an AMX machine (this box's) the tile kernel (gemm_amx.c) must be what runs
-    if " amx_bf16 " not in build._cpu_flags() + " ":
-        pytest.skip("no AMX-BF16 on this CPU: bf16 linear uses oneDNN")
-    _amx_or_skip()
+def _bf16_gemm_or_skip(entry: str):
+    lib = build.load()
+    if lib is None or getattr(lib, entry + "_supported")() != 1:
+        pytest.skip(f"{entry}: not on this CPU (AMX-BF16 / AVX512-BF16 missing, or no tile state)")
+    return getattr(lib, entry)
+
+
+def test_bf16_decode_rows_take_a_native_gemm():
+    # on a CPU with AMX-BF16 or AVX512-BF16 (CI's boxes have one or the other) a native kernel
+    # must be what runs, AMX where the CPU has it
+    flags = build._cpu_flags() + " "
+    if " amx_bf16 " not in flags and " avx512_bf16 " not in flags:
+        pytest.skip("neither AMX-BF16 nor AVX512-BF16 on this CPU: bf16 linear uses oneDNN")
+    lib = build.load()
+    assert lib.llmsvc_gemm_bf16_supported() == 1
+    assert linear.bf16_max_m() == (linear.AMX_MAX_M if lib.llmsvc_gemm_bf16_amx_supported() == 1
+                                   else linear.DP_MAX_M)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(100, 96, generator=g).bfloat16()
     packed = linear.pack(w)
@@ -190,46 +201,58 @@ def test_bf16_decode_rows_take_the_amx_gemm():
     tiles = packed[1].reshape(3, 4, 16, 16, 2)  # zero past N = 100: columns 100..127
     assert tiles[:, 3].abs().sum() == 0 and tiles[:, 2, :, 4:].abs().sum() == 0
     x = torch.randn(2, 5, 96, generator=g).bfloat16()[:, 1:]  # [2, 4, 96], rows strided
-    out = linear._gemm_amx(x, packed, None, w)
+    out = linear._gemm_bf16(x, packed, None, w)
     assert out.shape == (2, 4, 100)
     torch.testing.assert_close(out, F.linear(x, w), **TOL[torch.bfloat16])
-    lib = build.load()
     bad = torch.empty(packed.numel() + 1, dtype=torch.bfloat16)[1:]  # misaligned: rejected
-    assert lib.llmsvc_gemm_bf16(x.data_ptr(), 96, bad.data_ptr(), None, out.data_ptr(), 100, 1, 100,
-                                96, 1) == -1
-    assert lib.llmsvc_gemm_bf16(x.data_ptr(), 96, packed.data_ptr(), None, out.data_ptr(), 100, 1,
-                                100, 80, 1) == -1  # K not a multiple of 32
+    for entry in ["llmsvc_gemm_bf16"] + [e for e in BF16_GEMMS if getattr(lib, e + "_supported")() == 1]:
+        fn = getattr(lib, entry)
+        assert fn(x.data_ptr(), 96, bad.data_ptr(), None, out.data_ptr(), 100, 1, 100, 96, 1) == -1, entry
+        assert fn(x.data_ptr(), 96, packed.data_ptr(), None, out.data_ptr(), 100, 1, 100, 80,
+                  1) == -1, entry  # K not a multiple of 32
 
 
-@pytest.mark.parametrize("m", [1, 15, 16, 17, 31, 32, 33, 64, 100, 256])  # 16- and 32-row blocks, tails
+@pytest.mark.parametrize("entry", BF16_GEMMS)
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 15, 16, 17, 31, 32, 33, 64, 100, 256])  # row blocks, tails
 @pytest.mark.parametrize("n,k", [(64, 32), (130, 96), (1000, 576)])  # ragged last panel and column tile
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_amx_gemm_matches_fp32_accumulation(m, n, k, with_bias):
+def test_bf16_gemm_matches_fp32_accumulation(entry, m, n, k, with_bias):
     # fp32 accumulation over the whole K, one rounding: within bf16 rounding of the exact
     # product, as F.linear is; the output rows are NaN beforehand, so a row or column left
     # unwritten fails
-    _amx_or_skip()
+    fn = _bf16_gemm_or_skip(entry)
     g = torch.Generator().manual_seed(m * 1000 + n)
     w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(m, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if with_bias else None
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
-    assert build.load().llmsvc_gemm_bf16(x.data_ptr(), k, linear.pack_amx(w).data_ptr(),
-                                         None if b is None else b.data_ptr(), out.data_ptr(), n, m, n,
-                                         k, 2) == 0
+    assert fn(x.data_ptr(), k, linear.pack_amx(w).data_ptr(), None if b is None else b.data_ptr(),
+              out.data_ptr(), n, m, n, k, 2) == 0
     exact = x.double() @ w.double().T + (0 if b is None else b.double())
     torch.testing.assert_close(out.double(), exact, atol=1e-2, rtol=2 ** -8)
     torch.testing.assert_close(out, F.linear(x, w, b), **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("entry", BF16_GEMMS)
 @pytest.mark.parametrize("nt", [1, 2, 3, 7])
-def test_amx_gemm_covers_every_panel_for_any_thread_count(nt):
-    _amx_or_skip()
+def test_bf16_gemm_covers_every_panel_for_any_thread_count(entry, nt):
+    fn = _bf16_gemm_or_skip(entry)
     g = torch.Generator().manual_seed(nt)
     w, x = torch.randn(200, 64, generator=g).bfloat16(), torch.randn(40, 64, generator=g).bfloat16()
     out = torch.full((40, 200), float("nan"), dtype=torch.bfloat16)
-    assert build.load().llmsvc_gemm_bf16(x.data_ptr(), 64, linear.pack_amx(w).data_ptr(), None,
-                                         out.data_ptr(), 200, 40, 200, 64, nt) == 0
+    assert fn(x.data_ptr(), 64, linear.pack_amx(w).data_ptr(), None, out.data_ptr(), 200, 40, 200, 64, nt) == 0
     torch.testing.assert_close(out, F.linear(x, w), **TOL[torch.bfloat16])
+
+
+def test_bf16_dp_gemm_reads_a_with_its_row_stride():
+    # A rows lda > K apart (a column slice of a wider activation), odd lda included
+    fn = _bf16_gemm_or_skip("llmsvc_gemm_bf16_dp")
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(70, 64, generator=g).bfloat16()
+    for lda in (64, 97, 128):
+        x = torch.randn(9, lda, generator=g).bfloat16()
+        out = torch.empty(9, 70, dtype=torch.bfloat16)
+        assert fn(x.data_ptr(), lda, linear.pack_amx(w).data_ptr(), None, out.data_ptr(), 70, 9, 70, 64, 2) == 0
+        torch.testing.assert_close(out, F.linear(x[:, :64], w), **TOL[torch.bfloat16])
 
 
 # -- one-pass elementwise ops (elementwise.c) -----------------------------------------------

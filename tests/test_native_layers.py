@@ -72,9 +72,9 @@ def test_one_native_call_equals_the_per_op_layers(tmp_path, count_native, dtype,
 def test_steps_beyond_the_native_gemm_rows_take_the_per_op_path(tmp_path, count_native, caplog):
     if not _native_available("float32"):
         pytest.skip("no native fp32 GEMM")
-    d = make_tiny_model_dir(tmp_path, "llama", max_position_embeddings=1024)
+    d = make_tiny_model_dir(tmp_path, "llama", max_position_embeddings=2048)
     model = load_our_model(d)
-    runner = PagedRunner(model, num_blocks=48)
+    runner = PagedRunner(model, num_blocks=2 + (linear.PANEL_MAX_M + 1) // 16 + 1)
     with caplog.at_level("INFO", logger="kernels.cpu_ops.decoder"):
         runner.step({0: [3]})  # the first forward makes the plan and says so, once
         runner.free(0)

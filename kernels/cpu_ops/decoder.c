@@ -11,7 +11,7 @@
  *   nrm  [T, H], qkv [T, (Hq + 2 Hkv) D], att [T, Hq D], gu [T, 2 I], act [T, I]: scratch
  * lp: [L][LP_N] int64 addresses per layer, see LP_* below (qkv bias 0 = none; the o, gate_up
  * and down projections have no bias on this path). dtype 0 = fp32 (weights packed for
- * gemm.c), 1 = bf16 (packed for gemm_amx.c). Stops at the first rejected call and returns -1.
+ * gemm.c), 1 = bf16 (packed for gemm_bf16.c). Stops at the first rejected call and returns -1.
  */
 #include <stdint.h>
 #include <string.h>

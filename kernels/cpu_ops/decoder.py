@@ -1,9 +1,9 @@
 """Every decoder layer of a Llama-family model in one native call (`decoder.c`).
 
 The model hands over its per-layer weights once (`make_plan`); a step whose every GEMM
-would take the native packed kernels anyway (fp32 panels up to PANEL_MAX_M rows, bf16 AMX
-up to AMX_MAX_M) then runs all layers in one ctypes call instead of ~20 Python-level calls
-per layer. The result is bit for bit the per-op path's (the same kernels with the same
+would take the native packed kernels anyway (fp32 panels up to PANEL_MAX_M rows, bf16 panels
+up to `linear.bf16_max_m()`: AMX tiles or AVX512-BF16 dot products) then runs all layers in
+one ctypes call instead of ~20 Python-level calls per layer. The result is bit for bit the per-op path's (the same kernels with the same
 arguments), which is this op's reference: `tests/test_native_layers.py` checks it.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ class DecoderPlan:
         self.layers, self.dtype, self.code = layers, dtype, DTYPE_CODES[dtype]
         self.h, self.hq, self.hkv, self.d, self.i = hidden, num_heads, num_kv_heads, head_dim, intermediate
         self.eps, self.scale, self.cos_sin = float(eps), float(scale), cos_sin_cache
-        self.max_m = linear.PANEL_MAX_M if dtype == torch.float32 else linear.AMX_MAX_M
+        self.max_m = linear.PANEL_MAX_M if dtype == torch.float32 else linear.bf16_max_m()
         self.ptrs = torch.zeros((len(layers), LP_N), dtype=torch.int64)
         for row, lw in zip(self.ptrs, layers):
             row[:7] = torch.tensor([lw.input_norm.data_ptr(), lw.post_norm.data_ptr(), lw.qkv.data_ptr(),
@@ -108,7 +108,7 @@ def make_plan(layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_h
               num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
               cos_sin_cache: torch.Tensor, scale: float) -> Optional[DecoderPlan]:
     """A plan when every layer's tensors suit the native kernels (CPU, fp32 with gemm.c
-    panels or bf16 with AMX panels, contiguous, head_dim a multiple of 16), else None."""
+    panels or bf16 with AMX / AVX512-BF16 panels, contiguous, head_dim a multiple of 16), else None."""
     if not enabled() or dtype not in DTYPE_CODES or not layers:
         return None
     if head_dim % 16 or head_dim > 512 or hidden > 65536 or num_heads % num_kv_heads:
@@ -128,5 +128,6 @@ def make_plan(layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_h
                        cos_sin_cache, scale)
     logger.info("CPU decoder layers: %d layers in one native call for steps of up to %d tokens (%s, %s "
                 "GEMM); larger steps run layer by layer", len(layers), plan.max_m,
-                str(dtype).removeprefix("torch."), "panel" if dtype == torch.float32 else "AMX")
+                str(dtype).removeprefix("torch."), "panel" if dtype == torch.float32
+                else "AMX" if linear._has_amx() else "AVX512-BF16")
     return plan

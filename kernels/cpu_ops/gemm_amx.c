@@ -50,7 +50,7 @@ typedef struct {
 
 static int amx_state = 0; /* 0 unknown, 1 usable, -1 refused by the kernel */
 
-int llmsvc_gemm_bf16_supported(void) {
+int llmsvc_gemm_bf16_amx_supported(void) {
     if (amx_state == 0)
         amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
     return amx_state == 1;
@@ -188,9 +188,9 @@ static void amx_panel(void *ctx, int64_t p, int64_t pf_p) {
  * c [M, N] bf16 (row stride ldc); K % 32 == 0; nt OpenMP threads sharing the panels as
  * panel_runs.h says. Returns -1 (nothing written) when AMX is unavailable or the arguments are
  * bad. */
-int llmsvc_gemm_bf16(const uint16_t *a, int64_t lda, const uint16_t *packed, const uint16_t *bias,
+int llmsvc_gemm_bf16_amx(const uint16_t *a, int64_t lda, const uint16_t *packed, const uint16_t *bias,
                      uint16_t *c, int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
-    if (!llmsvc_gemm_bf16_supported() || ((uintptr_t)packed) % 64 || M < 0 || N <= 0 || K <= 0 ||
+    if (!llmsvc_gemm_bf16_amx_supported() || ((uintptr_t)packed) % 64 || M < 0 || N <= 0 || K <= 0 ||
         K % KB || lda < K || (N + NP - 1) / NP >= (1ll << 31))
         return -1;
     const int64_t np = (N + NP - 1) / NP, nkb = K / KB;
@@ -211,9 +211,9 @@ int llmsvc_gemm_bf16(const uint16_t *a, int64_t lda, const uint16_t *packed, con
 }
 
 #else
-int llmsvc_gemm_bf16_supported(void) { return 0; }
+int llmsvc_gemm_bf16_amx_supported(void) { return 0; }
 
-int llmsvc_gemm_bf16(const uint16_t *a, int64_t lda, const uint16_t *packed, const uint16_t *bias,
+int llmsvc_gemm_bf16_amx(const uint16_t *a, int64_t lda, const uint16_t *packed, const uint16_t *bias,
                      uint16_t *c, int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
     (void)a; (void)lda; (void)packed; (void)bias; (void)c; (void)ldc; (void)M; (void)N; (void)K; (void)nt;
     return -1;

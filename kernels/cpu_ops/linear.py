@@ -6,15 +6,17 @@ much as the multiply. `pack(weight)` packs once at load and `linear` multiplies 
 copy:
 
   fp32  our column panels [ceil(N / 48), K, 48] for `gemm.c` (AVX-512), which streams the
-        weights at decode batch sizes faster than MKL; rows beyond PANEL_MAX_M (prefill
-        chunks, where MKL's own blocking wins) go to F.linear on the original weight.
+        weights at decode batch sizes faster than MKL and keeps up with it on prefill steps
+        of the default budget; rows beyond PANEL_MAX_M go to F.linear on the original weight.
         Without AVX-512 or the native library: MKL `cblas_sgemm_pack` / `_compute`
         (`mkl::_mkl_reorder_linear_weight`, `mkl::_mkl_linear`), the ops torch's inductor
         uses for frozen weights; [64, 576] x [576, 3072]: 109 -> 155 GFLOP/s measured here
-  bf16  with AMX and K % 32 == 0: VNNI tile panels [ceil(N / 64), K / 2, 128] for
-        `gemm_amx.c`, up to AMX_MAX_M rows (F.linear on the original weight beyond);
-        elsewhere oneDNN (`mkldnn::_reorder_linear_weight`, `mkldnn::_linear_pointwise`),
-        [64, 576] x [576, 3072]: 273 -> 432 GFLOP/s against F.linear
+  bf16  with AMX or AVX512-BF16 and K % 32 == 0: VNNI tile panels [ceil(N / 64), K / 2, 128]
+        for `gemm_bf16.c` (AMX tiles, `gemm_amx.c`, up to AMX_MAX_M rows; else AVX512-BF16
+        dot products, `gemm_bf16dp.c`, up to DP_MAX_M), F.linear on the original weight
+        beyond; elsewhere oneDNN (`mkldnn::_reorder_linear_weight`,
+        `mkldnn::_linear_pointwise`), [64, 576] x [576, 3072]: 273 -> 432 GFLOP/s against
+        F.linear
 
 Every path packs B independently of the row count M of the input (MKL gets the call's own
 M as `prepack_batch_size`); the tests check M = 1 .. 1024 against F.linear. The packed copy
@@ -22,6 +24,7 @@ lives beside the original weight (the embedding and checkpoint-shaped code keep 
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -31,11 +34,16 @@ import torch.nn.functional as F
 from kernels.cpu_ops.build import load
 
 PANEL = 48  # gemm.c's panel width (NR)
-# rows up to which gemm.c is at least as fast as F.linear here (2 threads, SmolLM2-135M layer
-# shapes, ms per 30-layer pass, ours / MKL packed / F.linear; best of 4 alternating rounds:
-# M = 256: 329 / 323 / 361, M = 512: 655 / 635 / 658; best of 5, one after the other:
-# M = 1024: 1349 / 1242 / 1170)
-PANEL_MAX_M = 512
+# rows up to which gemm.c is used: the default step budget (max_num_batched_tokens), so a
+# whole prefill step also runs its layers in one native call (decoder.py). Beyond, F.linear.
+# 2 threads, SmolLM2-135M layer shapes. Intel box with AMX (sessions 5-7), ms per 30-layer
+# pass, ours / MKL packed / F.linear, best of 4 alternating rounds: M = 256 329 / 323 / 361,
+# M = 512 655 / 635 / 658; 30 layers at M = 1024 interleaved call by call, ours / F.linear:
+# 1406 / 1275 against 1366 / 1263. AMD Zen 4 box (session 8), GFLOP/s on the qkv, gate_up,
+# down and o shapes, ours / F.linear: M = 512 215-221 / 176-199, M = 1024 212-223 / 173-197,
+# M = 2048 201-209 / 158-188; a 1024-token prefill step of the model: 1102-1154 ms against
+# 1344-1458 with this limit at 512.
+PANEL_MAX_M = 1024
 _PANEL_MAX_K = 4096  # keeps a panel (K * 192 bytes) and its prefetched successor inside L2
 AMX_PANEL = 64  # gemm_amx.c's panel width (NP)
 # rows up to which gemm_amx.c is used; beyond, F.linear on the original weight (no second
@@ -44,6 +52,13 @@ AMX_PANEL = 64  # gemm_amx.c's panel width (NP)
 # M = 64 35.0 / 35.5 / 57.5, M = 128 69.0 / 62.3 / 92.5, M = 256 132.4 / 117.8 / 159.3;
 # 10 layers at M = 1024: F.linear 97-106 against ours 110-157
 AMX_MAX_M = 256
+# rows up to which gemm_bf16dp.c is used (no AMX: AMD Zen 4 here). GFLOP/s on the four
+# SmolLM2-135M shapes (qkv, gate_up, down, LM head), 2 threads, best of 5, ours / oneDNN packed
+# / F.linear: M = 16 377-412 / 286-348 / 147-247, M = 64 404-442 / 390-431 / 312-379,
+# M = 256 401-446 / 378-417 / 346-410, M = 1024 340-432 / 344-449 / 316-443. Within a few
+# percent of oneDNN up to 1024 rows, so a prefill chunk of up to 1024 tokens runs all its
+# layers in one native call (decoder.py) too.
+DP_MAX_M = 1024
 
 
 def enabled() -> bool:
@@ -69,9 +84,20 @@ def _panels_ok() -> bool:
     return lib is not None and lib.llmsvc_gemm_f32_supported() == 1
 
 
-def _amx_ok() -> bool:
+def _bf16_panels_ok() -> bool:
     lib = load()
     return lib is not None and lib.llmsvc_gemm_bf16_supported() == 1
+
+
+@functools.cache
+def _has_amx() -> bool:
+    lib = load()
+    return lib is not None and lib.llmsvc_gemm_bf16_amx_supported() == 1
+
+
+def bf16_max_m() -> int:
+    """Rows up to which bf16 packed panels go to gemm_bf16.c (beyond: F.linear)."""
+    return AMX_MAX_M if _has_amx() else DP_MAX_M
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -115,7 +141,7 @@ def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
         return pack_panels(weight.contiguous())
     if weight.dtype == torch.float32 and _mkl_linear is not None:
         return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), 64)
-    if weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and _amx_ok():
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and _bf16_panels_ok():
         return pack_amx(weight.contiguous())
     if weight.dtype == torch.bfloat16 and _linear_pointwise is not None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
@@ -134,13 +160,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             return _gemm_panels(x, packed, bias, weight) if m <= PANEL_MAX_M else F.linear(x, weight, bias)
         return _mkl_linear(x, packed, weight, bias, m)
     if packed.dim() == 3:
-        return _gemm_amx(x, packed, bias, weight) if m <= AMX_MAX_M else F.linear(x, weight, bias)
+        return _gemm_bf16(x, packed, bias, weight) if m <= bf16_max_m() else F.linear(x, weight, bias)
     return _linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _native(entry, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
             weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight^T through a native packed GEMM `entry` (gemm.c / gemm_amx.c)."""
+    """x [..., K] @ weight^T through a native packed GEMM `entry` (gemm.c / gemm_bf16.c)."""
     n, k = weight.shape
     flat = x.dim() == 2  # the model's case; reshape and view cost ~3 us each per call
     x2 = x if flat else x.reshape(-1, k)
@@ -160,6 +186,6 @@ def _gemm_panels(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Ten
     return _native(load().llmsvc_gemm_f32, x, packed, bias, weight)
 
 
-def _gemm_amx(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
+def _gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
               weight: torch.Tensor) -> torch.Tensor:
     return _native(load().llmsvc_gemm_bf16, x, packed, bias, weight)
