@@ -189,7 +189,7 @@ static void amx_panel(void *ctx, int64_t p, int64_t pf_p) {
  * panel_runs.h says. Returns -1 (nothing written) when AMX is unavailable or the arguments are
  * bad. */
 int llmsvc_gemm_bf16_amx(const uint16_t *a, int64_t lda, const uint16_t *packed, const uint16_t *bias,
-                     uint16_t *c, int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
+                         uint16_t *c, int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
     if (!llmsvc_gemm_bf16_amx_supported() || ((uintptr_t)packed) % 64 || M < 0 || N <= 0 || K <= 0 ||
         K % KB || lda < K || (N + NP - 1) / NP >= (1ll << 31))
         return -1;
@@ -214,7 +214,7 @@ int llmsvc_gemm_bf16_amx(const uint16_t *a, int64_t lda, const uint16_t *packed,
 int llmsvc_gemm_bf16_amx_supported(void) { return 0; }
 
 int llmsvc_gemm_bf16_amx(const uint16_t *a, int64_t lda, const uint16_t *packed, const uint16_t *bias,
-                     uint16_t *c, int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
+                         uint16_t *c, int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
     (void)a; (void)lda; (void)packed; (void)bias; (void)c; (void)ldc; (void)M; (void)N; (void)K; (void)nt;
     return -1;
 }

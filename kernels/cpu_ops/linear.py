@@ -90,14 +90,15 @@ def _bf16_panels_ok() -> bool:
 
 
 @functools.cache
-def _has_amx() -> bool:
+def has_amx() -> bool:
+    """Whether gemm_bf16.c runs AMX tiles here (else AVX512-BF16 dot products, if built)."""
     lib = load()
     return lib is not None and lib.llmsvc_gemm_bf16_amx_supported() == 1
 
 
 def bf16_max_m() -> int:
     """Rows up to which bf16 packed panels go to gemm_bf16.c (beyond: F.linear)."""
-    return AMX_MAX_M if _has_amx() else DP_MAX_M
+    return AMX_MAX_M if has_amx() else DP_MAX_M
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
