@@ -70,6 +70,10 @@ class FakeLlmService(pb_grpc.LlmServiceServicer):
         self.cancelled_event = threading.Event()
         self._next_id = 0
 
+    def _record_cancel(self, rid: str) -> None:
+        self.cancelled.append(rid)
+        self.cancelled_event.set()
+
     def _request_id(self, request, md) -> str:
         if request.request_id:
             return request.request_id
@@ -90,16 +94,17 @@ class FakeLlmService(pb_grpc.LlmServiceServicer):
         prompt = pb.PromptInfo(num_prompt_tokens=len(text))
         if text in ("midstream", "wait"):
             aborted = self.in_flight[rid] = asyncio.Event()  # registered before the client can see it
-            yield pb.GenerateResponse(request_id=rid, text="x", token_ids=[120], prompt=prompt,
-                                      num_output_tokens=1)
-            if text == "midstream":
-                self.in_flight.pop(rid, None)
-                await context.abort_with_status(rpc_status.to_status(rich_status("INTERNAL", rid)))
+            # a cancel can land at either suspension point: the write of "x" may still be completing
+            # when the client has read it and left (GeneratorExit there), or at the wait below
             try:
+                yield pb.GenerateResponse(request_id=rid, text="x", token_ids=[120], prompt=prompt,
+                                          num_output_tokens=1)
+                if text == "midstream":
+                    self.in_flight.pop(rid, None)
+                    await context.abort_with_status(rpc_status.to_status(rich_status("INTERNAL", rid)))
                 await aborted.wait()
-            except asyncio.CancelledError:
-                self.cancelled.append(rid)
-                self.cancelled_event.set()
+            except (asyncio.CancelledError, GeneratorExit):
+                self._record_cancel(rid)
                 raise
             finally:
                 self.in_flight.pop(rid, None)
