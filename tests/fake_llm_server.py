@@ -70,10 +70,6 @@ class FakeLlmService(pb_grpc.LlmServiceServicer):
         self.cancelled_event = threading.Event()
         self._next_id = 0
 
-    def _record_cancel(self, rid: str) -> None:
-        self.cancelled.append(rid)
-        self.cancelled_event.set()
-
     def _request_id(self, request, md) -> str:
         if request.request_id:
             return request.request_id
@@ -100,11 +96,11 @@ class FakeLlmService(pb_grpc.LlmServiceServicer):
                 yield pb.GenerateResponse(request_id=rid, text="x", token_ids=[120], prompt=prompt,
                                           num_output_tokens=1)
                 if text == "midstream":
-                    self.in_flight.pop(rid, None)
                     await context.abort_with_status(rpc_status.to_status(rich_status("INTERNAL", rid)))
                 await aborted.wait()
             except (asyncio.CancelledError, GeneratorExit):
-                self._record_cancel(rid)
+                self.cancelled.append(rid)
+                self.cancelled_event.set()
                 raise
             finally:
                 self.in_flight.pop(rid, None)
