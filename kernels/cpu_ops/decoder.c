@@ -1,9 +1,8 @@
 /* Every decoder layer of a Llama-family model (Llama / SmolLM, Qwen2, Mistral) in one call.
  *
  * The per-op path runs each layer as ~11 module calls and ~10 ctypes calls with their
- * argument checks and output allocations: ~0.4 ms of host time per layer, ~12 ms per step for
- * a 30-layer model whatever the batch, against a ~60-80 ms decode step at 16 sequences. This
- * file makes the same calls into the same kernels (same order, same arguments, same thread
+ * argument checks and output allocations: host time per layer that, over 30 layers, is a large
+ * share of a small decode step whatever the batch (docs/cpu-kernels.md). This file makes the same calls into the same kernels (same order, same arguments, same thread
  * count), so its output is bit for bit the per-op path's; only the host work between them
  * goes. The caller owns every buffer:
  *   x    [T, H]     in: the embeddings; out: the last layer's MLP output (the model's hidden)

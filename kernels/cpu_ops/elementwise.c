@@ -134,8 +134,8 @@ int llmsvc_rotary_neox(int dtype, const int64_t *pos, void *q, int64_t qs, int64
 /* out[t] = index of the first maximum of row t of x [T, V] fp32 (row stride xs); a NaN
  * counts as the maximum, as in torch.argmax. Rows in parallel, and vectorized: a max pass,
  * a NaN pass on the bit patterns (this file is built with -ffast-math, so no float NaN
- * tests), then a scan for the first index holding the result. torch's argmax reads a
- * [64, 49152] logits matrix at ~3 GB/s on one thread. */
+ * tests), then a scan for the first index holding the result. torch's argmax reads the
+ * logits on one thread. */
 int llmsvc_argmax_rows(const float *x, int64_t xs, int64_t *out, int64_t T, int64_t V, int nt) {
     if (V <= 0) return -1;
 #pragma omp parallel for num_threads(nt) schedule(static) if (T * V >= PAR_MIN_ELEMS && nt > 1)

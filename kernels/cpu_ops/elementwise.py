@@ -1,6 +1,6 @@
 """RMSNorm, fused add + RMSNorm, SiLU-and-mul, neox RoPE and row argmax on the CPU through
 the native kernels in `elementwise.c`: one pass over memory per op, where the torch reference runs
-4-10 separate ops (each a pass and, at decode batch sizes, ~20 us of dispatch).
+4-10 separate ops (each a pass and, at decode batch sizes, a dispatch cost of its own).
 Same contracts and rounding as `kernels/reference.py`; fp32 or bf16 storage.
 """
 from __future__ import annotations

@@ -8,14 +8,10 @@
  * registers across the whole K (3 panel loads + 8 broadcasts + 24 FMAs per k), re-reading
  * the panel from L2 for the next row block. While it computes, it prefetches the thread's
  * next panel, its lines split evenly over the row blocks, so the weight stream from DRAM
- * runs on while the FMAs work on L2-resident data.
- *
- * Measured here against MKL's packed sgemm on the 30-layer SmolLM2-135M weight stream
- * (LM head included), 2 threads, best of 7 alternating rounds: M = 16 43.7 vs 54.6 ms,
- * M = 64 94.1 vs 96.3 ms. (Panels handed out by OpenMP's dynamic schedule lost the prefetch:
- * M = 16 55.1 ms.) Stealing from the back of another thread's run (panel_runs.h), against the plain
- * static split: M = 16 34.1 vs 35.3 ms, M = 64 77.3 vs 96.9; with a process spinning 2 ms of
- * every 20 beside it, 46.5 vs 51.3 and 95.4 vs 109.0.
+ * runs on while the FMAs work on L2-resident data. Panels are not handed out by OpenMP's
+ * dynamic schedule: the panel a thread takes next would not be the one it prefetched. A
+ * thread done with its run steals from the back of another's (panel_runs.h), so a preempted
+ * thread does not hold the others at the barrier. Timings against MKL: docs/cpu-kernels.md.
  *
  * Rows are taken in chunks of 256 so a chunk of A stays in L2. The caller keeps the panel
  * (K * 192 bytes) well inside L2 (K <= 4096). Built only with AVX-512F; elsewhere the entry

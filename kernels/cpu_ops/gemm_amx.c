@@ -3,8 +3,8 @@
  *
  * At decode batch sizes the multiply is a stream of the weights from DRAM; one TDPBF16PS does
  * 16 x 16 x 32 multiply-adds, so the tiles leave the stream as the only cost. oneDNN's AMX
- * matmul (torch's bf16 linear) reaches 5-9 GB/s of weights at M = 16 on SmolLM2-135M's
- * layer shapes here; this kernel is written for the stream.
+ * matmul (torch's bf16 linear) streams the weights far below the DRAM bandwidth at M = 16 on
+ * SmolLM2-135M's layer shapes; this kernel is written for the stream.
  *
  * W is packed once (by the caller, in torch) into panels of NP = 64 outputs, K a multiple of
  * 32: panel p, K block kb, column tile j in 0..3 is one 1 KB B tile in VNNI order,
@@ -18,11 +18,8 @@
  * multiplies; the panel is re-read from L2 per pair. While the tiles work, the next panel of
  * the thread's run is prefetched, its lines spread over the K steps. Built only where the
  * compiler targets AMX-BF16 (and AVX512-BF16 for the rounding); the process asks the kernel
- * for the tile state once.
- *
- * Weight stream of SmolLM2-135M (30 layers + LM head, 269 MB), 2 threads, best of 5
- * alternating rounds (`python -m benchmarks.gemm --dtype bfloat16`), ours / oneDNN packed:
- * M = 16 23.1 / 30.4 ms, M = 32 25.8 / 36.3, M = 64 35.0 / 35.5, M = 128 69.0 / 62.3.
+ * for the tile state once. Timings against oneDNN (`python -m benchmarks.gemm --dtype
+ * bfloat16`): docs/cpu-kernels.md.
  */
 #include <omp.h>
 #include <stdint.h>

@@ -10,13 +10,12 @@ copy:
         of the default budget; rows beyond PANEL_MAX_M go to F.linear on the original weight.
         Without AVX-512 or the native library: MKL `cblas_sgemm_pack` / `_compute`
         (`mkl::_mkl_reorder_linear_weight`, `mkl::_mkl_linear`), the ops torch's inductor
-        uses for frozen weights; [64, 576] x [576, 3072]: 109 -> 155 GFLOP/s measured here
+        uses for frozen weights (faster than F.linear's repacking, docs/cpu-kernels.md)
   bf16  with AMX or AVX512-BF16 and K % 32 == 0: VNNI tile panels [ceil(N / 64), K / 2, 128]
         for `gemm_bf16.c` (AMX tiles, `gemm_amx.c`, up to AMX_MAX_M rows; else AVX512-BF16
         dot products, `gemm_bf16dp.c`, up to DP_MAX_M), F.linear on the original weight
         beyond; elsewhere oneDNN (`mkldnn::_reorder_linear_weight`,
-        `mkldnn::_linear_pointwise`), [64, 576] x [576, 3072]: 273 -> 432 GFLOP/s against
-        F.linear
+        `mkldnn::_linear_pointwise`), likewise faster than F.linear
 
 Every path packs B independently of the row count M of the input (MKL gets the call's own
 M as `prepack_batch_size`); the tests check M = 1 .. 1024 against F.linear. The packed copy
@@ -36,28 +35,18 @@ from kernels.cpu_ops.build import load
 PANEL = 48  # gemm.c's panel width (NR)
 # rows up to which gemm.c is used: the default step budget (max_num_batched_tokens), so a
 # whole prefill step also runs its layers in one native call (decoder.py). Beyond, F.linear.
-# 2 threads, SmolLM2-135M layer shapes. Intel box with AMX (sessions 5-7), ms per 30-layer
-# pass, ours / MKL packed / F.linear, best of 4 alternating rounds: M = 256 329 / 323 / 361,
-# M = 512 655 / 635 / 658; 30 layers at M = 1024 interleaved call by call, ours / F.linear:
-# 1406 / 1275 against 1366 / 1263. AMD Zen 4 box (session 8), GFLOP/s on the qkv, gate_up,
-# down and o shapes, ours / F.linear: M = 512 215-221 / 176-199, M = 1024 212-223 / 173-197,
-# M = 2048 201-209 / 158-188; a 1024-token prefill step of the model: 1102-1154 ms against
-# 1344-1458 with this limit at 512.
+# Up to this size the panels are within a few percent of MKL on an AMX Intel CPU and ahead of
+# it on AMD Zen 4 (figures in docs/cpu-kernels.md).
 PANEL_MAX_M = 1024
 _PANEL_MAX_K = 4096  # keeps a panel (K * 192 bytes) and its prefetched successor inside L2
 AMX_PANEL = 64  # gemm_amx.c's panel width (NP)
 # rows up to which gemm_amx.c is used; beyond, F.linear on the original weight (no second
-# packed copy). `python -m benchmarks.gemm --dtype bfloat16`, ms per SmolLM2-135M weight
-# stream (30 layers + LM head), ours / oneDNN packed / F.linear: M = 16 23.1 / 30.4 / 40.7,
-# M = 64 35.0 / 35.5 / 57.5, M = 128 69.0 / 62.3 / 92.5, M = 256 132.4 / 117.8 / 159.3;
-# 10 layers at M = 1024: F.linear 97-106 against ours 110-157
+# packed copy): ahead of oneDNN's packed GEMM at decode sizes, behind it from ~128 rows and
+# behind F.linear at 1024 (`python -m benchmarks.gemm --dtype bfloat16`, docs/cpu-kernels.md)
 AMX_MAX_M = 256
-# rows up to which gemm_bf16dp.c is used (no AMX: AMD Zen 4 here). GFLOP/s on the four
-# SmolLM2-135M shapes (qkv, gate_up, down, LM head), 2 threads, best of 5, ours / oneDNN packed
-# / F.linear: M = 16 377-412 / 286-348 / 147-247, M = 64 404-442 / 390-431 / 312-379,
-# M = 256 401-446 / 378-417 / 346-410, M = 1024 340-432 / 344-449 / 316-443. Within a few
-# percent of oneDNN up to 1024 rows, so a prefill chunk of up to 1024 tokens runs all its
-# layers in one native call (decoder.py) too.
+# rows up to which gemm_bf16dp.c is used (AVX512-BF16 without AMX, e.g. AMD Zen 4). Within a
+# few percent of oneDNN up to 1024 rows (docs/cpu-kernels.md), so a prefill chunk of up to
+# 1024 tokens runs all its layers in one native call (decoder.py) too.
 DP_MAX_M = 1024
 
 

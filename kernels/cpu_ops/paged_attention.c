@@ -18,14 +18,12 @@
  * widened on load, rounded RNE on store):
  *   pass 1  scores[a, s] = scale * q_a . k_s, 16 keys at a time: the 16 K rows are first
  *           copied (widened) into a workspace front to back, every head of a row in turn, so
- *           memory sees one sequential stream per block rather than nh strided ones (64 decode
- *           rows x 192 keys x 30 layers from DRAM, with the next-item prefetch below: fp32
- *           45.4 -> 38.7 ms, bf16 27.9 -> 25.8; K/V in L3, fp32 3 layers 4.1 -> 3.7); each
+ *           memory sees one sequential stream per block rather than nh strided ones; each
  *           key then gives a vector of 16 partial sums, and a 4-level shuffle tree turns 16
  *           such vectors into the 16 scores (no per-key horizontal reduction). The next 16 K
  *           and V rows are prefetched, every cache line (block-table order defeats the
- *           hardware prefetcher; without them the same step takes 48 ms), spread over this
- *           group's row loads: as one burst they stalled on full fill buffers;
+ *           hardware prefetcher), spread over this group's row loads: as one burst they
+ *           stalled on full fill buffers;
  *   softmax over the keys each vector may see (causal limit per query row);
  *   pass 2  acc[a] = sum_s p[a, s] * v_s, 16 keys at a time with a few vectors' accumulators
  *           in registers (memory accumulators would chain every key through a store).
@@ -56,9 +54,8 @@ static inline void load_row(const void *p, int bf16, int64_t nc, v16 *dst) {
         for (int64_t c = 0; c < nc; c++) dst[c] = *(const v16 *)((const float *)p + 16 * c);
     } else {
         for (int64_t c = 0; c < nc; c++) {
-#ifdef __AVX512F__ /* one widening load; GCC splits the generic conversion into 8-lane halves
-            * (bf16, 64 x 192 keys x 30 layers with K/V in L2: 18.2 -> 15.4 ms; a 1024-token
-            * prefill step 69.4 -> 57.5; from DRAM, bound by the reads, 27.0 -> 27.3) */
+#ifdef __AVX512F__ /* one widening load; GCC splits the generic conversion into 8-lane halves,
+            * which costs time when K/V sit in cache (docs/cpu-kernels.md) */
             const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + 16 * c)));
             dst[c] = (v16)_mm512_slli_epi32(w, 16);
 #else
@@ -101,9 +98,8 @@ static inline void row_ptrs(const char *base, const int32_t *table, int64_t bs, 
 
 /* The first 16 K and V rows (slices of heads [h0, h0 + nh)) of the item a thread runs next,
  * prefetched into L2 a few lines at a time while this item's softmax and pass 2 run from
- * cache, so that the next item does not start cold (1-3% off a decode step from DRAM). Not
- * when the next item is this one's next row tile: those rows are in cache already, and the
- * prefetches made a prefill step (8 x 128 rows) 10-20% slower. */
+ * cache, so that the next item does not start cold. Not when the next item is this one's next
+ * row tile: those rows are in cache already, and the prefetches made prefill steps slower. */
 typedef struct {
     const char *rows[2 * 16];
     int64_t n, lines, line; /* rows, cache lines per row slice, next line to prefetch */

@@ -2,11 +2,11 @@
  *
  * Each thread owns a static run of panels, taken front to back, so the panel it prefetches
  * while computing one is the one it takes next; a thread that finishes its run early takes
- * panels from the back of the others' runs. On this 2-vCPU box the two threads do not run at
+ * panels from the back of the others' runs. On a small shared VM the threads do not run at
  * one speed: the gRPC server, the client or another process preempts one now and then, and
- * AMX throughput on one vCPU swings 3-4x from second to second (a sibling hyperthread of
- * another guest, presumably). With a plain static split the faster thread waits at the
- * barrier.
+ * the AMX throughput of one vCPU swings severalfold from second to second (a sibling
+ * hyperthread of another guest, presumably). With a plain static split the faster thread
+ * waits at the barrier.
  */
 #ifndef LLMSVC_PANEL_RUNS_H
 #define LLMSVC_PANEL_RUNS_H
