@@ -1,6 +1,7 @@
-"""The benchmark tool: workloads as shared/bench/workloads.json defines them, summaries, ceiling, a tiny run."""
+"""The benchmark tool: the packaged standard workloads, summaries, ceiling, a tiny run."""
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -10,21 +11,43 @@ import pytest
 
 from llmsvc.bench.ceiling import ceiling, kv_bytes_per_token, memory_floor, param_counts, read_bandwidth
 from llmsvc.bench.metrics import RequestRecord, percentiles, summarize
-from llmsvc.bench.workloads import (PACKAGED, SHARED, Workload, arrival_offsets, build_prompts,
-                                    load_workloads, ordinary_vocab)
+from llmsvc.bench import cli as bench_cli
+from llmsvc.bench import executors as bench_executors
+from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, load_workloads, ordinary_vocab
 from model_utils import make_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_standard_workloads_load_and_packaged_copy_matches_shared():
+def test_standard_workloads_load():
     ws = load_workloads()
     assert {"W1", "W2", "S1", "P1"} <= set(ws)
     assert (ws["W1"].num_requests, ws["W1"].input_len, ws["W1"].output_len) == (64, 128, 128)
     assert ws["S1"].arrival == "poisson" and ws["S1"].rate == 2.0
     assert ws["P1"].shared_prefix_len == 448
-    if SHARED.exists():
-        assert json.loads(PACKAGED.read_text()) == json.loads(SHARED.read_text())
+
+
+def test_workloads_are_read_only_from_the_package(tmp_path, monkeypatch):
+    # A decoy where an environment variable, the working directory or a folder beside the
+    # checkout could have pointed: none of them may change what a standard workload means.
+    decoy = tmp_path / "shared" / "bench" / "workloads.json"
+    decoy.parent.mkdir(parents=True)
+    decoy.write_text(json.dumps({"workloads": [{"name": "W1", "num_requests": 1, "input_len": 2,
+                                                "output_len": 3}]}))
+    monkeypatch.setenv("LLMSVC_WORKLOADS", str(decoy))
+    monkeypatch.chdir(tmp_path)
+    shipped = json.loads((ROOT / "llmsvc" / "bench" / "workloads.json").read_text())["workloads"]
+    assert {n: (w.num_requests, w.input_len, w.output_len) for n, w in load_workloads().items()} == {
+        w["name"]: (w["num_requests"], w["input_len"], w["output_len"]) for w in shipped}
+    for module in (bench_cli, bench_executors):
+        p = argparse.ArgumentParser()
+        module.add_arguments(p)
+        with pytest.raises(SystemExit):  # no flag names a workloads file either
+            p.parse_args(["--workloads-file", str(decoy)])
+    p = argparse.ArgumentParser()
+    bench_cli.add_arguments(p)
+    (w1,) = bench_cli._workloads(p.parse_args(["--workload", "W1"]))
+    assert (w1.num_requests, w1.input_len, w1.output_len) == (64, 128, 128)
 
 
 def test_prompts_are_deterministic_exact_length_and_ordinary_tokens():

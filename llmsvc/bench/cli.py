@@ -9,14 +9,13 @@ import sys
 import time
 
 from llmsvc.bench.metrics import fmt_ms, summarize
-from llmsvc.bench.workloads import (Workload, arrival_offsets, build_prompts, load_workloads,
-                                    ordinary_vocab, workloads_path)
+from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, load_workloads, ordinary_vocab
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--workload", action="append", help=f"name in {workloads_path()} (repeatable); default W2")
-    p.add_argument("--workloads-file", default=None)
+    p.add_argument("--workload", action="append",
+                   help=f"one of the packaged workloads ({', '.join(load_workloads())}; repeatable); default W2")
     g = p.add_argument_group("custom workload (overrides fields of --workload, or defines one)")
     for name, typ in (("num-requests", int), ("input-len", int), ("output-len", int), ("rate", float),
                       ("concurrency", int), ("shared-prefix-len", int), ("seed", int)):
@@ -54,7 +53,7 @@ def _serve_args(a, prefix_caching: bool = True) -> list[str]:
 
 
 def _workloads(a) -> list[Workload]:
-    table = load_workloads(a.workloads_file)
+    table = load_workloads()
     names = a.workload or (["custom"] if a.input_len else ["W2"])
     out = []
     for name in names:
@@ -187,7 +186,7 @@ def _executors_main(a) -> int:
     from llmsvc.bench import executors
 
     ns = argparse.Namespace(model=a.model, executors=a.executors, workload=(a.workload or ["W2"])[0],
-                            workloads_file=a.workloads_file, num_requests=a.num_requests, output_len=a.output_len,
+                            num_requests=a.num_requests, output_len=a.output_len,
                             tensor_parallel_size=a.tensor_parallel_size if a.tensor_parallel_size > 1 else None,
                             dtype=a.dtype, device="auto", max_num_seqs=a.max_num_seqs or 128,
                             max_num_batched_tokens=a.max_num_batched_tokens or 1024,

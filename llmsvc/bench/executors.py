@@ -95,7 +95,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="ranks for tp (default: the smallest > 1 dividing the model's KV heads; 3 for SmolLM2)")
     p.add_argument("--workload", default="W2")
-    p.add_argument("--workloads-file", default=None)
     p.add_argument("--num-requests", type=int, default=None, help="override the workload's")
     p.add_argument("--output-len", type=int, default=None, help="override the workload's")
     p.add_argument("--dtype", default="float32")
@@ -140,7 +139,7 @@ def main(a) -> int:
     if a.tensor_parallel_size is None:
         kv_heads = getattr(mc.hf_config, "num_key_value_heads", None) or mc.hf_config.num_attention_heads
         a.tensor_parallel_size = next(d for d in range(2, kv_heads + 1) if kv_heads % d == 0) if kv_heads > 1 else 1
-    w = load_workloads(a.workloads_file)[a.workload]
+    w = load_workloads()[a.workload]
     over = {k: getattr(a, k) for k in ("num_requests", "output_len") if getattr(a, k, None) is not None}
     w = dataclasses.replace(w, **over)
     prompts = build_prompts(w, ordinary_vocab(AutoTokenizer.from_pretrained(mc.model_dir)))

@@ -1,14 +1,11 @@
-"""Standard workloads (shared/bench/workloads.json) and the prompts/arrivals they define."""
+"""The standard workloads shipped with the package (workloads.json beside this module) and the
+prompts and arrivals they define."""
 from __future__ import annotations
 
 import json
-import os
 import random
 from dataclasses import dataclass
-from pathlib import Path
-
-PACKAGED = Path(__file__).with_name("workloads.json")
-SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "bench" / "workloads.json"
+from importlib import resources
 
 
 @dataclass
@@ -32,16 +29,11 @@ class Workload:
         return self.num_requests * self.output_len
 
 
-def workloads_path() -> Path:
-    """$LLMSVC_WORKLOADS, else ../shared/bench/workloads.json beside the repo, else the packaged copy."""
-    env = os.environ.get("LLMSVC_WORKLOADS")
-    if env:
-        return Path(env)
-    return SHARED if SHARED.exists() else PACKAGED
-
-
-def load_workloads(path: str | Path | None = None) -> dict[str, Workload]:
-    data = json.loads(Path(path or workloads_path()).read_text())
+def load_workloads() -> dict[str, Workload]:
+    """The packaged workloads by name. Only the copy inside the package is read (no environment
+    variable, working directory or checkout layout changes it), so every run of a given version
+    measures the same thing; other shapes are given with the bench's custom-workload flags."""
+    data = json.loads(resources.files(__package__).joinpath("workloads.json").read_text())
     fields = set(Workload.__dataclass_fields__)
     return {w["name"]: Workload(**{k: v for k, v in w.items() if k in fields}) for w in data["workloads"]}
 
