@@ -2,7 +2,7 @@
 
 Generate "generates" the prompt text one character per token (token id = code point), so a
 test knows the expected output without a model. Special prompts script failures:
-  "error:<CODE>"  abort with that status and API.md's google.rpc details for it
+  "error:<CODE>"  abort with that status and docs/api.md's google.rpc details for it
   "midstream"     one delta, then INTERNAL (ErrorInfo carries the request id)
   "wait"          one delta, then block until cancelled or aborted (records cancellation)
 Health ("" SERVING, llmsvc.v1.LlmService NOT_SERVING) and reflection are registered too.
@@ -34,7 +34,7 @@ def _any(msg) -> any_pb2.Any:
 
 
 def rich_status(code_name: str, request_id: str) -> status_pb2.Status:
-    """The status (with details) API.md's error table prescribes for `code_name`."""
+    """The status (with details) docs/api.md's error table prescribes for `code_name`."""
     code = getattr(code_pb2, code_name, code_pb2.INVALID_ARGUMENT)
     details = []
     if code_name == "INVALID_ARGUMENT":

@@ -1,4 +1,4 @@
-"""DESIGN.md's import direction, checked on the source: imports only point down the layer list."""
+"""The import direction of docs/design.md, checked on the source: imports only point down the layer list."""
 from __future__ import annotations
 
 import ast

@@ -1,4 +1,4 @@
-"""The API contract: shipped stubs match protos/ (not stale), buf lint passes, API.md rules hold."""
+"""The API contract: shipped stubs match protos/ (not stale), buf lint passes, docs/api.md rules hold."""
 from __future__ import annotations
 
 import ast

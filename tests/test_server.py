@@ -1,7 +1,7 @@
 """LlmServer over a real loopback port, real LLMEngine on the FakeExecutor (no model compute).
 
 Covers the stream shape, request ids, cancel/abort/deadline freeing KV blocks, every error row
-of API.md's table, health Watch across startup, reflection v1/v1alpha, and graceful shutdown.
+of docs/api.md's error table, health Watch across startup, reflection v1/v1alpha, and graceful shutdown.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every validation rule of API.md -> (status code, field) without a server; error details encoding."""
+"""Every validation rule of docs/api.md -> (status code, field) without a server; error details encoding."""
 from __future__ import annotations
 
 import math

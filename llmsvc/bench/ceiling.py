@@ -1,7 +1,7 @@
 """The arithmetic ceiling of a workload on this machine: measured GEMM FLOP/s vs model FLOPs.
 
 A prompt token costs 2 x (parameters without the embedding) FLOPs, a generated token
-2 x (all parameters, LM head included): attention's own FLOPs are left out, as in the issue.
+2 x (all parameters, LM head included): attention's own FLOPs are left out (the ceiling counts the GEMMs only).
 
 Beside it, the memory floor: bytes no schedule can avoid reading, at the read bandwidth
 measured in the same run. Every decode step reads every weight once (at least output_len - 1

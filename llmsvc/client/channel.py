@@ -1,6 +1,6 @@
 """Channel settings shared by the sync and async clients: options, TLS credentials, call metadata.
 
-Keepalive is compatible with the server's policy (API.md): the server accepts pings every
+Keepalive is compatible with the server's policy (docs/api.md): the server accepts pings every
 >= 10 s without data and never counts strikes, so the client pings every 30 s, also between
 calls and during a long silent prefill.
 """

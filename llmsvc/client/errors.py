@@ -1,7 +1,7 @@
 """Typed exceptions for llmsvc RPC failures, decoded from the status code and google.rpc details.
 
 `from_rpc_error(err)` turns any `grpc.RpcError` (sync or grpc.aio) into the matching subclass of
-`LlmsvcError`. The rich details the server sends in `grpc-status-details-bin` (API.md's error
+`LlmsvcError`. The rich details the server sends in `grpc-status-details-bin` (docs/api.md's error
 table) are decoded: `BadRequest.field_violations`, `ErrorInfo{reason, domain, metadata}` and
 `RetryInfo.retry_delay` are exposed as attributes; every decoded detail message is in `.details`.
 """

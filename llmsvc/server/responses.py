@@ -1,4 +1,4 @@
-"""RequestOutput (engine) -> GenerateResponse messages (wire), per API.md's stream shape."""
+"""RequestOutput (engine) -> GenerateResponse messages (wire), per the stream shape of docs/api.md."""
 from __future__ import annotations
 
 from functools import lru_cache

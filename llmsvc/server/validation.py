@@ -1,4 +1,4 @@
-"""GenerateRequest (proto) -> SamplingParams, checking every rule of API.md "Validation".
+"""GenerateRequest (proto) -> SamplingParams, checking every rule of docs/api.md "Validation".
 
 Unset optional fields take the model's generation_config default, then the neutral value.
 Nothing is clamped: each violation is a ServiceError naming the proto field and the limit.
