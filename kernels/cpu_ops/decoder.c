@@ -2,9 +2,10 @@
  *
  * The per-op path runs each layer as ~11 module calls and ~10 ctypes calls with their
  * argument checks and output allocations: host time per layer that, over 30 layers, is a large
- * share of a small decode step whatever the batch (docs/cpu-kernels.md). This file makes the same calls into the same kernels (same order, same arguments, same thread
- * count), so its output is bit for bit the per-op path's; only the host work between them
- * goes. The caller owns every buffer:
+ * share of a small decode step whatever the batch (docs/cpu-kernels.md). This file makes the
+ * same calls into the same kernels (same order, same arguments, same thread count), so its
+ * output is bit for bit the per-op path's; only the host work between them goes. The caller
+ * owns every buffer:
  *   x    [T, H]     in: the embeddings; out: the last layer's MLP output (the model's hidden)
  *   res  [T, H]     out: the residual stream (x + every layer's outputs)
  *   nrm  [T, H], qkv [T, (Hq + 2 Hkv) D], att [T, Hq D], gu [T, 2 I], act [T, I]: scratch

@@ -41,8 +41,9 @@ PANEL_MAX_M = 1024
 _PANEL_MAX_K = 4096  # keeps a panel (K * 192 bytes) and its prefetched successor inside L2
 AMX_PANEL = 64  # gemm_amx.c's panel width (NP)
 # rows up to which gemm_amx.c is used; beyond, F.linear on the original weight (no second
-# packed copy): ahead of oneDNN's packed GEMM at decode sizes, behind it from ~128 rows and
-# behind F.linear at 1024 (`python -m benchmarks.gemm --dtype bfloat16`, docs/cpu-kernels.md)
+# packed copy): ahead of oneDNN's packed GEMM and F.linear at decode sizes, still ahead of
+# F.linear at 256 rows, behind it at 1024 (`python -m benchmarks.gemm --dtype bfloat16`,
+# docs/cpu-kernels.md)
 AMX_MAX_M = 256
 # rows up to which gemm_bf16dp.c is used (AVX512-BF16 without AMX, e.g. AMD Zen 4). Within a
 # few percent of oneDNN up to 1024 rows (docs/cpu-kernels.md), so a prefill chunk of up to
