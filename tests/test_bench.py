@@ -13,7 +13,8 @@ from llmsvc.bench.ceiling import ceiling, kv_bytes_per_token, memory_floor, para
 from llmsvc.bench.metrics import RequestRecord, percentiles, summarize
 from llmsvc.bench import cli as bench_cli
 from llmsvc.bench import executors as bench_executors
-from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, load_workloads, ordinary_vocab
+from llmsvc.bench.workloads import (Workload, arrival_offsets, build_prompts, get_workload, load_workloads,
+                                   ordinary_vocab)
 from model_utils import make_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +26,19 @@ def test_standard_workloads_load():
     assert (ws["W1"].num_requests, ws["W1"].input_len, ws["W1"].output_len) == (64, 128, 128)
     assert ws["S1"].arrival == "poisson" and ws["S1"].rate == 2.0
     assert ws["P1"].shared_prefix_len == 448
+
+
+def test_unknown_workload_is_refused_before_the_model_loads():
+    """A typo in --workload must not quietly run some default shape: both bench entry points
+    name the known workloads and exit 2; "custom" stays the base of the custom-workload flags."""
+    assert get_workload("custom").num_requests == 16
+    assert get_workload("W1") == load_workloads()["W1"]
+    for argv in (["bench", "/nonexistent", "--workload", "W9"],
+                 ["bench", "/nonexistent", "--executors", "uniproc", "--workload", "W9"]):
+        r = subprocess.run([sys.executable, "-m", "llmsvc", *argv], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert "unknown workload 'W9'" in r.stderr and "W1" in r.stderr
 
 
 def test_workloads_are_read_only_from_the_package(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import sys
 import time
 
 from llmsvc.bench.metrics import fmt_ms, summarize
-from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, load_workloads, ordinary_vocab
+from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, get_workload, load_workloads, ordinary_vocab
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,11 +53,10 @@ def _serve_args(a, prefix_caching: bool = True) -> list[str]:
 
 
 def _workloads(a) -> list[Workload]:
-    table = load_workloads()
     names = a.workload or (["custom"] if a.input_len else ["W2"])
     out = []
     for name in names:
-        w = table.get(name) or Workload(name, 16, 128, 128)
+        w = get_workload(name)
         over = {k: getattr(a, k) for k in ("num_requests", "input_len", "output_len", "rate", "concurrency",
                                             "shared_prefix_len", "seed") if getattr(a, k) is not None}
         if over.get("rate"):
@@ -202,6 +201,11 @@ def main(a) -> int:
         print("llmsvc bench: --compare-prefix-caching starts its own servers; it cannot be used "
               "with --server", file=sys.stderr)
         return 2
+    try:
+        workloads = _workloads(a)
+    except ValueError as e:
+        print(f"llmsvc bench: {e}", file=sys.stderr)
+        return 2
     from llmsvc.config import ModelConfig
     from llmsvc.models.resolve import resolve_model_config
     from transformers import AutoTokenizer
@@ -210,7 +214,7 @@ def main(a) -> int:
     vocab = ordinary_vocab(AutoTokenizer.from_pretrained(mc.model_dir))
     results = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "workloads": {},
                "args": {k: v for k, v in vars(a).items() if not k.startswith("_")}}
-    for w in _workloads(a):
+    for w in workloads:
         run_workload(a, w, mc.model_dir, vocab, results)
     if a.json:
         with open(a.json, "w") as f:

@@ -17,7 +17,7 @@ import sys
 import time
 
 from llmsvc.bench.metrics import summarize
-from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, load_workloads, ordinary_vocab
+from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, get_workload, ordinary_vocab
 
 
 class TimedExecutor:
@@ -134,12 +134,16 @@ def main(a) -> int:
     if bad:
         print(f"unknown executor(s) {bad}", file=sys.stderr)
         return 2
+    try:
+        w = get_workload(a.workload)
+    except ValueError as e:
+        print(f"llmsvc bench: {e}", file=sys.stderr)
+        return 2
     mc = resolve_model_config(ModelConfig(model=a.model))
     a.model = mc.model_dir
     if a.tensor_parallel_size is None:
         kv_heads = getattr(mc.hf_config, "num_key_value_heads", None) or mc.hf_config.num_attention_heads
         a.tensor_parallel_size = next(d for d in range(2, kv_heads + 1) if kv_heads % d == 0) if kv_heads > 1 else 1
-    w = load_workloads()[a.workload]
     over = {k: getattr(a, k) for k in ("num_requests", "output_len") if getattr(a, k, None) is not None}
     w = dataclasses.replace(w, **over)
     prompts = build_prompts(w, ordinary_vocab(AutoTokenizer.from_pretrained(mc.model_dir)))

@@ -38,6 +38,18 @@ def load_workloads() -> dict[str, Workload]:
     return {w["name"]: Workload(**{k: v for k, v in w.items() if k in fields}) for w in data["workloads"]}
 
 
+def get_workload(name: str) -> Workload:
+    """The packaged workload `name`; "custom" is a 16 x 128 -> 128 base for the custom-workload
+    flags. Raises ValueError naming the known workloads for any other name."""
+    table = load_workloads()
+    if name in table:
+        return table[name]
+    if name == "custom":
+        return Workload("custom", 16, 128, 128)
+    raise ValueError(f"unknown workload {name!r}; known: {', '.join(table)} (or 'custom' with "
+                     "--input-len/--output-len/--num-requests)")
+
+
 def ordinary_vocab(tokenizer) -> list[int]:
     """Token ids of the model's ordinary vocabulary: no special or added tokens."""
     special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
