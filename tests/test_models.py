@@ -1,5 +1,7 @@
-"""Our Llama-family model over a paged KV cache == Hugging Face transformers on the same
-weights (fp32), for prefill batches, chunked prefill, decode and mixed steps."""
+"""Our models over a paged KV cache == Hugging Face transformers on the same weights (fp32),
+for prefill batches, chunked prefill, decode and mixed steps: the Llama family (Llama 3 rope,
+Qwen2 bias, Mistral), Qwen3, Phi-3 and Gemma 3, with sliding windows shorter than the prompts.
+Longer runs (the engine, the Triton path) are in test_models_families.py."""
 from __future__ import annotations
 
 import pytest
@@ -26,6 +28,16 @@ CONFIGS = {
                                                      "original_max_position_embeddings": 64}),
     "dynamic-rope": dict(arch="llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
                                                         "factor": 2.0}),
+    # the families beyond Llama (windows of 12 / 16 tokens: the prompts here are longer)
+    "qwen3": dict(arch="qwen3"),
+    "qwen3-tied-bias": dict(arch="qwen3", tie=True, attention_bias=True),
+    "phi3": dict(arch="phi3"),
+    "phi3-partial-rope": dict(arch="phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                            "partial_rotary_factor": 0.5}),
+    "mistral-window": dict(arch="mistral", sliding_window=12),
+    "qwen2-window": dict(arch="qwen2", use_sliding_window=True, sliding_window=12, max_window_layers=1),
+    "gemma3": dict(arch="gemma3", tie=True),
+    "gemma3-softcap": dict(arch="gemma3", tie=False, final_logit_softcapping=3.0),
 }
 
 
