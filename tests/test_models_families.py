@@ -114,3 +114,25 @@ def test_sharded_checkpoint_loads_the_same_weights(tmp_path, name):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_engine_frees_blocks_behind_the_window_and_keeps_hf_tokens(tmp_path, monkeypatch):
+    """Mistral with a 12-token window: a request holds about (window + step budget) / block_size
+    blocks however long it gets, and its tokens stay transformers'."""
+    from llmsvc.engine.kv_cache_manager import KVCacheManager
+
+    held: list[int] = []
+    allocate = KVCacheManager.allocate_slots
+
+    def recording(self, request, *a, **kw):
+        out = allocate(self, request, *a, **kw)
+        held.append(self.num_held_blocks(request.request_id))
+        return out
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", recording)
+    d = _model_dir(tmp_path, "mistral-window")
+    prompts = _prompts(1, [90], seed=11)
+    got = _engine_tokens(d, prompts)
+    assert got[0] == _hf_generate(load_hf_model(d), prompts[0], NEW_TOKENS)
+    # 90 + 24 tokens would fill 29 blocks of 4; window 12 + a 16-token chunk span at most 8
+    assert max(held) <= -(-(12 + 16) // 4) + 1, held
+    assert len(held) > (90 // 16) + NEW_TOKENS - 2  # every step was recorded

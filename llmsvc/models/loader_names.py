@@ -37,3 +37,13 @@ def layer_sliding_windows(hf_config) -> list[int]:
     if hf_config.model_type in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
         return [0] * n
     return [window] * n
+
+
+def kv_release_window(hf_config) -> int | None:
+    """The window the KV manager may free blocks behind: the widest layer window when every
+    layer has one, else None (a full-attention layer reads the whole context). hf_config None
+    (fake engines in tests): None."""
+    if hf_config is None:
+        return None
+    windows = layer_sliding_windows(hf_config)
+    return max(windows) if windows and min(windows) > 0 else None
