@@ -3,8 +3,7 @@
     python -m benchmarks.sliding_window_kv                  # a random Mistral-shaped model, window 256
     python -m benchmarks.sliding_window_kv --window 512 --prompt-len 2048 --output-len 256
 
-Builds a small random Mistral checkpoint (hidden 256, 4 layers, 8 heads, 2 KV heads) with the
-given window, runs N greedy requests through the offline engine twice (the KV manager releasing
+Builds the small random Mistral checkpoint of benchmarks/family_models.py with the given window, runs N greedy requests through the offline engine twice (the KV manager releasing
 blocks behind the window, then keeping every block), and prints, for each run, the peak number
 of blocks in use in the pool and its size in bytes, plus whether both runs gave the same tokens.
 """
@@ -16,21 +15,7 @@ import os
 import random
 import tempfile
 
-
-def make_model(path: str, window: int, max_len: int) -> str:
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, models
-    cfg = transformers.MistralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                     num_attention_heads=8, num_key_value_heads=2, vocab_size=512,
-                                     max_position_embeddings=max_len, sliding_window=window,
-                                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    cfg.architectures = ["MistralForCausalLM"]
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2").save_pretrained(path)
-    return path
+from benchmarks.family_models import VOCAB, make
 
 
 def run(model: str, prompts: list[list[int]], output_len: int, release: bool, block_size: int,
@@ -72,9 +57,10 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     a = p.parse_args(argv)
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 512) for _ in range(a.prompt_len)] for _ in range(a.num_requests)]
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(a.prompt_len)] for _ in range(a.num_requests)]
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_model(os.path.join(tmp, "m"), a.window, a.prompt_len + a.output_len)
+        model = make("mistral", os.path.join(tmp, "m"), sliding_window=a.window,
+                     max_position_embeddings=a.prompt_len + a.output_len)
         runs = [run(model, prompts, a.output_len, r, a.block_size, a.max_num_batched_tokens) for r in (True, False)]
     same = runs[0]["tokens"] == runs[1]["tokens"]
     for r in runs:

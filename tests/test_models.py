@@ -34,6 +34,9 @@ CONFIGS = {
     "phi3": dict(arch="phi3"),
     "phi3-partial-rope": dict(arch="phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                             "partial_rotary_factor": 0.5}),
+    "phi3-longrope": dict(arch="phi3", original_max_position_embeddings=128, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 128,
+        "short_factor": [1.0 + 0.25 * i for i in range(8)], "long_factor": [2.0 + i for i in range(8)]}),
     "mistral-window": dict(arch="mistral", sliding_window=12),
     "qwen2-window": dict(arch="qwen2", use_sliding_window=True, sliding_window=12, max_window_layers=1),
     "gemma3": dict(arch="gemma3", tie=True),

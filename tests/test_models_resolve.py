@@ -106,6 +106,14 @@ def test_sliding_window_does_not_cap_max_model_len(tmp_path):
         resolve_model_config(ModelConfig(model=d, max_model_len=257))
 
 
+def test_longrope_caps_max_model_len_at_the_original_context(tmp_path):
+    from test_models import CONFIGS
+    d = make_tiny_model_dir(tmp_path, **CONFIGS["phi3-longrope"])
+    assert resolve_model_config(ModelConfig(model=d)).max_model_len == 128
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        resolve_model_config(ModelConfig(model=d, max_model_len=129))
+
+
 def test_unknown_architecture_lists_every_supported_one(tmp_path):
     d = make_tiny_model_dir(tmp_path, "llama")
     with open(os.path.join(d, "config.json")) as f:

@@ -175,8 +175,9 @@ def _read_json(path: str) -> dict:
 def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     """A copy of mc with model_dir, hf_config, architecture, vocab_size, eos/bos/pad ids,
     generation_defaults and max_model_len filled. Raises ValueError when max_model_len
-    exceeds the model's max_position_embeddings (sliding windows do not limit it: they are
-    honoured by every attention path)."""
+    exceeds the model's max_position_embeddings (or, for longrope, its
+    original_max_position_embeddings; sliding windows do not limit it: they are honoured by
+    every attention path)."""
     from transformers import AutoConfig
 
     from llmsvc.models.loader_names import MODEL_TYPES, SUPPORTED_ARCHITECTURES, TORCH_DTYPE_NAMES
@@ -200,9 +201,14 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     if gen.get("max_new_tokens") is not None:
         defaults["max_tokens"] = gen["max_new_tokens"]
 
-    limit = int(hf_config.max_position_embeddings)
+    limit, what = int(hf_config.max_position_embeddings), "max_position_embeddings"
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope" and rope.get("original_max_position_embeddings"):
+        # transformers switches every position to the long factors past it (one table per forward)
+        limit = min(limit, int(rope["original_max_position_embeddings"]))
+        what = "original_max_position_embeddings (longrope: only its short factors are implemented)"
     if mc.max_model_len is not None and mc.max_model_len > limit:
-        raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's max_position_embeddings = {limit}")
+        raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's {what} = {limit}")
     if mc.max_model_len is not None and mc.max_model_len < 1:
         raise ValueError(f"max_model_len must be positive, got {mc.max_model_len}")
     bos = gen.get("bos_token_id", hf_config.bos_token_id)

@@ -11,7 +11,10 @@ positions [0, max_position) into
 "dynamic" (NTK) scaling is evaluated once at init for `max_position`. HF recomputes
 the frequencies only when a sequence grows past max_position_embeddings, which
 resolve_model_config forbids (max_model_len <= max_position_embeddings), so the static
-cache equals HF's for every position we can see.
+cache equals HF's for every position we can see. "longrope" (Phi-3 / su scaling) takes its
+short factors, which HF uses while a sequence stays within original_max_position_embeddings;
+past it HF switches every position to the long factors, so resolve_model_config caps
+max_model_len there.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch.nn as nn
 
 from kernels import ops
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
 def rope_parameters(hf_config, layer_type: str | None = None) -> dict:
@@ -48,7 +51,7 @@ def compute_inv_freq(hf_config, head_size: int, layer_type: str | None = None) -
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     with torch.device("cpu"):  # whatever device the model is being built on
-        kw = {} if layer_type is None else {"layer_type": layer_type}
+        kw = {} if layer_type is None else {"layer_type": layer_type}  # longrope: no seq_len = short factors
         inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kw)
     return inv_freq.float(), float(attention_factor)
 
