@@ -82,7 +82,8 @@ def test_prefill_batch_matches_hf(models, name):
         _close(out[i], _hf_logits(hf, s))
 
 
-@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "mistral", "llama3-rope", "yarn-rope"])
+@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "mistral", "llama3-rope", "yarn-rope", "qwen3",
+                                  "phi3", "mistral-window", "gemma3"])
 def test_chunked_prefill_matches_hf(models, name):
     ours, hf = models(name)
     (seq,) = _seqs(1, [90], seed=3)
@@ -93,7 +94,9 @@ def test_chunked_prefill_matches_hf(models, name):
     assert runner.block_tables[0] != sorted(runner.block_tables[0])  # really non-contiguous
 
 
-@pytest.mark.parametrize("name", ["llama-tied", "qwen2-tied", "mistral", "linear-rope", "dynamic-rope"])
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-tied", "mistral", "linear-rope", "dynamic-rope",
+                                  "qwen3-tied-bias", "phi3-partial-rope", "mistral-window", "qwen2-window",
+                                  "gemma3-softcap"])
 def test_decode_steps_match_hf(models, name):
     ours, hf = models(name)
     seqs = _seqs(3, [20, 33, 9], seed=5)
