@@ -143,20 +143,22 @@ def test_block_table_padding_and_skipped_slots(models):
     _close(other.step({0: seq2})[0], _hf_logits(hf, seq2))
 
 
-def test_cacheless_forward_matches_hf(models):
-    """kv_caches=None (profiling path) on full prompts gives the same logits."""
-    ours, hf = models("qwen2-bias")
+@pytest.mark.parametrize("name", ["qwen2-bias", "mistral-window", "gemma3"])
+def test_cacheless_forward_matches_hf(models, name):
+    """kv_caches=None (profiling path) on full prompts gives the same logits; the 30-token
+    prompt runs past the 12 / 16-token windows."""
+    ours, hf = models(name)
     from llmsvc.models.layers.attention import AttentionMetadata
-    seqs = _seqs(2, [12, 7], seed=11)
+    seqs = _seqs(2, [30, 7], seed=11)
     ids = torch.tensor(seqs[0] + seqs[1])
-    pos = torch.tensor(list(range(12)) + list(range(7)))
-    meta = AttentionMetadata(torch.full((19,), -1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int32),
-                             torch.tensor([0, 12, 19], dtype=torch.int32), torch.tensor([12, 7], dtype=torch.int32),
-                             12, 12)
+    pos = torch.tensor(list(range(30)) + list(range(7)))
+    meta = AttentionMetadata(torch.full((37,), -1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int32),
+                             torch.tensor([0, 30, 37], dtype=torch.int32), torch.tensor([30, 7], dtype=torch.int32),
+                             30, 30)
     with torch.no_grad():
         logits = ours.compute_logits(ours(ids, pos, meta, None))
-    _close(logits[:12], _hf_logits(hf, seqs[0]))
-    _close(logits[12:], _hf_logits(hf, seqs[1]))
+    _close(logits[:30], _hf_logits(hf, seqs[0]))
+    _close(logits[30:], _hf_logits(hf, seqs[1]))
 
 
 def test_bfloat16_runs_close_to_fp32(tmp_path):
