@@ -72,14 +72,15 @@ class Gemma3Attention(nn.Module):
         bias = bool(getattr(cfg, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, bias, dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias,
                                         params_dtype=dtype)
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
         self.rotary_emb = rope  # shared by every layer of this layer type
-        self.attn = Attention(self.qkv_proj.num_heads, self.head_dim, cfg.query_pre_attn_scalar ** -0.5,
-                              self.qkv_proj.num_kv_heads, sliding_window=sliding_window)
+        self.attn = Attention(self.num_heads, self.head_dim, cfg.query_pre_attn_scalar ** -0.5, self.num_kv_heads,
+                              sliding_window=sliding_window)
 
     def forward(self, positions, hidden, kv_cache: KVCache | None, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D]
