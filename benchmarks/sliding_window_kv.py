@@ -3,7 +3,8 @@
     python -m benchmarks.sliding_window_kv                  # a random Mistral-shaped model, window 256
     python -m benchmarks.sliding_window_kv --window 512 --prompt-len 2048 --output-len 256
 
-Builds the small random Mistral checkpoint of benchmarks/family_models.py with the given window, runs N greedy requests through the offline engine twice (the KV manager releasing
+Builds the small random Mistral checkpoint of benchmarks/family_models.py with the given
+window, runs N greedy requests through the offline engine twice (the KV manager releasing
 blocks behind the window, then keeping every block), and prints, for each run, the peak number
 of blocks in use in the pool and its size in bytes, plus whether both runs gave the same tokens.
 """

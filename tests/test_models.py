@@ -161,8 +161,9 @@ def test_cacheless_forward_matches_hf(models, name):
     _close(logits[30:], _hf_logits(hf, seqs[1]))
 
 
-def test_bfloat16_runs_close_to_fp32(tmp_path):
-    d = make_tiny_model_dir(tmp_path, "llama")
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_bfloat16_runs_close_to_fp32(tmp_path, arch):
+    d = make_tiny_model_dir(tmp_path, arch)
     seqs = _seqs(2, [30, 12], seed=12)
     ref = PagedRunner(load_our_model(d)).step(dict(enumerate(seqs)))
     bf = load_our_model(d, dtype="bfloat16")

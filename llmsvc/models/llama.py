@@ -82,8 +82,9 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D] (this rank's heads)
         qk = self.q_size + self.kv_size
         q, k, v = qkv[:, :self.q_size], qkv[:, self.q_size:qk], qkv[:, qk:]  # views
-        if self.q_norm is not None:
-            q, k = per_head_rms_norm(self.q_norm, q, self.head_dim), per_head_rms_norm(self.k_norm, k, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: [T, H * D] -> the same, each head RMS-normalised
+            q = per_head_rms_norm(self.q_norm, q, self.head_dim)
+            k = per_head_rms_norm(self.k_norm, k, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
@@ -138,8 +139,8 @@ class LlamaModel(nn.Module):
         rope = attn.rotary_emb.cos_sin_cache
         for l in self.layers:
             if (l.self_attn.o_proj.bias is not None or l.self_attn.q_norm is not None
-                    or l.self_attn.attn.sliding_window != attn.attn.sliding_window or l.mlp.gate_up_proj.bias is not None
-                    or l.mlp.down_proj.bias is not None or l.input_layernorm.eps != first.input_layernorm.eps
+                    or l.self_attn.attn.sliding_window != attn.attn.sliding_window
+                    or l.mlp.gate_up_proj.bias is not None or l.mlp.down_proj.bias is not None or l.input_layernorm.eps != first.input_layernorm.eps
                     or l.post_attention_layernorm.eps != first.input_layernorm.eps
                     or not torch.equal(l.self_attn.rotary_emb.cos_sin_cache, rope)):
                 return None
