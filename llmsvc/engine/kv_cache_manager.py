@@ -138,7 +138,9 @@ class KVCacheManager:
     def _release_outside_window(self, request: Request, req_blocks: list[int]) -> None:
         """Give back the leading blocks no token from num_computed_tokens on can see: the first
         one to compute, at position p, sees positions > p - sliding_window. Those blocks are full
-        and already registered in the prefix cache, where they stay until evicted."""
+        and already registered in the prefix cache, where they stay until evicted. Another
+        request may get one for this very step: it writes it only in its own store_kv, and no
+        step of this request, this one or later, reads it again."""
         first_visible = request.num_computed_tokens - self.sliding_window + 1
         n = min(max(0, first_visible) // self.block_size, len(req_blocks))
         done = self.num_released.get(request.request_id, 0)
