@@ -75,13 +75,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: Optional[int] = None,
                     max_seq_len: Optional[int] = None,
-                    decode_split_size: Optional[int] = None) -> torch.Tensor:
+                    decode_split_size: Optional[int] = None, sliding_window: int = 0,
+                    soft_cap: float = 0.0) -> torch.Tensor:
     return _attn.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                  scale, max_query_len=max_query_len, max_seq_len=max_seq_len,
-                                 decode_split_size=decode_split_size)
+                                 decode_split_size=decode_split_size, sliding_window=sliding_window,
+                                 soft_cap=soft_cap)
 
 
 @paged_attention.register_fake
 def _(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-      max_query_len=None, max_seq_len=None, decode_split_size=None):
+      max_query_len=None, max_seq_len=None, decode_split_size=None, sliding_window=0, soft_cap=0.0):
     return torch.empty_like(query, memory_format=torch.contiguous_format)

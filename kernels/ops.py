@@ -106,16 +106,20 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, *, max_query_len: Optional[int] = None,
-                    max_seq_len: Optional[int] = None) -> torch.Tensor:
-    """max_query_len / max_seq_len: optional host-side hints (saves a device sync on CUDA)."""
+                    max_seq_len: Optional[int] = None, sliding_window: int = 0,
+                    soft_cap: float = 0.0) -> torch.Tensor:
+    """max_query_len / max_seq_len: optional host-side hints (saves a device sync on CUDA).
+    sliding_window > 0: each query sees only its last sliding_window positions (itself
+    included); soft_cap > 0: scores become soft_cap * tanh(score / soft_cap)."""
     if _use_triton(query):
         return _tri.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc,
-                                    seq_lens, scale, max_query_len, max_seq_len)
+                                    seq_lens, scale, max_query_len, max_seq_len,
+                                    sliding_window=sliding_window, soft_cap=soft_cap)
     if _cpu_attn.supports(query, k_cache):
         return _cpu_attn.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc,
-                                    seq_lens, scale)
+                                         seq_lens, scale, sliding_window, soft_cap)
     return _ref.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc,
-                                seq_lens, scale)
+                                seq_lens, scale, sliding_window, soft_cap)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
@@ -137,14 +141,14 @@ DecoderLayerWeights = _cpu_decoder.LayerWeights
 
 def decoder_layers_plan(layers: list, dtype: torch.dtype, hidden: int, num_heads: int,
                         num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
-                        cos_sin_cache: torch.Tensor, scale: float):
+                        cos_sin_cache: torch.Tensor, scale: float, sliding_window: int = 0):
     """A handle for running every Llama decoder layer in one native call (`decoder_layers`),
     or None where the per-op path is the only one (GPU, forced Triton, weights not packed for
     the native GEMMs, LLMSVC_NATIVE_LAYERS=0). layers: DecoderLayerWeights per layer."""
     if _forced:
         return None
     return _cpu_decoder.make_plan(layers, dtype, hidden, num_heads, num_kv_heads, head_dim,
-                                  intermediate, eps, cos_sin_cache, scale)
+                                  intermediate, eps, cos_sin_cache, scale, sliding_window)
 
 
 def decoder_layers(plan, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches):

@@ -71,14 +71,30 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
     return flat.view(*block_ids.shape, *cache.shape[1:])
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            soft_cap: float) -> torch.Tensor:
+    """SDPA with a boolean mask (True = visible); soft_cap > 0 first squashes every score into
+    (-soft_cap, soft_cap) with soft_cap * tanh(score / soft_cap) (Gemma's logit softcapping)."""
+    if soft_cap <= 0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / soft_cap) * soft_cap
+    p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.matmul(p, v.float()).to(q.dtype)
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                    seq_lens: torch.Tensor, scale: float, sliding_window: int = 0,
+                    soft_cap: float = 0.0) -> torch.Tensor:
     """Causal attention of a flattened batch over the paged cache.
 
     query: [T, Hq, D]. Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1]
-    (its last q_len tokens); query row j of it attends to cache positions 0..ctx-q_len+j,
-    ctx = seq_lens[i]. The new tokens' K/V must already be in the cache (store_kv first).
+    (its last q_len tokens); query row j of it, at position p = ctx - q_len + j with
+    ctx = seq_lens[i], attends to cache positions max(0, p - sliding_window + 1)..p
+    (sliding_window 0: from 0, plain causal). Cache slots before the first row's window are
+    never read: their blocks may have been handed to another sequence. soft_cap > 0 caps the
+    scores (see _attend). The new tokens' K/V must already be in the cache (store_kv first).
     GQA without expanding K/V: the G = Hq / Hkv query heads of a KV head become G query rows.
     Decode rows (q_len == 1) are batched into one call; longer chunks run one by one.
     Returns [T, Hq, D] in query.dtype.
@@ -101,13 +117,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             rows, bt, ctx = query_start_loc[idx].long(), block_tables[idx, :nblk], seq_lens[idx]
         k = _gather_blocks(k_cache, bt).flatten(1, 2).transpose(1, 2)  # [B, Hkv, nblk*bs, D]
         v = _gather_blocks(v_cache, bt).flatten(1, 2).transpose(1, 2)
-        mask = torch.arange(nblk * bs, device=query.device) < ctx[:, None]  # [B, S]
-        # slots past ctx hold whatever a block's last owner left (NaN after an overflow):
-        # zero them, since a masked score still multiplies its V row by 0 (0 * NaN = NaN)
+        key_pos = torch.arange(nblk * bs, device=query.device)
+        mask = key_pos < ctx[:, None]  # [B, S]
+        if sliding_window > 0:
+            mask &= key_pos >= ctx[:, None] - sliding_window
+        # slots outside the mask hold whatever a block's last owner left (NaN after an
+        # overflow): zero them, since a masked score still multiplies its V row by 0 (0 * NaN = NaN)
         k, v = (x.masked_fill(~mask[:, None, :, None], 0) for x in (k, v))
         q = (query if rows is None else query[rows]).view(n_dec, hkv, g, d)  # [B, Hkv, G, D]
-        o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask[:, None, None, :],
-                                           scale=scale)
+        o = _attend(q.to(k.dtype), k, v, mask[:, None, None, :], scale, soft_cap)
         o = o.reshape(n_dec, hq, d).to(out.dtype)
         if rows is None:
             out.copy_(o)
@@ -118,14 +136,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             continue
         ctx = lens[i]
         nblk = (ctx + bs - 1) // bs
-        k = _gather_blocks(k_cache, block_tables[i, :nblk]).flatten(0, 1)[:ctx].transpose(0, 1)  # [Hkv, ctx, D]
-        v = _gather_blocks(v_cache, block_tables[i, :nblk]).flatten(0, 1)[:ctx].transpose(0, 1)
+        # first key any row may see (the first row's window start): earlier slots are never read
+        lo = max(0, ctx - q_len + 1 - sliding_window) if sliding_window > 0 else 0
+        k = _gather_blocks(k_cache, block_tables[i, :nblk]).flatten(0, 1)[lo:ctx].transpose(0, 1)  # [Hkv, ctx-lo, D]
+        v = _gather_blocks(v_cache, block_tables[i, :nblk]).flatten(0, 1)[lo:ctx].transpose(0, 1)
         # [q_len, Hq, D] -> [Hkv, G * q_len, D]: row (g, j) is query head h*G+g at new token j
         q = query[qsl[i]:qsl[i + 1]].view(q_len, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * q_len, d)
         # bottom-right aligned causal mask: token j sees keys < ctx - q_len + j + 1
-        mask = (torch.arange(ctx, device=query.device)[None, :]
-                <= torch.arange(ctx - q_len, ctx, device=query.device)[:, None])  # [q_len, ctx]
-        o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask.repeat(g, 1), scale=scale)
+        key_pos = torch.arange(lo, ctx, device=query.device)[None, :]
+        q_pos = torch.arange(ctx - q_len, ctx, device=query.device)[:, None]
+        mask = key_pos <= q_pos  # [q_len, ctx - lo]
+        if sliding_window > 0:
+            mask &= key_pos > q_pos - sliding_window
+        o = _attend(q.to(k.dtype), k, v, mask.repeat(g, 1), scale, soft_cap)
         o = o.view(hkv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d)
         out[qsl[i]:qsl[i + 1]] = o.to(out.dtype)
     return out

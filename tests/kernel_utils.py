@@ -78,6 +78,17 @@ class PagedBatch:
             self.k_cache, self.v_cache, self.block_tables, self.query_start_loc, self.seq_lens = (
                 guarded(t, device) for t in self._cpu[1:])
 
+    def forget_before_window(self, window: int) -> None:
+        """NaN in every slot before each sequence's first window start (ctx - q_len + 1 -
+        window), as when those blocks were freed and handed to another sequence: a kernel
+        honouring the window never reads them, so the expected output is unchanged."""
+        bs = self.k_cache.shape[1]
+        for i, (ctx, q_len) in enumerate(self.seqs):
+            for pos in range(max(0, ctx - q_len + 1 - window)):
+                b = int(self.block_tables[i, pos // bs])
+                self.k_cache[b, pos % bs] = float("nan")
+                self.v_cache[b, pos % bs] = float("nan")
+
     def args(self):
         return (self.query, self.k_cache, self.v_cache, self.block_tables, self.query_start_loc,
                 self.seq_lens, self.scale)

@@ -19,14 +19,28 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+# arch -> (transformers config class, architecture, family defaults over TINY)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),  # explicit, != hidden / heads
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    # two sliding layers, then a global one; window and rope bases small enough to matter here
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})),
+}
+
+
 def tiny_hf_config(arch: str = "llama", tie: bool = False, **cfg):
     import transformers
-    classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "mistral": transformers.MistralConfig}
-    kw = {**TINY, "tie_word_embeddings": tie, **cfg}
-    config = classes[arch](**kw)
-    config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                             "mistral": "MistralForCausalLM"}[arch]]
+    cls, architecture, family = FAMILIES[arch]
+    kw = {**TINY, **family, "tie_word_embeddings": tie, **cfg}
+    config = getattr(transformers, cls)(**kw)
+    config.architectures = [architecture]
     return config
 
 

@@ -98,3 +98,54 @@ def test_lru_eviction_prefers_least_recently_freed():
     kv.allocate_slots(mkreq("x", [3, 3, 3, 3]), 4)
     assert kv.get_computed_blocks(mkreq("n2", [2, 2, 5]))[1] == 2
     assert kv.get_computed_blocks(mkreq("o2", [1, 1, 5]))[1] == 0
+
+
+def test_sliding_window_releases_blocks_no_token_can_see():
+    kv = KVCacheManager(16, 4, sliding_window=6)
+    r = mkreq("a", list(range(20)))
+    blocks = kv.allocate_slots(r, 20)
+    assert len(blocks) == 5 and kv.num_free_blocks == 11
+    r.num_computed_tokens = 20
+    r.append_output_token_ids(7)
+    # the token at position 20 sees positions 15..20: blocks 0-2 (positions 0..11) are behind it
+    assert len(kv.allocate_slots(r, 1)) == 1  # position 20 opens block 5
+    assert kv.num_held_blocks("a") == 6 - 3 and kv.num_free_blocks == 16 - 3
+    assert kv.get_block_ids("a")[:3] == blocks[:3]  # ids kept: workers' tables do not change
+    kv.check_invariants()
+    # released blocks stay in the prefix cache until evicted: a second request hits them
+    other = mkreq("b", list(range(20)) + [99])
+    hits, n = kv.get_computed_blocks(other)
+    assert hits == blocks[:5] and n == 20
+    for _ in range(5):  # the window slides one token at a time: at most one more block each step
+        r.num_computed_tokens = r.num_tokens
+        r.append_output_token_ids(7)
+        kv.allocate_slots(r, 1)
+        assert kv.num_held_blocks("a") <= -(-6 // 4) + 2
+    kv.check_invariants()
+    kv.free(r)
+    assert kv.num_free_blocks == 16
+    kv.check_invariants()
+
+
+def test_no_release_without_a_window_or_before_the_first_step():
+    full = KVCacheManager(16, 4)
+    r = mkreq("a", list(range(40)))
+    full.allocate_slots(r, 40)
+    r.num_computed_tokens = 40
+    r.append_output_token_ids(1)
+    full.allocate_slots(r, 1)
+    assert full.num_held_blocks("a") == 11
+    windowed = KVCacheManager(32, 4, sliding_window=8)
+    hit_owner = mkreq("x", list(range(40)))
+    windowed.allocate_slots(hit_owner, 40)
+    # a new request starting on 9 cached blocks keeps them for its first step (workers get
+    # its full list then); the release comes with its next allocation
+    late = mkreq("late", list(range(40)) + [5])
+    hits, n = windowed.get_computed_blocks(late)
+    assert n == 40 and len(windowed.allocate_slots(late, 1, hits)) == 1
+    assert windowed.num_held_blocks("late") == 11
+    late.num_computed_tokens = 41
+    late.append_output_token_ids(6)
+    windowed.allocate_slots(late, 1)  # position 41 sees 34..41: blocks 0-7 released
+    assert windowed.num_held_blocks("late") == 11 - 8
+    windowed.check_invariants()

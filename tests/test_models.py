@@ -1,5 +1,7 @@
-"""Our Llama-family model over a paged KV cache == Hugging Face transformers on the same
-weights (fp32), for prefill batches, chunked prefill, decode and mixed steps."""
+"""Our models over a paged KV cache == Hugging Face transformers on the same weights (fp32),
+for prefill batches, chunked prefill, decode and mixed steps: the Llama family (Llama 3 rope,
+Qwen2 bias, Mistral), Qwen3, Phi-3 and Gemma 3, with sliding windows shorter than the prompts.
+Longer runs (the engine, the Triton path) are in test_models_families.py."""
 from __future__ import annotations
 
 import pytest
@@ -26,6 +28,19 @@ CONFIGS = {
                                                      "original_max_position_embeddings": 64}),
     "dynamic-rope": dict(arch="llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
                                                         "factor": 2.0}),
+    # the families beyond Llama (windows of 12 / 16 tokens: the prompts here are longer)
+    "qwen3": dict(arch="qwen3"),
+    "qwen3-tied-bias": dict(arch="qwen3", tie=True, attention_bias=True),
+    "phi3": dict(arch="phi3"),
+    "phi3-partial-rope": dict(arch="phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                            "partial_rotary_factor": 0.5}),
+    "phi3-longrope": dict(arch="phi3", original_max_position_embeddings=128, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 128,
+        "short_factor": [1.0 + 0.25 * i for i in range(8)], "long_factor": [2.0 + i for i in range(8)]}),
+    "mistral-window": dict(arch="mistral", sliding_window=12),
+    "qwen2-window": dict(arch="qwen2", use_sliding_window=True, sliding_window=12, max_window_layers=1),
+    "gemma3": dict(arch="gemma3", tie=True),
+    "gemma3-softcap": dict(arch="gemma3", tie=False, final_logit_softcapping=3.0),
 }
 
 
@@ -67,7 +82,8 @@ def test_prefill_batch_matches_hf(models, name):
         _close(out[i], _hf_logits(hf, s))
 
 
-@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "mistral", "llama3-rope", "yarn-rope"])
+@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "mistral", "llama3-rope", "yarn-rope", "qwen3",
+                                  "phi3", "mistral-window", "gemma3"])
 def test_chunked_prefill_matches_hf(models, name):
     ours, hf = models(name)
     (seq,) = _seqs(1, [90], seed=3)
@@ -78,7 +94,9 @@ def test_chunked_prefill_matches_hf(models, name):
     assert runner.block_tables[0] != sorted(runner.block_tables[0])  # really non-contiguous
 
 
-@pytest.mark.parametrize("name", ["llama-tied", "qwen2-tied", "mistral", "linear-rope", "dynamic-rope"])
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-tied", "mistral", "linear-rope", "dynamic-rope",
+                                  "qwen3-tied-bias", "phi3-partial-rope", "mistral-window", "qwen2-window",
+                                  "gemma3-softcap"])
 def test_decode_steps_match_hf(models, name):
     ours, hf = models(name)
     seqs = _seqs(3, [20, 33, 9], seed=5)
@@ -125,24 +143,27 @@ def test_block_table_padding_and_skipped_slots(models):
     _close(other.step({0: seq2})[0], _hf_logits(hf, seq2))
 
 
-def test_cacheless_forward_matches_hf(models):
-    """kv_caches=None (profiling path) on full prompts gives the same logits."""
-    ours, hf = models("qwen2-bias")
+@pytest.mark.parametrize("name", ["qwen2-bias", "mistral-window", "gemma3"])
+def test_cacheless_forward_matches_hf(models, name):
+    """kv_caches=None (profiling path) on full prompts gives the same logits; the 30-token
+    prompt runs past the 12 / 16-token windows."""
+    ours, hf = models(name)
     from llmsvc.models.layers.attention import AttentionMetadata
-    seqs = _seqs(2, [12, 7], seed=11)
+    seqs = _seqs(2, [30, 7], seed=11)
     ids = torch.tensor(seqs[0] + seqs[1])
-    pos = torch.tensor(list(range(12)) + list(range(7)))
-    meta = AttentionMetadata(torch.full((19,), -1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int32),
-                             torch.tensor([0, 12, 19], dtype=torch.int32), torch.tensor([12, 7], dtype=torch.int32),
-                             12, 12)
+    pos = torch.tensor(list(range(30)) + list(range(7)))
+    meta = AttentionMetadata(torch.full((37,), -1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int32),
+                             torch.tensor([0, 30, 37], dtype=torch.int32), torch.tensor([30, 7], dtype=torch.int32),
+                             30, 30)
     with torch.no_grad():
         logits = ours.compute_logits(ours(ids, pos, meta, None))
-    _close(logits[:12], _hf_logits(hf, seqs[0]))
-    _close(logits[12:], _hf_logits(hf, seqs[1]))
+    _close(logits[:30], _hf_logits(hf, seqs[0]))
+    _close(logits[30:], _hf_logits(hf, seqs[1]))
 
 
-def test_bfloat16_runs_close_to_fp32(tmp_path):
-    d = make_tiny_model_dir(tmp_path, "llama")
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_bfloat16_runs_close_to_fp32(tmp_path, arch):
+    d = make_tiny_model_dir(tmp_path, arch)
     seqs = _seqs(2, [30, 12], seed=12)
     ref = PagedRunner(load_our_model(d)).step(dict(enumerate(seqs)))
     bf = load_our_model(d, dtype="bfloat16")

@@ -98,11 +98,33 @@ def test_resolution_errors(tmp_path):
         resolve_model_config(ModelConfig(model=d, dtype="int3"))
 
 
-def test_mistral_sliding_window_caps_max_model_len(tmp_path):
+def test_sliding_window_does_not_cap_max_model_len(tmp_path):
     d = make_tiny_model_dir(tmp_path, "mistral", sliding_window=64)
-    assert resolve_model_config(ModelConfig(model=d)).max_model_len == 64
-    with pytest.raises(ValueError, match="sliding_window"):
-        resolve_model_config(ModelConfig(model=d, max_model_len=65))
+    assert resolve_model_config(ModelConfig(model=d)).max_model_len == 256  # max_position_embeddings
+    assert resolve_model_config(ModelConfig(model=d, max_model_len=200)).max_model_len == 200
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        resolve_model_config(ModelConfig(model=d, max_model_len=257))
+
+
+def test_longrope_caps_max_model_len_at_the_original_context(tmp_path):
+    from test_models import CONFIGS
+    d = make_tiny_model_dir(tmp_path, **CONFIGS["phi3-longrope"])
+    assert resolve_model_config(ModelConfig(model=d)).max_model_len == 128
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        resolve_model_config(ModelConfig(model=d, max_model_len=129))
+
+
+def test_unknown_architecture_lists_every_supported_one(tmp_path):
+    d = make_tiny_model_dir(tmp_path, "llama")
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["architectures"], cfg["model_type"] = ["GPTNeoXForCausalLM"], "gpt_neox"
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="unsupported architecture") as e:
+        resolve_model_config(ModelConfig(model=d))
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM"):
+        assert arch in str(e.value)
 
 
 def test_gguf_conversion_is_atomic_and_keyed_by_hash(tmp_path, monkeypatch):

@@ -14,6 +14,9 @@ from model_utils import PagedRunner, load_our_model, make_tiny_model_dir
 CASES = {
     "llama-gqa-split": dict(arch="llama", tie=False, vocab_size=321),
     "qwen2-kv-replicated": dict(arch="qwen2", tie=True, num_key_value_heads=1),
+    "qwen3-qk-norm": dict(arch="qwen3"),
+    "phi3-fused-window": dict(arch="phi3", sliding_window=12),
+    "gemma3": dict(arch="gemma3", tie=True),
 }
 SEQS = {0: list(range(3, 40)), 1: list(range(100, 109))}
 

@@ -49,7 +49,8 @@ def _steps(runner: PagedRunner, seed: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "llama3-rope", "gqa4-hd128"])
+@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "llama3-rope", "gqa4-hd128", "mistral-window",
+                                  "phi3-partial-rope"])
 def test_one_native_call_equals_the_per_op_layers(tmp_path, count_native, dtype, name):
     if not _native_available(dtype):
         pytest.skip(f"no native {dtype} GEMM on this CPU: every step takes the per-op path")
@@ -94,6 +95,12 @@ def test_no_plan_where_the_per_op_path_must_run(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMSVC_NATIVE_LAYERS", "0")
     plain = load_our_model(make_tiny_model_dir(tmp_path, "qwen2"))
     assert plain.model._make_native_plan() is None
+    monkeypatch.delenv("LLMSVC_NATIVE_LAYERS")
+    # per-head q/k norms, or windows that differ between layers: no plan
+    for name in ("qwen3", "qwen2-window"):
+        model = load_our_model(make_tiny_model_dir(tmp_path, **CONFIGS[name]))
+        assert model.model._make_native_plan() is None, name
+    monkeypatch.setenv("LLMSVC_NATIVE_LAYERS", "0")
     # profiling forward without a cache: the plan declines the step
     monkeypatch.delenv("LLMSVC_NATIVE_LAYERS")
     if _native_available("float32"):

@@ -24,7 +24,8 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                    seq_lens: torch.Tensor, scale: float, sliding_window: int = 0,
+                    soft_cap: float = 0.0) -> torch.Tensor:
     """Same contract as `kernels.reference.paged_attention`; query: [T, Hq, D] (rows may be
     strided, heads contiguous), caches [num_blocks, block_size, Hkv, D] contiguous."""
     lib = load()
@@ -42,7 +43,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     rc = lib.llmsvc_paged_attention(_DTYPES[query.dtype], query.data_ptr(), query.stride(0),
                                     k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
                                     bt.stride(0), qsl.data_ptr(), sl.data_ptr(), sl.shape[0],
-                                    hq, hkv, d, bs, float(scale), out.data_ptr(),
+                                    hq, hkv, d, bs, float(scale), int(sliding_window), float(soft_cap),
+                                    out.data_ptr(),
                                     torch.get_num_threads())
     if rc != 0:
         raise ValueError("CPU paged attention rejected its arguments (q_len > seq_len, or bad shapes)")

@@ -54,7 +54,7 @@ _i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # every exported function returns int (0 = ok, -1 = rejected arguments)
 _SIGNATURES = {
     "llmsvc_paged_attention": [_i, _p, _i64, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64,
-                               _f, _p, _i],
+                               _f, _i64, _f, _p, _i],
     "llmsvc_rms_norm": [_i, _p, _i64, _p, _p, _i64, _i64, _f, _i],
     "llmsvc_fused_add_rms_norm": [_i, _p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _f, _i],
     "llmsvc_silu_and_mul": [_i, _p, _i64, _p, _i64, _i64, _i],
@@ -69,7 +69,7 @@ _SIGNATURES = {
     "llmsvc_gemm_bf16_dp_supported": [],
     "llmsvc_gemm_bf16_dp": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
     "llmsvc_llama_layers": [_i, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _p, _i64, _p,
-                            _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f, _f, _i],
+                            _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f, _f, _i64, _i],
     "llmsvc_rotary_neox": [_i, _p, _p, _i64, _i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _i],
 }
 

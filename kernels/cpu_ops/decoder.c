@@ -35,7 +35,8 @@ int llmsvc_store_kv(const void *key, int64_t ks, const void *value, int64_t vs, 
 int llmsvc_paged_attention(int dtype, const void *q, int64_t q_stride, const void *k_cache,
                            const void *v_cache, const int32_t *block_table, int64_t bt_stride,
                            const int32_t *qsl, const int32_t *seq_lens, int64_t num_seqs,
-                           int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, float scale, void *out,
+                           int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, float scale, int64_t window,
+                           float soft_cap, void *out,
                            int num_threads);
 int llmsvc_gemm_f32(const float *a, int64_t lda, const float *packed, const float *bias, float *c,
                     int64_t ldc, int64_t M, int64_t N, int64_t K, int nt);
@@ -59,7 +60,7 @@ int llmsvc_llama_layers(int dtype, int64_t L, const int64_t *lps, void *x, void 
                         int64_t num_slots, const int32_t *bt, int64_t bt_stride,
                         const int32_t *qsl, const int32_t *seq_lens, int64_t B, int64_t T,
                         int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I, int64_t BS,
-                        float eps, float scale, int nt) {
+                        float eps, float scale, int64_t window, int nt) {
     if (dtype < 0 || dtype > 1 || L <= 0 || T <= 0) return -1;
     const int64_t esz = dtype ? 2 : 4, Q = Hq * D, KV = Hkv * D, NQKV = Q + 2 * KV;
     char *q = (char *)qkv, *k = q + Q * esz, *v = k + KV * esz;
@@ -75,7 +76,7 @@ int llmsvc_llama_layers(int dtype, int64_t L, const int64_t *lps, void *x, void 
         CALL(llmsvc_rotary_neox(dtype, pos, q, NQKV, Hq, k, NQKV, Hkv, D, cos_sin, rot, max_pos, T, nt));
         CALL(llmsvc_store_kv(k, NQKV, v, NQKV, P(LP_K_CACHE), P(LP_V_CACHE), slots, T, KV, num_slots, esz));
         CALL(llmsvc_paged_attention(dtype, q, NQKV, P(LP_K_CACHE), P(LP_V_CACHE), bt, bt_stride, qsl,
-                                    seq_lens, B, Hq, Hkv, D, BS, scale, att, nt));
+                                    seq_lens, B, Hq, Hkv, D, BS, scale, window, 0.f, att, nt));
         CALL(gemm(dtype, att, Q, lp[LP_O], 0, x, T, H, nt));
         CALL(llmsvc_fused_add_rms_norm(dtype, x, H, res, H, P(LP_POST_NORM), nrm, res, T, H, eps, nt));
         CALL(gemm(dtype, nrm, H, lp[LP_GATE_UP], 0, gu, T, 2 * I, nt));

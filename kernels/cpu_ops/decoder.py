@@ -46,10 +46,11 @@ class DecoderPlan:
 
     def __init__(self, layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_heads: int,
                  num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
-                 cos_sin_cache: torch.Tensor, scale: float):
+                 cos_sin_cache: torch.Tensor, scale: float, sliding_window: int = 0):
         self.layers, self.dtype, self.code = layers, dtype, DTYPE_CODES[dtype]
         self.h, self.hq, self.hkv, self.d, self.i = hidden, num_heads, num_kv_heads, head_dim, intermediate
         self.eps, self.scale, self.cos_sin = float(eps), float(scale), cos_sin_cache
+        self.window = int(sliding_window)  # every layer's (0: full attention)
         self.max_m = linear.PANEL_MAX_M if dtype == torch.float32 else linear.bf16_max_m()
         self.ptrs = torch.zeros((len(layers), LP_N), dtype=torch.int64)
         for row, lw in zip(self.ptrs, layers):
@@ -98,7 +99,7 @@ class DecoderPlan:
                       pos.data_ptr(), self.cos_sin.data_ptr(), self.cos_sin.shape[1], self.cos_sin.shape[0],
                       slots.data_ptr(), nb * bs, bt.data_ptr(), bt.stride(0), qsl.data_ptr(), sl.data_ptr(),
                       sl.shape[0], t, self.h, self.hq, self.hkv, self.d, self.i, bs, self.eps, self.scale,
-                      torch.get_num_threads())
+                      self.window, torch.get_num_threads())
         if rc != 0:
             raise ValueError("CPU decoder layers: a kernel rejected its arguments "
                              "(position or slot out of range, or query longer than its context)")
@@ -107,7 +108,7 @@ class DecoderPlan:
 
 def make_plan(layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_heads: int,
               num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
-              cos_sin_cache: torch.Tensor, scale: float) -> Optional[DecoderPlan]:
+              cos_sin_cache: torch.Tensor, scale: float, sliding_window: int = 0) -> Optional[DecoderPlan]:
     """A plan when every layer's tensors suit the native kernels (CPU, fp32 with gemm.c
     panels or bf16 with AMX / AVX512-BF16 panels, contiguous, head_dim a multiple of 16), else
     None."""
@@ -127,7 +128,7 @@ def make_plan(layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_h
     if load() is None:  # last: a GPU model never builds the CPU library for this
         return None
     plan = DecoderPlan(layers, dtype, hidden, num_heads, num_kv_heads, head_dim, intermediate, eps,
-                       cos_sin_cache, scale)
+                       cos_sin_cache, scale, sliding_window)
     logger.info("CPU decoder layers: %d layers in one native call for steps of up to %d tokens (%s, %s "
                 "GEMM); larger steps run layer by layer", len(layers), plan.max_m,
                 str(dtype).removeprefix("torch."), "panel" if dtype == torch.float32

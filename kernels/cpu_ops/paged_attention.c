@@ -6,7 +6,10 @@
  *   block_table: [B, bt_stride] int32
  *   qsl:         [B + 1] int32 cumulative query lengths; seq_lens: [B] int32 (incl. new tokens)
  *   out:         [T, Hq, D] contiguous
- * Sequence i's query row j (of q_len) attends to cache positions 0 .. ctx - q_len + j.
+ * Sequence i's query row j (of q_len) attends to cache positions lo .. p, p = ctx - q_len + j,
+ * lo = max(0, p - window + 1) (window 0: lo = 0). Rows before the item's first lo are never
+ * read (their blocks may belong to another sequence by now). soft_cap > 0 maps each score s
+ * to soft_cap * tanh(s / soft_cap) before the softmax.
  * GQA: the G = Hq / Hkv query heads of KV head h share every K/V row load.
  * D must be a multiple of 16 (checked by the caller and here).
  *
@@ -75,7 +78,8 @@ typedef struct {
     void *out;
     const int32_t *block_table, *qsl, *seq_lens;
     int64_t q_stride, bt_stride, Hq, Hkv, D, BS;
-    float scale;
+    float scale, soft_cap;
+    int64_t window; /* 0: none */
     int bf16;
 } args_t;
 
@@ -83,6 +87,13 @@ typedef struct {
 static inline int64_t item_keys(const args_t *A, const item_t *it) {
     const int64_t q_len = A->qsl[it->seq + 1] - A->qsl[it->seq];
     return A->seq_lens[it->seq] - q_len + it->row0 + it->nrows;
+}
+
+/* First key any row of the item sees: its first row's window start. */
+static inline int64_t item_first_key(const args_t *A, const item_t *it) {
+    if (A->window <= 0) return 0;
+    const int64_t lo = item_keys(A, it) - it->nrows + 1 - A->window;
+    return lo > 0 ? lo : 0;
 }
 
 /* out[i] = byte address of cache row s0 + i (i < n) of `base` through `table`: one division
@@ -123,7 +134,7 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     const int64_t q0 = A->qsl[it->seq], q_len = A->qsl[it->seq + 1] - q0;
     const int64_t ctx = A->seq_lens[it->seq], first_lim = ctx - q_len + it->row0 + 1;
     const int64_t n_max = item_keys(A, it); /* = first_lim + nrows - 1 */
-    const int64_t n_pad = (n_max + 15) & ~(int64_t)15, sstride = max_keys + 16;
+    const int64_t s_begin = item_first_key(A, it), sstride = max_keys + 16; /* scores by key position */
     const int32_t *table = A->block_table + (int64_t)it->seq * A->bt_stride;
     float *scores = ws;                              /* [nq, sstride], vector a = hh * nqh + r * G + g */
     v16 *qv = (v16 *)(ws + nq * sstride);            /* [nq, nc] */
@@ -139,7 +150,7 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     /* pass 1 */
     const int64_t row_bytes = esz * row_stride, head_bytes = esz * D;
     const char *krow[16], *vrow[16], *knext[16], *vnext[16];
-    for (int64_t s0 = 0; s0 < n_pad; s0 += 16) {
+    for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
         v16 part[16];
         const int64_t kn = n_max - s0 < 16 ? n_max - s0 : 16;
         row_ptrs(kbase, table, A->BS, row_bytes, s0, kn, krow);
@@ -178,31 +189,39 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     }
     pf_t pf = {.n = 0, .line = 0};
     if (nx && (nx->seq != it->seq || nx->head != it->head)) { /* else: rows this item just read */
-        const int64_t nmx = item_keys(A, nx), rows = nmx < 16 ? nmx : 16;
+        const int64_t nfirst = item_first_key(A, nx), nmx = item_keys(A, nx) - nfirst;
+        const int64_t rows = nmx < 16 ? nmx : 16;
         const int32_t *nt = A->block_table + (int64_t)nx->seq * A->bt_stride;
-        row_ptrs(kbase, nt, A->BS, row_bytes, 0, rows, pf.rows);
-        row_ptrs(vbase, nt, A->BS, row_bytes, 0, rows, pf.rows + rows);
+        row_ptrs(kbase, nt, A->BS, row_bytes, nfirst, rows, pf.rows);
+        row_ptrs(vbase, nt, A->BS, row_bytes, nfirst, rows, pf.rows + rows);
         pf.n = 2 * rows;
         pf.off = nx->head >= 0 ? nx->head * head_bytes : 0;
         pf.lines = ((nx->head >= 0 ? head_bytes : row_bytes) + 63) / 64;
     }
-    const int64_t pass2_iters = (n_pad / 16) * nh; /* pf_step calls: one per (group, head) */
+    const int64_t pass2_iters = ((n_max - s_begin + 15) / 16) * nh; /* pf_step calls: one per (group, head) */
     const int64_t pf_per = (pf.n * pf.lines + pass2_iters - 1) / pass2_iters;
-    /* softmax over each vector's visible keys; the rest (up to n_max) get weight 0 */
+    /* softmax over each vector's visible keys [lo, lim); the rest of [s_begin, n_max) get weight 0 */
     for (int64_t a = 0; a < nq; a++) {
         const int64_t lim = first_lim + (a % nqh) / G;
-        float *sc = scores + a * sstride, m = sc[0], sum = 0.f;
-        for (int64_t s = 1; s < lim; s++) m = sc[s] > m ? sc[s] : m;
-        for (int64_t s = 0; s < lim; s++) { sc[s] = expf(sc[s] - m); sum += sc[s]; }
+        const int64_t lo = A->window > 0 && lim - A->window > 0 ? lim - A->window : 0;
+        float *sc = scores + a * sstride;
+        if (A->soft_cap > 0.f) {
+            const float cap = A->soft_cap, inv_cap = 1.f / A->soft_cap;
+            for (int64_t s = lo; s < lim; s++) sc[s] = cap * tanhf(sc[s] * inv_cap);
+        }
+        float m = sc[lo], sum = 0.f;
+        for (int64_t s = lo + 1; s < lim; s++) m = sc[s] > m ? sc[s] : m;
+        for (int64_t s = lo; s < lim; s++) { sc[s] = expf(sc[s] - m); sum += sc[s]; }
         const float inv = 1.f / sum;
-        for (int64_t s = 0; s < lim; s++) sc[s] *= inv;
+        for (int64_t s = lo; s < lim; s++) sc[s] *= inv;
+        for (int64_t s = s_begin; s < lo; s++) sc[s] = 0.f;
         for (int64_t s = lim; s < n_max; s++) sc[s] = 0.f;
         for (int64_t c = 0; c < nc; c++) acc[a * nc + c] = (v16){0};
     }
     /* pass 2, 16 keys at a time (their V rows stay in L1 across heads); per head, up to
      * 16 / nc vectors' accumulators are held in registers across the 16 keys */
     const int64_t GA = 16 / nc > 0 ? 16 / nc : 1;
-    for (int64_t s0 = 0; s0 < n_max; s0 += 16) {
+    for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
         const int64_t s1 = n_max - s0 < 16 ? n_max : s0 + 16;
         row_ptrs(vbase, table, A->BS, row_bytes, s0, s1 - s0, vrow);
         for (int64_t hh = 0; hh < nh; hh++) {
@@ -257,10 +276,10 @@ int llmsvc_paged_attention(int dtype /* 0 = f32, 1 = bf16 */, const void *q, int
                            const void *k_cache, const void *v_cache, const int32_t *block_table,
                            int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
                            int64_t num_seqs, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
-                           float scale, void *out, int num_threads) {
+                           float scale, int64_t window, float soft_cap, void *out, int num_threads) {
     if (D <= 0 || D % 16 || D / 16 > MAX_NC || BS <= 0 || Hkv <= 0 || Hq % Hkv) return -1;
     const args_t A = {q, k_cache, v_cache, out, block_table, qsl, seq_lens,
-                      q_stride, bt_stride, Hq, Hkv, D, BS, scale, dtype == 1};
+                      q_stride, bt_stride, Hq, Hkv, D, BS, scale, soft_cap, window, dtype == 1};
     int64_t n_items = 0, max_keys = 1;
     for (int64_t i = 0; i < num_seqs; i++) {
         const int64_t q_len = qsl[i + 1] - qsl[i];

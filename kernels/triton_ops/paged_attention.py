@@ -47,12 +47,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, *, max_query_len: int | None = None,
                     max_seq_len: int | None = None,
-                    decode_split_size: int | None = None) -> torch.Tensor:
+                    decode_split_size: int | None = None, sliding_window: int = 0,
+                    soft_cap: float = 0.0) -> torch.Tensor:
     """Same contract as `kernels.reference.paged_attention`; returns [T, Hq, D] in query.dtype.
 
     decode_split_size: keys per split-K program for decode rows (power of 2, >= BLOCK_N);
     the split-K path is used when max_seq_len exceeds it.
     """
+    assert sliding_window >= 0 and soft_cap >= 0, (sliding_window, soft_cap)
     _check(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     t, hq, d = query.shape
     _, block_size, hkv, _ = k_cache.shape
@@ -72,6 +74,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     d_pad = max(16, next_pow2(d))
     prec = _dot_precision(k_cache.dtype)
     common = (block_tables, query_start_loc, seq_lens)
+    # the kernels take a window always: 2**30 is wider than any int32 context
+    window = sliding_window if sliding_window > 0 else 1 << 30
+    cap = dict(HAS_SOFT_CAP=soft_cap > 0)
 
     if max_query_len > 1 or not use_split:
         qh_pad = next_pow2(group)
@@ -80,24 +85,24 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             block_q = 16 // qh_pad
         grid = (b, triton.cdiv(max_query_len, block_q), hkv)
         _varlen_attn_kernel[grid](
-            query, k_cache, v_cache, out, *common, scale,
+            query, k_cache, v_cache, out, *common, scale, window, float(soft_cap),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             block_size, d, group,
             QH_PAD=qh_pad, BLOCK_Q=block_q, BLOCK_N=BLOCK_N, D_PAD=d_pad,
-            SKIP_DECODE=use_split, DOT_PREC=prec)
+            SKIP_DECODE=use_split, DOT_PREC=prec, **cap)
     if use_split:
         part_o = torch.empty((b, hq, num_splits, d_pad), dtype=torch.float32, device=query.device)
         part_m = torch.empty((b, hq, num_splits), dtype=torch.float32, device=query.device)
         part_l = torch.empty((b, hq, num_splits), dtype=torch.float32, device=query.device)
         _decode_split_kernel[(b, hkv, num_splits)](
             query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-            part_o, part_m, part_l, scale,
+            part_o, part_m, part_l, scale, window, float(soft_cap),
             query.stride(0), query.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             block_size, d, group, hq, num_splits,
             QH_PAD=max(16, next_pow2(group)), SPLIT_SIZE=split, BLOCK_N=BLOCK_N, D_PAD=d_pad,
-            DOT_PREC=prec)
+            DOT_PREC=prec, **cap)
         _decode_reduce_kernel[(b, hq)](
             part_o, part_m, part_l, out, query_start_loc,
             out.stride(0), out.stride(1), d, hq, num_splits,

@@ -3,22 +3,26 @@
 Phase 1: one program per (sequence, kv head, split of SPLIT_SIZE keys) computes, for the
 group of query heads sharing the kv head, the unnormalised partial output, the running max
 and the softmax denominator. Phase 2: one program per (sequence, query head) merges the
-splits. Sequences whose q_len != 1 are skipped (the varlen kernel owns them).
+splits. Sequences whose q_len != 1 are skipped (the varlen kernel owns them). Keys before
+ctx - window (sliding window; 2**30 for none) are never loaded; HAS_SOFT_CAP as in the varlen
+kernel.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from kernels.triton_ops.varlen_attention import soft_cap_scores
+
 
 # the block table's width and the split count change from step to step: one compiled variant
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
-                         part_o_ptr, part_m_ptr, part_l_ptr, scale,
+                         part_o_ptr, part_m_ptr, part_l_ptr, scale, window, soft_cap,
                          stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
                          block_size, head_size, group, num_q_heads, num_splits,
                          QH_PAD: tl.constexpr, SPLIT_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         D_PAD: tl.constexpr, DOT_PREC: tl.constexpr):
+                         D_PAD: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SOFT_CAP: tl.constexpr):
     # part_o: [B, Hq, num_splits, D_PAD] fp32; part_m, part_l: [B, Hq, num_splits] fp32
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -41,16 +45,19 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
     acc = tl.zeros([QH_PAD, D_PAD], tl.float32)
     lo = split * SPLIT_SIZE
     hi = tl.minimum(ctx, lo + SPLIT_SIZE)
+    win_lo = ctx - window  # first key in the window
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(tl.maximum(lo, win_lo), hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
+        n_ok = (n < hi) & (n >= win_lo)
         phys = tl.load(bt_row + n // block_size, mask=n_ok, other=0).to(tl.int64)
         kv_off = phys * stride_cb + (n % block_size) * stride_cs + kv_head * stride_ch  # int64
         kv_mask = n_ok[None, :] & d_ok[:, None]
         k_t = tl.load(kc_ptr + kv_off[None, :] + d[:, None], mask=kv_mask,
                       other=0.0).to(tl.float32)  # [D_PAD, BLOCK_N]
         s = tl.dot(q, k_t, input_precision=DOT_PREC) * scale  # [QH_PAD, BLOCK_N]
+        if HAS_SOFT_CAP:
+            s = soft_cap_scores(s, soft_cap)
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)

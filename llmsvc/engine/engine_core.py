@@ -13,6 +13,7 @@ from llmsvc.engine.core_output import EngineCoreOutput
 from llmsvc.engine.kv_cache_manager import KVCacheManager
 from llmsvc.engine.request import Request
 from llmsvc.engine.scheduler import Scheduler
+from llmsvc.models.loader_names import kv_release_window
 from llmsvc.outputs import ABORT, EngineStats
 from llmsvc.wire import ModelRunnerOutput
 
@@ -34,7 +35,8 @@ class EngineCore:
         executor.initialize_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, cache.block_size,
                     num_blocks * cache.block_size)
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                               kv_release_window(config.model_config.hf_config))
         max_model_len = config.model_config.max_model_len or _UNBOUNDED_LEN
         self.scheduler = Scheduler(config.scheduler_config, cache, self.kv_cache_manager, max_model_len)
         self.num_steps = 0

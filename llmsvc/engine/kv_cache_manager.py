@@ -6,6 +6,14 @@ hit on block i implies the whole prefix up to it matches. Only full blocks are h
 Blocks are registered in the prefix cache when they are allocated for a step that fills them
 (as vLLM does): another request scheduled in the same step may reuse them, which is sound because
 a worker stores every token's K/V of a layer before that layer's attention reads the cache.
+
+Sliding windows: when every layer of the model attends only to its last `sliding_window`
+positions, a running request's leading blocks that lie wholly before the window of the first
+token it computes next are released (vLLM's sliding-window manager does the same). The
+request keeps their ids in its list (workers keep them in their block tables: no message
+changes) but no longer holds them; every attention kernel starts reading at the window, so the
+stale ids are never dereferenced. A request's KV footprint stays about
+(sliding_window + tokens per step) / block_size blocks however long it runs.
 """
 from __future__ import annotations
 
@@ -29,9 +37,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window  # every layer's window (None: some layer sees everything)
+        self.num_released: dict[str, int] = {}  # req_id -> leading blocks given back (window)
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}  # req_id -> leading blocks already registered
@@ -99,9 +110,11 @@ class KVCacheManager:
         tokens of `new_computed_blocks`, prefix-cache hits for a request not yet holding blocks).
 
         Returns the newly allocated block ids (possibly []), or None when the pool cannot supply
-        them (then nothing changed)."""
+        them (then nothing changed but the release of blocks outside the sliding window)."""
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         assert not new_computed_blocks or not req_blocks, "cache hits only for a request holding no blocks"
+        if self.sliding_window and req_blocks:
+            self._release_outside_window(request, req_blocks)
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
         assert num_total <= request.num_tokens, (num_total, request)
@@ -122,6 +135,23 @@ class KVCacheManager:
             self._cache_full_blocks(request, num_total)
         return new_blocks
 
+    def _release_outside_window(self, request: Request, req_blocks: list[int]) -> None:
+        """Give back the leading blocks no token from num_computed_tokens on can see: the first
+        one to compute, at position p, sees positions > p - sliding_window. Those blocks are full
+        and already registered in the prefix cache, where they stay until evicted. Another
+        request may get one for this very step: it writes it only in its own store_kv, and no
+        step of this request, this one or later, reads it again."""
+        first_visible = request.num_computed_tokens - self.sliding_window + 1
+        n = min(max(0, first_visible) // self.block_size, len(req_blocks))
+        done = self.num_released.get(request.request_id, 0)
+        if n > done:
+            self.pool.free_blocks(req_blocks[done:n])
+            self.num_released[request.request_id] = n
+
+    def num_held_blocks(self, req_id: str) -> int:
+        """Blocks the request holds now (its list minus those released outside the window)."""
+        return len(self.req_to_blocks.get(req_id, ())) - self.num_released.get(req_id, 0)
+
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's blocks that will be full once `num_tokens` tokens are computed."""
         num_full = num_tokens // self.block_size
@@ -138,14 +168,16 @@ class KVCacheManager:
         """Release every block of the request (tail first, so its prefix is evicted last)."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
+        released = self.num_released.pop(request.request_id, 0)
         if blocks:
-            self.pool.free_blocks(reversed(blocks))
+            self.pool.free_blocks(reversed(blocks[released:]))
 
     def check_invariants(self) -> None:
         """Every block's ref_cnt equals the number of requests holding it (tests)."""
         self.pool.check_invariants()
         held = [0] * self.pool.num_blocks
-        for blocks in self.req_to_blocks.values():
+        for req_id, blocks in self.req_to_blocks.items():
+            blocks = blocks[self.num_released.get(req_id, 0):]
             assert len(set(blocks)) == len(blocks), blocks
             for b in blocks:
                 held[b] += 1

@@ -1,16 +1,17 @@
-"""Llama-family decoder (Llama / SmolLM, Qwen2, Mistral) over the paged KV cache.
+"""Llama-family decoder (Llama / SmolLM, Qwen2, Mistral, Qwen3, Phi-3) over the paged KV cache.
 
 Parameter names follow Hugging Face except the fused projections:
   model.layers.N.self_attn.qkv_proj  <- q_proj, k_proj, v_proj   (shard ids "q", "k", "v")
   model.layers.N.mlp.gate_up_proj    <- gate_proj, up_proj       (shard ids 0, 1)
-Qwen2 has a bias on q/k/v; Llama honours `attention_bias` / `mlp_bias`. Mistral's
-sliding window is not implemented: resolve_model_config caps max_model_len at the
-window, where full attention and sliding-window attention are the same thing.
+Phi-3 checkpoints are fused already (qkv_proj, gate_up_proj) and are cut into the same shards
+at load. Qwen2 has a bias on q/k/v; Llama honours `attention_bias` / `mlp_bias`. Qwen3
+RMS-normalises each head of q and k before RoPE (q_norm, k_norm over head_dim). Sliding
+windows come per layer from `layer_sliding_windows` (Mistral and Phi-3: every layer; Qwen2/3:
+the layers `layer_types` marks) and are honoured by every attention path.
 """
 from __future__ import annotations
 
-import glob
-import os
+import importlib
 
 import torch
 import torch.nn as nn
@@ -23,8 +24,9 @@ from llmsvc.models.layers.embedding import ParallelLMHead, VocabParallelEmbeddin
 from llmsvc.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from llmsvc.models.layers.norm import RMSNorm
 from llmsvc.models.layers.rotary import get_rope
-from llmsvc.models.loader_names import SUPPORTED_ARCHITECTURES
+from llmsvc.models.loader_names import ARCHITECTURES, layer_sliding_windows
 from llmsvc.models.parallel import get_tp_world_size
+from llmsvc.models.weights import load_checkpoint
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): [num_blocks, block_size, Hkv_rank, D]
 
@@ -47,8 +49,15 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, hidden]
 
 
+def per_head_rms_norm(norm: RMSNorm, x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """x: [T, H * head_dim] (rows may be strided) -> [T, H * head_dim] contiguous, each head
+    normalised on its own (Qwen3 / Gemma 3 q_norm, k_norm)."""
+    t = x.shape[0]
+    return norm(x.reshape(t * (x.shape[1] // head_dim), head_dim)).view(t, -1)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, dtype: torch.dtype, max_position: int):
+    def __init__(self, cfg, dtype: torch.dtype, max_position: int, sliding_window: int = 0):
         super().__init__()
         self.head_dim = head_dim_of(cfg)
         attention_bias = bool(getattr(cfg, "attention_bias", False))
@@ -59,22 +68,31 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
                                         attention_bias, params_dtype=dtype)
+        if cfg.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
         self.rotary_emb = get_rope(cfg, self.head_dim, max_position)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
+                              sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache | None,
                 meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D] (this rank's heads)
         qk = self.q_size + self.kv_size
         q, k, v = qkv[:, :self.q_size], qkv[:, self.q_size:qk], qkv[:, qk:]  # views
+        if self.q_norm is not None:  # Qwen3: [T, H * D] -> the same, each head RMS-normalised
+            q = per_head_rms_norm(self.q_norm, q, self.head_dim)
+            k = per_head_rms_norm(self.k_norm, k, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, dtype: torch.dtype, max_position: int):
+    def __init__(self, cfg, dtype: torch.dtype, max_position: int, sliding_window: int = 0):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, dtype, max_position)
+        self.self_attn = LlamaAttention(cfg, dtype, max_position, sliding_window)
         self.mlp = LlamaMLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -93,8 +111,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg, dtype: torch.dtype, max_position: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, max_position)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, max_position, window)
+                                    for window in layer_sliding_windows(cfg))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self._native_plan = None  # ops.decoder_layers_plan, made at the first forward (weights packed)
         self._native_planned = False
@@ -114,13 +132,15 @@ class LlamaModel(nn.Module):
 
     def _make_native_plan(self):
         """All layers in one native call (CPU) where every layer fits it: no TP, no bias
-        beyond q/k/v, one norm eps and one rope table for every layer."""
+        beyond q/k/v, no q/k norm, one norm eps, one rope table and one sliding window for
+        every layer. Otherwise None: the layers run one op at a time."""
         first = self.layers[0]
         attn, mlp = first.self_attn, first.mlp
         rope = attn.rotary_emb.cos_sin_cache
         for l in self.layers:
-            if (l.self_attn.o_proj.bias is not None or l.mlp.gate_up_proj.bias is not None
-                    or l.mlp.down_proj.bias is not None or l.input_layernorm.eps != first.input_layernorm.eps
+            if (l.self_attn.o_proj.bias is not None or l.self_attn.q_norm is not None
+                    or l.self_attn.attn.sliding_window != attn.attn.sliding_window
+                    or l.mlp.gate_up_proj.bias is not None or l.mlp.down_proj.bias is not None or l.input_layernorm.eps != first.input_layernorm.eps
                     or l.post_attention_layernorm.eps != first.input_layernorm.eps
                     or not torch.equal(l.self_attn.rotary_emb.cos_sin_cache, rope)):
                 return None
@@ -135,7 +155,7 @@ class LlamaModel(nn.Module):
         return ops.decoder_layers_plan(
             weights, self.norm.weight.dtype, self.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
             attn.head_dim, mlp.down_proj.weight.shape[1], first.input_layernorm.eps,
-            rope, attn.attn.scale)
+            rope, attn.attn.scale, attn.attn.sliding_window)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -168,51 +188,15 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [S, hidden] (only rows that sample) -> [S, vocab] float32 on every rank."""
         return self.lm_head.compute_logits(hidden)
 
-    def load_weights(self, model_dir: str) -> None:
-        """Load every *.safetensors in model_dir, one tensor at a time; each parameter's
-        weight_loader keeps only this rank's shard. Raises if a parameter is left unloaded."""
-        from safetensors import safe_open
+    def checkpoint_splits(self) -> dict:
+        """{hf module: [(shard id, rows)]} for checkpoint tensors that hold fused projections."""
+        return {}
 
-        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        for path in files:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if "rotary_emb.inv_freq" in name:
-                        continue
-                    if self.tie_word_embeddings and name == "lm_head.weight":
-                        continue  # shares model.embed_tokens.weight
-                    target, shard_id = name, None
-                    for hf_name, (fused, sid) in self.packed_modules_mapping.items():
-                        if f".{hf_name}." in name:
-                            target, shard_id = name.replace(f".{hf_name}.", f".{fused}."), sid
-                            break
-                    if target not in params:
-                        raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-                    param = params[target]
-                    loader = getattr(param, "weight_loader", None)
-                    tensor = f.get_tensor(name)
-                    if loader is None:
-                        param.data.copy_(tensor)
-                    elif shard_id is None:
-                        loader(param, tensor)
-                    else:
-                        loader(param, tensor, shard_id)
-                    loaded.add(f"{target}:{shard_id}")
-        expected = set()
-        for name, _ in self.named_parameters():
-            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-                expected |= {f"{name}:{s}" for s in ("q", "k", "v")}
-            elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
-                expected |= {f"{name}:{s}" for s in (0, 1)}
-            else:
-                expected.add(f"{name}:None")
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"weights missing from {model_dir}: {missing[:8]}")
+    def load_weights(self, model_dir: str) -> None:
+        """Load the checkpoint's safetensors (see llmsvc/models/weights.py); raises if a
+        parameter is left unloaded or a tensor has no parameter."""
+        load_checkpoint(self, model_dir, self.packed_modules_mapping, self.checkpoint_splits(),
+                        self.tie_word_embeddings)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -221,6 +205,19 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    def checkpoint_splits(self) -> dict:
+        cfg = self.config
+        d = head_dim_of(cfg)
+        q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        return {"qkv_proj": [("q", q), ("k", kv), ("v", kv)],
+                "gate_up_proj": [(0, cfg.intermediate_size), (1, cfg.intermediate_size)]}
 
 
 def kv_cache_spec(hf_config, tp_size: int | None = None) -> tuple[int, int, int]:
@@ -234,21 +231,17 @@ def kv_cache_spec(hf_config, tp_size: int | None = None) -> tuple[int, int, int]
     return hf_config.num_hidden_layers, max(1, total_kv // tp), head_dim_of(hf_config)
 
 
-_MODELS: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-}
-assert tuple(_MODELS) == SUPPORTED_ARCHITECTURES
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
     try:
-        return _MODELS[architecture]
+        module, _, name = ARCHITECTURES[architecture].partition(":")
     except KeyError:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(_MODELS)}") from None
+        raise ValueError(f"unsupported architecture {architecture!r}; "
+                         f"supported: {', '.join(ARCHITECTURES)}") from None
+    return getattr(importlib.import_module(module), name)
 
 
 def to_torch_dtype(dtype) -> torch.dtype:

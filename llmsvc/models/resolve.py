@@ -159,9 +159,6 @@ def _inline_chat_template(out_dir: str, tokenizer) -> None:
         json.dump(cfg, f, indent=2, ensure_ascii=False)
 
 
-_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-
-
 def _ids(value) -> list[int]:
     if value is None:
         return []
@@ -175,32 +172,22 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
-def _sliding_window(hf_config) -> int | None:
-    window = getattr(hf_config, "sliding_window", None)
-    if not window:
-        return None
-    if hf_config.model_type == "qwen2":
-        layer_types = getattr(hf_config, "layer_types", None) or []
-        if not getattr(hf_config, "use_sliding_window", False) and "sliding_attention" not in layer_types:
-            return None
-    return int(window)
-
-
 def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     """A copy of mc with model_dir, hf_config, architecture, vocab_size, eos/bos/pad ids,
     generation_defaults and max_model_len filled. Raises ValueError when max_model_len
-    exceeds what the model supports (max_position_embeddings, or the sliding window,
-    which we do not implement)."""
+    exceeds the model's max_position_embeddings (or, for longrope, its
+    original_max_position_embeddings; sliding windows do not limit it: they are honoured by
+    every attention path)."""
     from transformers import AutoConfig
 
-    from llmsvc.models.loader_names import SUPPORTED_ARCHITECTURES, TORCH_DTYPE_NAMES
+    from llmsvc.models.loader_names import MODEL_TYPES, SUPPORTED_ARCHITECTURES, TORCH_DTYPE_NAMES
 
     if mc.dtype not in TORCH_DTYPE_NAMES:
         raise ValueError(f"unsupported dtype {mc.dtype!r}; use one of {', '.join(TORCH_DTYPE_NAMES)}")
     model_dir = resolve_model_dir(mc.model)
     hf_config = AutoConfig.from_pretrained(model_dir)
     archs = list(getattr(hf_config, "architectures", None) or [])
-    archs.append(_ARCH_BY_MODEL_TYPE.get(hf_config.model_type, ""))
+    archs.append(MODEL_TYPES.get(hf_config.model_type, ""))
     architecture = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), archs[0] if archs else "")
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {architecture or hf_config.model_type!r}; "
@@ -214,11 +201,12 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     if gen.get("max_new_tokens") is not None:
         defaults["max_tokens"] = gen["max_new_tokens"]
 
-    limit = int(hf_config.max_position_embeddings)
-    window = _sliding_window(hf_config)
-    what = "max_position_embeddings"
-    if window is not None and window < limit:
-        limit, what = window, "sliding_window (not implemented; full attention equals it up to the window)"
+    limit, what = int(hf_config.max_position_embeddings), "max_position_embeddings"
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope" and rope.get("original_max_position_embeddings"):
+        # transformers switches every position to the long factors past it (one table per forward)
+        limit = min(limit, int(rope["original_max_position_embeddings"]))
+        what = "original_max_position_embeddings (longrope: only its short factors are implemented)"
     if mc.max_model_len is not None and mc.max_model_len > limit:
         raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's {what} = {limit}")
     if mc.max_model_len is not None and mc.max_model_len < 1:

@@ -35,12 +35,18 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Stores this step's K/V into the cache, then attends over cache (prefix + new)."""
+    """Stores this step's K/V into the cache, then attends over cache (prefix + new).
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int):
+    sliding_window > 0: a token sees only the last sliding_window positions (itself included),
+    as transformers' sliding-window mask; soft_cap > 0: scores pass through
+    soft_cap * tanh(score / soft_cap) before the softmax."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int = 0, soft_cap: float = 0.0):
         super().__init__()
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = scale
+        self.sliding_window, self.soft_cap = int(sliding_window or 0), float(soft_cap or 0.0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
@@ -60,7 +66,8 @@ class Attention(nn.Module):
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                   meta.seq_lens, self.scale, max_query_len=meta.max_query_len,
-                                  max_seq_len=meta.max_seq_len)
+                                  max_seq_len=meta.max_seq_len, sliding_window=self.sliding_window,
+                                  soft_cap=self.soft_cap)
         return out.reshape(t, -1)
 
     def _no_cache(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
@@ -70,8 +77,26 @@ class Attention(nn.Module):
             s, e = qsl[i], qsl[i + 1]
             if e == s:
                 continue
-            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
-                                               v[s:e].transpose(0, 1), is_causal=True, scale=self.scale,
-                                               enable_gqa=self.num_heads != self.num_kv_heads)
+            qi, ki, vi = (x[s:e].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
+            if not self.sliding_window and not self.soft_cap:
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale,
+                                                   enable_gqa=self.num_heads != self.num_kv_heads)
+            else:
+                o = self._masked(qi, ki, vi)
             out[s:e] = o.transpose(0, 1)
         return out
+
+    def _masked(self, q, k, v) -> torch.Tensor:
+        """q: [Hq, n, D], k, v: [Hkv, n, D] of one full prompt -> [Hq, n, D], with the window
+        and the soft cap (fp32 scores)."""
+        n, g = q.shape[1], self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+        scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * self.scale  # [Hq, n, n]
+        if self.soft_cap:
+            scores = torch.tanh(scores / self.soft_cap) * self.soft_cap
+        pos = torch.arange(n, device=q.device)
+        mask = pos[None, :] <= pos[:, None]
+        if self.sliding_window:
+            mask &= pos[None, :] > pos[:, None] - self.sliding_window
+        p = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        return torch.matmul(p, v.float()).to(q.dtype)

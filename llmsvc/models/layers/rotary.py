@@ -11,7 +11,10 @@ positions [0, max_position) into
 "dynamic" (NTK) scaling is evaluated once at init for `max_position`. HF recomputes
 the frequencies only when a sequence grows past max_position_embeddings, which
 resolve_model_config forbids (max_model_len <= max_position_embeddings), so the static
-cache equals HF's for every position we can see.
+cache equals HF's for every position we can see. "longrope" (Phi-3 / su scaling) takes its
+short factors, which HF uses while a sequence stays within original_max_position_embeddings;
+past it HF switches every position to the long factors, so resolve_model_config caps
+max_model_len there.
 """
 from __future__ import annotations
 
@@ -20,21 +23,24 @@ import torch.nn as nn
 
 from kernels import ops
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
-def rope_parameters(hf_config) -> dict:
+def rope_parameters(hf_config, layer_type: str | None = None) -> dict:
     """The config's rope dict (transformers v5 `rope_parameters`, v4 `rope_scaling`), with
-    `rope_type` and `rope_theta` always present."""
+    `rope_type` and `rope_theta` always present. layer_type: the entry for that layer type
+    where the config keeps one per type (Gemma 3: "sliding_attention", "full_attention")."""
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     return params
 
 
-def compute_inv_freq(hf_config, head_size: int) -> tuple[torch.Tensor, float]:
+def compute_inv_freq(hf_config, head_size: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq [rotary_dim / 2] float32 on the CPU, attention_factor) as HF computes them."""
-    params = rope_parameters(hf_config)
+    params = rope_parameters(hf_config, layer_type)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise NotImplementedError(f"rope type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})")
@@ -45,15 +51,16 @@ def compute_inv_freq(hf_config, head_size: int) -> tuple[torch.Tensor, float]:
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     with torch.device("cpu"):  # whatever device the model is being built on
-        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        kw = {} if layer_type is None else {"layer_type": layer_type}  # longrope: no seq_len = short factors
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kw)
     return inv_freq.float(), float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_size: int, max_position: int, hf_config):
+    def __init__(self, head_size: int, max_position: int, hf_config, layer_type: str | None = None):
         super().__init__()
         self.head_size = head_size
-        inv_freq, self.attention_factor = compute_inv_freq(hf_config, head_size)
+        inv_freq, self.attention_factor = compute_inv_freq(hf_config, head_size, layer_type)
         self.rotary_dim = 2 * inv_freq.numel()
         # computed on the CPU whatever the device (the same table everywhere), then moved to the
         # device the model is being built on (`with torch.device(...)` in build_model)
@@ -70,5 +77,6 @@ class RotaryEmbedding(nn.Module):
         return query, key
 
 
-def get_rope(hf_config, head_size: int, max_position: int | None = None) -> RotaryEmbedding:
-    return RotaryEmbedding(head_size, max_position or hf_config.max_position_embeddings, hf_config)
+def get_rope(hf_config, head_size: int, max_position: int | None = None,
+             layer_type: str | None = None) -> RotaryEmbedding:
+    return RotaryEmbedding(head_size, max_position or hf_config.max_position_embeddings, hf_config, layer_type)

@@ -1,0 +1,90 @@
+"""Loading an HF safetensors checkpoint into a model whose projections may be fused.
+
+A model class declares how checkpoint tensors reach its parameters:
+  packed_modules_mapping  {hf module: (our fused module, shard id)}: q_proj -> qkv_proj "q", ...
+  checkpoint_splits(cfg)  {hf module: [(shard id, rows)]}: a checkpoint tensor that is already
+                          fused (Phi-3's qkv_proj, gate_up_proj) is cut along dim 0 into shards,
+                          so every fused parameter's weight_loader sees the same pieces whatever
+                          the checkpoint's layout (and a TP rank keeps only its own part).
+Sharded checkpoints (model-0000N-of-0000M.safetensors + model.safetensors.index.json) load
+from the files the index names.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+import torch.nn as nn
+
+FUSED_SHARDS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}  # our fused modules' shard ids
+SKIPPED_TENSORS = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, n) for n in names]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    return files
+
+
+def _targets(name: str, tensor: torch.Tensor, packed: dict, splits: dict):
+    """(our parameter name, shard id, tensor) for one checkpoint tensor."""
+    for hf_name, pieces in splits.items():
+        if f".{hf_name}." in name:
+            start = 0
+            for shard_id, rows in pieces:
+                yield name, shard_id, tensor.narrow(0, start, rows)
+                start += rows
+            if start != tensor.shape[0]:
+                raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {start}")
+            return
+    for hf_name, (fused, shard_id) in packed.items():
+        if f".{hf_name}." in name:
+            yield name.replace(f".{hf_name}.", f".{fused}."), shard_id, tensor
+            return
+    yield name, None, tensor
+
+
+def load_checkpoint(model: nn.Module, model_dir: str, packed: dict, splits: dict,
+                    tie_word_embeddings: bool) -> None:
+    """Load every checkpoint tensor, one at a time, through its parameter's weight_loader
+    (which keeps only this rank's shard). Raises KeyError for a tensor with no parameter and
+    ValueError when a parameter (or a shard of a fused one) is left unloaded."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(SKIPPED_TENSORS):
+                    continue
+                if tie_word_embeddings and name == "lm_head.weight":
+                    continue  # shares model.embed_tokens.weight
+                for target, shard_id, tensor in _targets(name, f.get_tensor(name), packed, splits):
+                    if target not in params:
+                        raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
+                    param = params[target]
+                    loader = getattr(param, "weight_loader", None)
+                    if loader is None:
+                        param.data.copy_(tensor)
+                    elif shard_id is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard_id)
+                    loaded.add(f"{target}:{shard_id}")
+    expected = set()
+    for name, _ in model.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        shards = FUSED_SHARDS.get(module.rpartition(".")[2], (None,)) if leaf in ("weight", "bias") else (None,)
+        expected |= {f"{name}:{s}" for s in shards}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"weights missing from {model_dir}: {missing[:8]}")
