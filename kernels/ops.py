@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference as _ref
+from kernels import reference_moe as _ref_moe
 from kernels.cpu_ops import attention as _cpu_attn
 from kernels.cpu_ops import decoder as _cpu_decoder
 from kernels.cpu_ops import elementwise as _cpu_ew
@@ -116,6 +117,20 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                     seq_lens, scale)
     return _ref.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc,
                                 seq_lens, scale)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing: (topk_weights [T, k] float32, topk_ids [T, k] int64). Plain torch
+    on every device (a few small ops next to the expert GEMMs)."""
+    return _ref_moe.moe_route(router_logits, top_k, renormalize)
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Experts' gated MLPs over hidden [T, H], weighted by the routing: [T, H] (kernels/reference_moe.py)."""
+    if _use_triton(hidden):
+        return _tri.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+    return _ref_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:

@@ -10,6 +10,7 @@ window, where full attention and sliding-window attention are the same thing.
 from __future__ import annotations
 
 import glob
+import importlib
 import os
 
 import torch
@@ -147,13 +148,14 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    model_class: type[nn.Module] = LlamaModel  # the decoder stack; MoE models bring their own
 
     def __init__(self, hf_config, dtype: torch.dtype = torch.float32, max_position: int | None = None):
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
         max_position = max_position or hf_config.max_position_embeddings
-        self.model = LlamaModel(hf_config, dtype, max_position)
+        self.model = self.model_class(hf_config, dtype, max_position)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -185,11 +187,7 @@ class LlamaForCausalLM(nn.Module):
                         continue
                     if self.tie_word_embeddings and name == "lm_head.weight":
                         continue  # shares model.embed_tokens.weight
-                    target, shard_id = name, None
-                    for hf_name, (fused, sid) in self.packed_modules_mapping.items():
-                        if f".{hf_name}." in name:
-                            target, shard_id = name.replace(f".{hf_name}.", f".{fused}."), sid
-                            break
+                    target, shard_id = self.checkpoint_target(name)
                     if target not in params:
                         raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
                     param = params[target]
@@ -201,18 +199,28 @@ class LlamaForCausalLM(nn.Module):
                         loader(param, tensor)
                     else:
                         loader(param, tensor, shard_id)
-                    loaded.add(f"{target}:{shard_id}")
-        expected = set()
-        for name, _ in self.named_parameters():
-            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-                expected |= {f"{name}:{s}" for s in ("q", "k", "v")}
-            elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
-                expected |= {f"{name}:{s}" for s in (0, 1)}
-            else:
-                expected.add(f"{name}:None")
+                    # a whole (already fused) tensor fills every shard of its parameter
+                    shards = self.shard_ids(target) if shard_id is None else (shard_id,)
+                    loaded |= {f"{target}:{s}" for s in shards}
+        expected = {f"{name}:{s}" for name, _ in self.named_parameters() for s in self.shard_ids(name)}
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"weights missing from {model_dir}: {missing[:8]}")
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """(our parameter name, shard id for its weight_loader) of checkpoint tensor `name`."""
+        for hf_name, (fused, sid) in self.packed_modules_mapping.items():
+            if f".{hf_name}." in name:
+                return name.replace(f".{hf_name}.", f".{fused}."), sid
+        return name, None
+
+    def shard_ids(self, param_name: str) -> tuple:
+        """The shard ids under which a parameter's checkpoint tensors arrive (None: one tensor)."""
+        if param_name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            return ("q", "k", "v")
+        if param_name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+            return (0, 1)
+        return (None,)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -234,10 +242,12 @@ def kv_cache_spec(hf_config, tp_size: int | None = None) -> tuple[int, int, int]
     return hf_config.num_hidden_layers, max(1, total_kv // tp), head_dim_of(hf_config)
 
 
-_MODELS: dict[str, type[nn.Module]] = {
+# a module path: the class of that name there, imported on first use (it builds on this module)
+_MODELS: dict[str, type[nn.Module] | str] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Qwen3MoeForCausalLM": "llmsvc.models.moe", "MixtralForCausalLM": "llmsvc.models.moe",
 }
 assert tuple(_MODELS) == SUPPORTED_ARCHITECTURES
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -246,9 +256,10 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 
 def get_model_class(architecture: str) -> type[nn.Module]:
     try:
-        return _MODELS[architecture]
+        cls = _MODELS[architecture]
     except KeyError:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(_MODELS)}") from None
+    return getattr(importlib.import_module(cls), architecture) if isinstance(cls, str) else cls
 
 
 def to_torch_dtype(dtype) -> torch.dtype:
