@@ -17,16 +17,22 @@ from llmsvc.models.llama import kv_cache_spec
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=320, max_position_embeddings=256, rms_norm_eps=1e-5,
             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# 8 experts, 2 per token; Qwen3-MoE's head_dim (32) differs from hidden / heads (16)
+TINY_MOE = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32,
+                              intermediate_size=48),
+            "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)}
 
 
 def tiny_hf_config(arch: str = "llama", tie: bool = False, **cfg):
     import transformers
     classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "mistral": transformers.MistralConfig}
-    kw = {**TINY, "tie_word_embeddings": tie, **cfg}
+               "mistral": transformers.MistralConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+               "mixtral": transformers.MixtralConfig}
+    kw = {**TINY, **TINY_MOE.get(arch, {}), "tie_word_embeddings": tie, **cfg}
     config = classes[arch](**kw)
     config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                             "mistral": "MistralForCausalLM"}[arch]]
+                             "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                             "mixtral": "MixtralForCausalLM"}[arch]]
     return config
 
 
