@@ -12,6 +12,8 @@ A (token, slot) pair is numbered p = t * k + j; the expert computes
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from kernels import reference as _ref
@@ -36,17 +38,17 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     return torch.argsort(flat, stable=True), counts
 
 
-def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """Sum over each token's k experts of routing weight * expert MLP output: [T, H] in hidden.dtype.
+def grouped_by_expert(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      num_experts: int, expert_mlp: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Sum over each token's k experts of routing weight * expert_mlp(e, rows): [T, H] in hidden.dtype.
 
-    Grouped by expert: every expert multiplies all its tokens in one GEMM pair (gathered rows),
-    and the weighted outputs are scatter-added into an fp32 accumulator."""
+    Grouped by expert: expert_mlp(e, x [n, H]) -> [n, H] runs once per expert on all its rows
+    (gathered), and the weighted outputs are scatter-added into an fp32 accumulator."""
     t, k = topk_ids.shape
     out = torch.zeros(t, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     if t == 0:
         return out.to(hidden.dtype)
-    pairs, counts = sort_by_expert(topk_ids, w13.shape[0])
+    pairs, counts = sort_by_expert(topk_ids, num_experts)
     tokens = pairs // k  # [T * k] token row of each sorted pair
     weights = topk_weights.reshape(-1)[pairs].float()  # [T * k]
     start = 0
@@ -54,9 +56,15 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         if n == 0:
             continue
         rows = tokens[start:start + n]
-        x = hidden.index_select(0, rows)  # [n, H]
-        act = _ref.silu_and_mul(x @ w13[e].t())  # [n, I]
-        y = act @ w2[e].t()  # [n, H]
+        y = expert_mlp(e, hidden.index_select(0, rows))  # [n, H]
         out.index_add_(0, rows, y.float() * weights[start:start + n, None])
         start += n
     return out.to(hidden.dtype)
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """The experts' gated MLPs, weighted by the routing: [T, H] in hidden.dtype."""
+    def expert_mlp(e: int, x: torch.Tensor) -> torch.Tensor:
+        return _ref.silu_and_mul(x @ w13[e].t()) @ w2[e].t()  # [n, 2I] -> [n, I] -> [n, H]
+    return grouped_by_expert(hidden, topk_weights, topk_ids, w13.shape[0], expert_mlp)

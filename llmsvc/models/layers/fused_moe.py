@@ -44,6 +44,11 @@ class FusedMoE(nn.Module):
                                       requires_grad=False)
         self.gate_up_proj.weight_loader = self.weight_loader
         self.down_proj.weight_loader = self.weight_loader
+        self.packed: tuple[list, list] | None = None  # set by process_weights_after_loading
+
+    def process_weights_after_loading(self) -> None:
+        """Once the weights are final: pre-pack every expert's GEMMs for the CPU where that applies."""
+        self.packed = ops.pack_moe_weights(self.gate_up_proj.data, self.down_proj.data)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         """loaded_weight is the FULL Hugging Face tensor: gate or up [I, H] of one expert, down
@@ -65,5 +70,5 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], routing [T, k] -> [T, H], summed over ranks."""
-        out = ops.fused_moe(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        out = ops.fused_moe(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.packed)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
