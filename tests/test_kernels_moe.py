@@ -141,3 +141,23 @@ def test_custom_op_registered_with_fake_impl():
     assert hasattr(torch.ops.llmsvc, "fused_moe")
     torch.library.opcheck(torch.ops.llmsvc.fused_moe.default, (x, w13, w2, weights, ids),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.skipif(not (HAS_TRITON and INTERPRET), reason="CPU tensors take the Triton path only in the interpreter")
+def test_moe_block_under_torch_compile_in_one_graph():
+    """Router, routing and the Triton fused_moe custom op compile into one graph (no graph
+    break, no host read), as CUDA-graph capture of a decode step needs."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(9)
+    w13, w2 = _experts(8, 32, 16, torch.float32, seed=1)
+    gate = torch.randn(8, 32, generator=g)
+    x = torch.randn(5, 32, generator=g)
+
+    def block(x):
+        weights, ids = ops.moe_route(x @ gate.t(), 2, True)
+        return ops.fused_moe(x, w13, w2, weights, ids)
+
+    expected = block(x)  # eager, torch reference
+    with ops.force_triton():
+        got = torch.compile(block, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
