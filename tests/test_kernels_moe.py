@@ -143,7 +143,8 @@ def test_custom_op_registered_with_fake_impl():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-@pytest.mark.skipif(not (HAS_TRITON and INTERPRET), reason="CPU tensors take the Triton path only in the interpreter")
+@pytest.mark.skipif(not (HAS_TRITON and INTERPRET),
+                    reason="CPU tensors take the Triton path only in the interpreter")
 def test_moe_block_under_torch_compile_in_one_graph():
     """Router, routing and the Triton fused_moe custom op compile into one graph (no graph
     break, no host read), as CUDA-graph capture of a decode step needs."""

@@ -125,30 +125,36 @@ def test_engine_greedy_matches_hf_generate(served_dirs, name, path, monkeypatch)
     assert bool(triton_calls) == (path == "triton")
 
 
+# (family, checkpoint tensor under model.layers.1.) -> (our parameter under model.layers.1., shard id)
+NAME_MAP = [
+    ("qwen3_moe", "mlp.experts.7.gate_proj.weight", "mlp.experts.gate_up_proj", (7, 0)),
+    ("qwen3_moe", "mlp.experts.3.up_proj.weight", "mlp.experts.gate_up_proj", (3, 1)),
+    ("qwen3_moe", "mlp.experts.0.down_proj.weight", "mlp.experts.down_proj", 0),
+    ("qwen3_moe", "mlp.gate.weight", "mlp.gate.weight", None),
+    ("qwen3_moe", "mlp.gate_proj.weight", "mlp.gate_up_proj.weight", 0),  # a dense layer
+    ("qwen3_moe", "self_attn.k_proj.weight", "self_attn.qkv_proj.weight", "k"),
+    ("qwen3_moe", "self_attn.q_norm.weight", "self_attn.q_norm.weight", None),
+    ("mixtral", "block_sparse_moe.experts.5.w1.weight", "mlp.experts.gate_up_proj", (5, 0)),
+    ("mixtral", "block_sparse_moe.experts.5.w3.weight", "mlp.experts.gate_up_proj", (5, 1)),
+    ("mixtral", "block_sparse_moe.experts.6.w2.weight", "mlp.experts.down_proj", 6),
+    ("mixtral", "block_sparse_moe.gate.weight", "mlp.gate.weight", None),
+]
+
+
 def test_checkpoint_names_map_to_stacked_experts():
     from llmsvc.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
     from model_utils import tiny_hf_config
-    qwen = Qwen3MoeForCausalLM(tiny_hf_config("qwen3_moe"))
-    mixtral = MixtralForCausalLM(tiny_hf_config("mixtral"))
-    layer = "model.layers.1"
-    assert qwen.checkpoint_target(f"{layer}.mlp.experts.7.gate_proj.weight") == (f"{layer}.mlp.experts.gate_up_proj", (7, 0))
-    assert qwen.checkpoint_target(f"{layer}.mlp.experts.3.up_proj.weight") == (f"{layer}.mlp.experts.gate_up_proj", (3, 1))
-    assert qwen.checkpoint_target(f"{layer}.mlp.experts.0.down_proj.weight") == (f"{layer}.mlp.experts.down_proj", 0)
-    assert qwen.checkpoint_target(f"{layer}.mlp.gate.weight") == (f"{layer}.mlp.gate.weight", None)
-    assert qwen.checkpoint_target(f"{layer}.mlp.gate_proj.weight") == (f"{layer}.mlp.gate_up_proj.weight", 0)  # dense
-    assert qwen.checkpoint_target(f"{layer}.self_attn.k_proj.weight") == (f"{layer}.self_attn.qkv_proj.weight", "k")
-    assert qwen.checkpoint_target(f"{layer}.self_attn.q_norm.weight") == (f"{layer}.self_attn.q_norm.weight", None)
-    for name, target in ((f"{layer}.block_sparse_moe.experts.5.w1.weight", ("gate_up_proj", (5, 0))),
-                         (f"{layer}.block_sparse_moe.experts.5.w3.weight", ("gate_up_proj", (5, 1))),
-                         (f"{layer}.block_sparse_moe.experts.6.w2.weight", ("down_proj", 6))):
-        assert mixtral.checkpoint_target(name) == (f"{layer}.mlp.experts.{target[0]}", target[1])
-    assert mixtral.checkpoint_target(f"{layer}.block_sparse_moe.gate.weight") == (f"{layer}.mlp.gate.weight", None)
-    params = dict(qwen.named_parameters())
-    for name in (f"{layer}.mlp.experts.gate_up_proj", f"{layer}.mlp.experts.down_proj", f"{layer}.mlp.gate.weight"):
-        assert name in params
-    assert params[f"{layer}.mlp.experts.gate_up_proj"].shape == (8, 2 * 32, 64)
-    assert len(qwen.shard_ids(f"{layer}.mlp.experts.gate_up_proj")) == 16
-    assert qwen.shard_ids(f"{layer}.mlp.experts.down_proj") == tuple(range(8))
+    models = {"qwen3_moe": Qwen3MoeForCausalLM(tiny_hf_config("qwen3_moe")),
+              "mixtral": MixtralForCausalLM(tiny_hf_config("mixtral"))}
+    for arch, name, target, shard in NAME_MAP:
+        model = models[arch]
+        assert model.checkpoint_target(f"model.layers.1.{name}") == (f"model.layers.1.{target}", shard), name
+        if arch == "qwen3_moe" and target.startswith("mlp.experts"):
+            assert f"model.layers.1.{target}" in dict(model.named_parameters())
+    qwen, experts = models["qwen3_moe"], "model.layers.1.mlp.experts"
+    assert dict(qwen.named_parameters())[f"{experts}.gate_up_proj"].shape == (8, 2 * 32, 64)  # [E, 2I, H]
+    assert len(qwen.shard_ids(f"{experts}.gate_up_proj")) == 16
+    assert qwen.shard_ids(f"{experts}.down_proj") == tuple(range(8))
 
 
 @pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
