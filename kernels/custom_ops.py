@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from kernels.triton_ops import fused_moe as _moe
 from kernels.triton_ops import paged_attention as _attn
 from kernels.triton_ops import rms_norm as _norm
 from kernels.triton_ops import rotary_embedding as _rope
@@ -87,3 +88,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def _(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
       max_query_len=None, max_seq_len=None, decode_split_size=None, sliding_window=0, soft_cap=0.0):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("llmsvc::fused_moe", mutates_args=())
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    return _moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+
+@fused_moe.register_fake
+def _(hidden, w13, w2, topk_weights, topk_ids):
+    return torch.empty_like(hidden, memory_format=torch.contiguous_format)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference as _ref
+from kernels import reference_moe as _ref_moe
 from kernels.cpu_ops import attention as _cpu_attn
 from kernels.cpu_ops import decoder as _cpu_decoder
 from kernels.cpu_ops import elementwise as _cpu_ew
@@ -120,6 +121,34 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                          seq_lens, scale, sliding_window, soft_cap)
     return _ref.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc,
                                 seq_lens, scale, sliding_window, soft_cap)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing: (topk_weights [T, k] float32, topk_ids [T, k] int64). Plain torch
+    on every device (a few small ops next to the expert GEMMs)."""
+    return _ref_moe.moe_route(router_logits, top_k, renormalize)
+
+
+def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> Optional[tuple[list, list]]:
+    """Called once after loading: each expert's w13[e] [2I, H] and w2[e] [H, I] packed as
+    `pack_linear_weight` packs a linear weight, or None where any of them would not be."""
+    packed = ([_cpu_linear.pack(w) for w in w13], [_cpu_linear.pack(w) for w in w2])
+    return None if any(p is None for p in packed[0] + packed[1]) else packed
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, packed: Optional[tuple[list, list]] = None) -> torch.Tensor:
+    """Experts' gated MLPs over hidden [T, H], weighted by the routing: [T, H] (kernels/reference_moe.py).
+    `packed` (from pack_moe_weights) runs each expert's GEMMs on the CPU packed kernels."""
+    if _use_triton(hidden):
+        return _tri.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+    if packed is None or not hidden.is_cpu:
+        return _ref_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+    p13, p2 = packed
+
+    def expert_mlp(e: int, x: torch.Tensor) -> torch.Tensor:
+        return _cpu_linear.linear(silu_and_mul(_cpu_linear.linear(x, w13[e], None, p13[e])), w2[e], None, p2[e])
+    return _ref_moe.grouped_by_expert(hidden, topk_weights, topk_ids, w13.shape[0], expert_mlp)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:

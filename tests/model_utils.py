@@ -17,6 +17,10 @@ from llmsvc.models.llama import kv_cache_spec
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=320, max_position_embeddings=256, rms_norm_eps=1e-5,
             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# 8 experts, 2 per token; Qwen3-MoE's head_dim (32) differs from hidden / heads (16)
+TINY_MOE = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32,
+                              intermediate_size=48),
+            "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)}
 
 
 # arch -> (transformers config class, architecture, family defaults over TINY)
@@ -32,6 +36,8 @@ FAMILIES = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", TINY_MOE["qwen3_moe"]),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", TINY_MOE["mixtral"]),
 }
 
 

@@ -12,6 +12,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernels.triton_ops.fused_moe import BLOCK_K as MOE_BLOCK_K
+from kernels.triton_ops.fused_moe import BLOCK_N as MOE_BLOCK_N
+from kernels.triton_ops.fused_moe import _moe_gemm_kernel
 from kernels.triton_ops.paged_decode import _decode_reduce_kernel, _decode_split_kernel
 from kernels.triton_ops.rms_norm import _rms_norm_kernel
 from kernels.triton_ops.rotary_embedding import _rope_kernel
@@ -78,6 +81,12 @@ def kernel_specs(dtype: str = "fp16", head_dim: int = 64, group: int = 4):
          dict(part_o_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", out_ptr=p,
               qsl_ptr="*i32", stride_ot=i, stride_oh=i, head_size=i, num_q_heads=i,
               num_splits=i), dict(S_PAD=16, D_PAD=d_pad), 4),
+    ] + [
+        (name, _moe_gemm_kernel,
+         dict(a_ptr=p, b_ptr=p, c_ptr=c, w_ptr="*fp32", pair_ptr="*i32", tile_expert_ptr="*i32",
+              num_pairs=i, n_out=i, k_in=i, a_row_div=i, stride_am=i, stride_be=i, stride_bn=i, stride_cm=i),
+         dict(MUL_WEIGHT=mul, BLOCK_M=64, BLOCK_N=MOE_BLOCK_N, BLOCK_K=MOE_BLOCK_K, DOT_PREC=prec), 4)
+        for name, c, mul in (("fused_moe_gate_up", p, False), ("fused_moe_down", "*fp32", True))
     ]
 
 

@@ -4,6 +4,8 @@ Torch-free to import: the engine imports `llmsvc.models.resolve`, which needs no
   resolve.py   default_model_path, resolve_model_dir (GGUF -> cached HF dir), resolve_model_config
   llama.py     LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM, build_model,
                get_model_class, kv_cache_spec
+  moe.py       Qwen3MoeForCausalLM / MixtralForCausalLM (experts over kernels.ops.fused_moe)
   parallel.py  tensor-parallel rank / world size and collectives
-  layers/      parallel linears, vocab-parallel embedding, RoPE, paged attention, RMSNorm
+  layers/      parallel linears, vocab-parallel embedding, RoPE, paged attention, RMSNorm,
+               the stacked experts of an MoE layer (fused_moe.py)
 """

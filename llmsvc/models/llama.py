@@ -68,7 +68,7 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
                                         attention_bias, params_dtype=dtype)
-        if cfg.model_type == "qwen3":
+        if cfg.model_type in ("qwen3", "qwen3_moe"):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
         else:
@@ -82,7 +82,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D] (this rank's heads)
         qk = self.q_size + self.kv_size
         q, k, v = qkv[:, :self.q_size], qkv[:, self.q_size:qk], qkv[:, qk:]  # views
-        if self.q_norm is not None:  # Qwen3: [T, H * D] -> the same, each head RMS-normalised
+        if self.q_norm is not None:  # Qwen3 / Qwen3-MoE: [T, H * D] -> the same, each head RMS-normalised
             q = per_head_rms_norm(self.q_norm, q, self.head_dim)
             k = per_head_rms_norm(self.k_norm, k, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
@@ -167,13 +167,14 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    model_class: type[nn.Module] = LlamaModel  # the decoder stack; MoE models bring their own
 
     def __init__(self, hf_config, dtype: torch.dtype = torch.float32, max_position: int | None = None):
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
         max_position = max_position or hf_config.max_position_embeddings
-        self.model = LlamaModel(hf_config, dtype, max_position)
+        self.model = self.model_class(hf_config, dtype, max_position)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -195,8 +196,22 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, model_dir: str) -> None:
         """Load the checkpoint's safetensors (see llmsvc/models/weights.py); raises if a
         parameter is left unloaded or a tensor has no parameter."""
-        load_checkpoint(self, model_dir, self.packed_modules_mapping, self.checkpoint_splits(),
-                        self.tie_word_embeddings)
+        load_checkpoint(self, model_dir, self.checkpoint_splits(), self.tie_word_embeddings)
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """(our parameter name, shard id for its weight_loader) of checkpoint tensor `name`."""
+        for hf_name, (fused, sid) in self.packed_modules_mapping.items():
+            if f".{hf_name}." in name:
+                return name.replace(f".{hf_name}.", f".{fused}."), sid
+        return name, None
+
+    def shard_ids(self, param_name: str) -> tuple:
+        """The shard ids under which a parameter's checkpoint tensors arrive (None: one tensor)."""
+        if param_name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            return ("q", "k", "v")
+        if param_name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+            return (0, 1)
+        return (None,)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

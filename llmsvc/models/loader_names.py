@@ -11,6 +11,8 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "llmsvc.models.llama:Qwen3ForCausalLM",
     "Phi3ForCausalLM": "llmsvc.models.llama:Phi3ForCausalLM",
     "Gemma3ForCausalLM": "llmsvc.models.gemma3:Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM": "llmsvc.models.moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "llmsvc.models.moe:MixtralForCausalLM",
 }
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -19,6 +21,8 @@ MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 TORCH_DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -28,13 +32,13 @@ def layer_sliding_windows(hf_config) -> list[int]:
     """Per decoder layer, the sliding window its attention uses in transformers (0: full
     attention). A config with `layer_types` (Qwen2/3, Gemma 3) windows its
     "sliding_attention" layers; otherwise a `sliding_window` windows every layer (Mistral,
-    Phi-3), except for Qwen2/3, whose window needs use_sliding_window."""
+    Phi-3, Mixtral), except for Qwen2/3 and Qwen3-MoE, whose window needs use_sliding_window."""
     n = hf_config.num_hidden_layers
     window = int(getattr(hf_config, "sliding_window", None) or 0)
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types:
         return [window if t == "sliding_attention" else 0 for t in layer_types[:n]]
-    if hf_config.model_type in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
+    if hf_config.model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(hf_config, "use_sliding_window", False):
         return [0] * n
     return [window] * n
 

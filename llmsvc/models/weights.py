@@ -1,7 +1,9 @@
 """Loading an HF safetensors checkpoint into a model whose projections may be fused.
 
 A model class declares how checkpoint tensors reach its parameters:
-  packed_modules_mapping  {hf module: (our fused module, shard id)}: q_proj -> qkv_proj "q", ...
+  checkpoint_target(name) (our parameter name, shard id) of one checkpoint tensor: q_proj ->
+                          qkv_proj "q", an MoE expert's w1 -> (stacked gate_up_proj, (e, 0)), ...
+  shard_ids(param name)   the shard ids a parameter's tensors arrive under ((None,): one tensor)
   checkpoint_splits(cfg)  {hf module: [(shard id, rows)]}: a checkpoint tensor that is already
                           fused (Phi-3's qkv_proj, gate_up_proj) is cut along dim 0 into shards,
                           so every fused parameter's weight_loader sees the same pieces whatever
@@ -18,7 +20,6 @@ import os
 import torch
 import torch.nn as nn
 
-FUSED_SHARDS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}  # our fused modules' shard ids
 SKIPPED_TENSORS = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry
 
 
@@ -34,7 +35,7 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
-def _targets(name: str, tensor: torch.Tensor, packed: dict, splits: dict):
+def _targets(model: nn.Module, name: str, tensor: torch.Tensor, splits: dict):
     """(our parameter name, shard id, tensor) for one checkpoint tensor."""
     for hf_name, pieces in splits.items():
         if f".{hf_name}." in name:
@@ -45,15 +46,11 @@ def _targets(name: str, tensor: torch.Tensor, packed: dict, splits: dict):
             if start != tensor.shape[0]:
                 raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {start}")
             return
-    for hf_name, (fused, shard_id) in packed.items():
-        if f".{hf_name}." in name:
-            yield name.replace(f".{hf_name}.", f".{fused}."), shard_id, tensor
-            return
-    yield name, None, tensor
+    target, shard_id = model.checkpoint_target(name)
+    yield target, shard_id, tensor
 
 
-def load_checkpoint(model: nn.Module, model_dir: str, packed: dict, splits: dict,
-                    tie_word_embeddings: bool) -> None:
+def load_checkpoint(model: nn.Module, model_dir: str, splits: dict, tie_word_embeddings: bool) -> None:
     """Load every checkpoint tensor, one at a time, through its parameter's weight_loader
     (which keeps only this rank's shard). Raises KeyError for a tensor with no parameter and
     ValueError when a parameter (or a shard of a fused one) is left unloaded."""
@@ -68,7 +65,7 @@ def load_checkpoint(model: nn.Module, model_dir: str, packed: dict, splits: dict
                     continue
                 if tie_word_embeddings and name == "lm_head.weight":
                     continue  # shares model.embed_tokens.weight
-                for target, shard_id, tensor in _targets(name, f.get_tensor(name), packed, splits):
+                for target, shard_id, tensor in _targets(model, name, f.get_tensor(name), splits):
                     if target not in params:
                         raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
                     param = params[target]
@@ -79,12 +76,10 @@ def load_checkpoint(model: nn.Module, model_dir: str, packed: dict, splits: dict
                         loader(param, tensor)
                     else:
                         loader(param, tensor, shard_id)
-                    loaded.add(f"{target}:{shard_id}")
-    expected = set()
-    for name, _ in model.named_parameters():
-        module, _, leaf = name.rpartition(".")
-        shards = FUSED_SHARDS.get(module.rpartition(".")[2], (None,)) if leaf in ("weight", "bias") else (None,)
-        expected |= {f"{name}:{s}" for s in shards}
+                    # a whole (already fused or stacked) tensor fills every shard of its parameter
+                    shards = model.shard_ids(target) if shard_id is None else (shard_id,)
+                    loaded |= {f"{target}:{s}" for s in shards}
+    expected = {f"{name}:{s}" for name, _ in model.named_parameters() for s in model.shard_ids(name)}
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {missing[:8]}")
