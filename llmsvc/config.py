@@ -60,6 +60,11 @@ class ParallelConfig:
     nnodes: int = 1
     node_rank: int = 0
 
+    @property
+    def executor_kind(self) -> str:
+        """The executor actually built: tensor-parallel whenever tensor_parallel_size > 1."""
+        return "tp" if self.tensor_parallel_size > 1 else self.executor
+
 
 @dataclass
 class EngineConfig:

@@ -58,13 +58,13 @@ def test_validation_errors(tok):
         engine.add_request("a", [1, 2, 3], ok)
     cases = [
         ([], ok, "prompt"),
-        ([1, VOCAB], ok, "prompt_token_ids"),
-        ([1, -1], ok, "prompt_token_ids"),
+        ([1, VOCAB], ok, "prompt_token_ids[1]"),
+        ([1, -1], ok, "prompt_token_ids[1]"),
         ([1] * 60, SamplingParams(max_tokens=5), "max_tokens"),
-        ([1] * 60, SamplingParams(max_tokens=None, min_tokens=4), "min_tokens"),
+        ([1] * 60, SamplingParams(max_tokens=None, min_tokens=5), "prompt"),  # 60 + 4 fits in 64; 60 + 5 does not
         ([1], SamplingParams(stop=[str(i) for i in range(65)]), "stop"),
         ([1], SamplingParams(n=17), "n"),
-        ([1], SamplingParams(stop_token_ids=[VOCAB + 5]), "stop_token_ids"),
+        ([1], SamplingParams(stop_token_ids=[VOCAB + 5]), "stop_token_ids[0]"),
     ]
     for prompt, params, field in cases:
         with pytest.raises(InvalidRequestError) as e:

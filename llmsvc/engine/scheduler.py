@@ -250,6 +250,7 @@ class Scheduler:
             stop_reason=req.stop_reason,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             first_scheduled_time=req.first_scheduled_time,
+            num_preemptions=req.num_preemptions,
         )
 
     # ---- observability ---------------------------------------------------------------------

@@ -114,8 +114,7 @@ class LlmServer:
         await ae.start()
         self.async_engine = ae
         config = engine.config
-        dev = getattr(config, "device", "cpu")
-        self.state.device = dev if dev != "auto" else str(getattr(engine, "device", "cpu"))
+        self.state.device = config.device  # resolved by the engine ("auto" never reaches here)
         if self.warmup:
             await self._warm_up(ae, config)
         self.servicer.attach(ae, engine.tokenizer, config)

@@ -29,6 +29,8 @@ from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 API_VERSION = "llmsvc.v1"
+# ParallelConfig.executor_kind -> GetServerInfoResponse.executor
+EXECUTOR_NAMES = {"uniproc": "uniproc", "multiproc": "multiproc", "tp": "tensor_parallel"}
 # requests bigger than this are tokenized/validated on a worker thread: a multi-MiB prompt takes
 # seconds to tokenize and must not stall the event loop (every other stream, health checks)
 INLINE_PROMPT_BYTES = 64 << 10
@@ -242,7 +244,8 @@ class LlmService(pb_grpc.LlmServiceServicer):
         st = self.engine.get_stats()
         c = self.config
         resp.MergeFrom(pb.GetServerInfoResponse(
-            tensor_parallel_size=c.parallel_config.tensor_parallel_size, executor=c.parallel_config.executor,
+            tensor_parallel_size=c.parallel_config.tensor_parallel_size,
+            executor=EXECUTOR_NAMES[c.parallel_config.executor_kind],
             kv_block_size=c.cache_config.block_size, num_kv_blocks=st.num_kv_blocks,
             num_free_kv_blocks=st.num_free_kv_blocks, max_num_seqs=c.scheduler_config.max_num_seqs,
             max_num_batched_tokens=c.scheduler_config.max_num_batched_tokens, num_running=st.num_running,
