@@ -7,8 +7,25 @@ model once (`llmsvc.models.resolve.resolve_model_config`, which fills the fields
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+# K/M/G/T and KiB/MiB/GiB/TiB are binary (powers of 1024), KB/MB/GB/TB decimal: "2G" == "2GiB"
+_MEMORY_UNITS = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgt", start=1):
+    _MEMORY_UNITS.update({_p: 1024 ** _i, _p + "ib": 1024 ** _i, _p + "b": 1000 ** _i})
+MEMORY_SIZE_HELP = "K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000"
+
+
+def parse_memory(value: int | str) -> int:
+    """Bytes from an int or a string like "512MiB", "2G" (= 2GiB), "1.5GB" (decimal). ValueError if bad."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _MEMORY_UNITS:
+        raise ValueError(f"cannot parse memory size {value!r} (e.g. 2GiB, 512MiB; {MEMORY_SIZE_HELP})")
+    return int(float(m.group(1)) * _MEMORY_UNITS[m.group(2).lower()])
 
 
 @dataclass

@@ -3,26 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 from collections.abc import Sequence
 
-from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, parse_memory
 from llmsvc.outputs import RequestOutput
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30}
-
-
-def parse_memory(value: int | str) -> int:
-    """Bytes from an int or a string like "512MiB", "2GiB", "1.5G"."""
-    if isinstance(value, int):
-        return value
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot parse memory size {value!r} (e.g. 2GiB, 512MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 _GEN_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 

@@ -28,6 +28,22 @@ def test_parse_bytes():
         cli.parse_bytes("lots")
 
 
+@pytest.mark.parametrize("size,expected", [("2G", 2 << 30), ("2GiB", 2 << 30), ("2GB", 2 * 10 ** 9),
+                                           ("512M", 512 << 20), ("64K", 64 << 10)])
+def test_kv_cache_memory_means_the_same_in_serve_and_llm(size, expected, monkeypatch):
+    from llmsvc import llm as llm_module
+    from llmsvc.engine.llm_engine import LLMEngine
+
+    c = cli.build_config(parse(["--kv-cache-memory", size]))
+    assert c.cache_config.kv_cache_memory_bytes == expected
+    c = cli.build_config(parse([], monkeypatch, {"LLMSVC_KV_CACHE_MEMORY": size}))
+    assert c.cache_config.kv_cache_memory_bytes == expected
+    seen = []
+    monkeypatch.setattr(LLMEngine, "from_config", classmethod(lambda cls, config: seen.append(config)))
+    llm_module.LLM(kv_cache_memory=size)
+    assert seen[0].cache_config.kv_cache_memory_bytes == expected
+
+
 def test_flags_and_env(monkeypatch):
     a = parse(["m.gguf", "--port", "0", "--kv-cache-memory", "1GiB", "--no-prefix-caching", "--executor", "tp",
                "--tensor-parallel-size", "2"])

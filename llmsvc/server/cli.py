@@ -15,19 +15,16 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 import signal
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000 ** 2, "mb": 1000 ** 2, "mib": 1024 ** 2,
-          "g": 1000 ** 3, "gb": 1000 ** 3, "gib": 1024 ** 3, "t": 1000 ** 4, "tb": 1000 ** 4, "tib": 1024 ** 4}
-
+from llmsvc.config import MEMORY_SIZE_HELP, parse_memory
 
 def parse_bytes(text: str) -> int:
-    """'2GiB' -> 2147483648; '512MB' -> 512000000; '1024' -> 1024."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """llmsvc.config.parse_memory for argparse: '2G' and '2GiB' -> 2147483648; '512MB' -> 512000000."""
+    try:
+        return parse_memory(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _env(name: str, default, type_=str):
@@ -66,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--max-model-len", int, None, help="context length (default: the model's)")
     opt("--max-num-seqs", int, 128, help="max requests running at once")
     opt("--max-num-batched-tokens", int, 1024, help="token budget per step")
-    opt("--kv-cache-memory", parse_bytes, "2GiB", help="KV cache budget, e.g. 2GiB")
+    opt("--kv-cache-memory", parse_bytes, "2GiB", help=f"KV cache budget, e.g. 2GiB or 2G ({MEMORY_SIZE_HELP})")
     opt("--block-size", int, 16, help="tokens per KV block")
     opt("--no-prefix-caching", bool, help="disable prefix caching")
     opt("--max-waiting-requests", int, 4096, help="admission cap; past it RESOURCE_EXHAUSTED")
