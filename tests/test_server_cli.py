@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from llmsvc.server import cli
-from llmsvc.server.app import LlmServer
+from llmsvc.server.app import BindError, LlmServer
 from tests.server_harness import fake_engine_factory
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def parse(argv, monkeypatch=None, env=None):
@@ -85,3 +91,33 @@ def test_serve_exits_0_on_stop_and_1_on_engine_death():
 
     code, server = asyncio.run(_serve_until(fake_engine_factory(), kill_engine))
     assert code == 1 and server.engine_died
+
+
+def test_second_server_on_a_busy_port_fails_naming_it():
+    async def both():
+        first = LlmServer(fake_engine_factory(), host="127.0.0.1", port=0)
+        port = await first.start()
+        try:
+            second = LlmServer(fake_engine_factory(), host="127.0.0.1", port=port)
+            with pytest.raises(BindError, match=f"127.0.0.1:{port}"):
+                await second.start()
+        finally:
+            await first.shutdown(0.0)
+    asyncio.run(both())
+
+
+def test_serve_on_a_busy_port_exits_non_zero(tmp_path):
+    from tests.server_harness import make_tiny_served_model_dir
+
+    model_dir = make_tiny_served_model_dir(tmp_path)
+    with socket.socket() as held:  # a listener with SO_REUSEPORT, as gRPC servers set it by default
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = [sys.executable, "-m", "llmsvc", "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
+               "--executor", "uniproc"]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"127.0.0.1:{port}" in proc.stderr and "in use" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -31,7 +31,14 @@ SERVER_OPTIONS = (
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),  # never GOAWAY a client for pinging
     ("grpc.keepalive_permit_without_calls", 1),
+    # gRPC sets SO_REUSEPORT by default: a second server on a busy port would bind and silently
+    # share it with the first. Off, the bind fails and the second server exits.
+    ("grpc.so_reuseport", 0),
 )
+
+
+class BindError(OSError):
+    """The gRPC port could not be bound (in use, or not an address of this machine)."""
 
 
 def default_engine_factory(config) -> Callable[[], object]:
@@ -92,12 +99,20 @@ class LlmServer:
         self.health.add_to_server(self.server)
         add_reflection(self.server)
         host = f"[{self.host}]" if ":" in self.host else self.host
-        if self.tls is not None:
-            self.port = self.server.add_secure_port(f"{host}:{self.port}", self.tls.server_credentials())
-        else:
-            self.port = self.server.add_insecure_port(f"{host}:{self.port}")
-        if not self.port:
-            raise RuntimeError(f"could not bind {self.host}")
+        address = f"{host}:{self.port}"
+        try:
+            if self.tls is not None:
+                bound = self.server.add_secure_port(address, self.tls.server_credentials())
+            else:
+                bound = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpc: "Failed to bind to address ..."
+            bound = 0
+        if not bound:
+            await self.server.stop(None)
+            self.server = None
+            raise BindError(f"cannot listen on {address}: port {self.port} is already in use "
+                            f"or {self.host} is not an address of this machine")
+        self.port = bound
         await self.server.start()
         await self.health.starting()
         if self.metrics_http is not None:

@@ -178,8 +178,12 @@ def main(args) -> int:
         except Exception:
             logging.getLogger("llmsvc.server").exception("headless node failed")
             return 1
+    from llmsvc.server.app import BindError
     try:
         return asyncio.run(serve(args, security))
+    except BindError as e:
+        logging.getLogger("llmsvc.server").error("%s", e)
+        return 1
     except Exception:
         logging.getLogger("llmsvc.server").exception("server failed")
         return 1
