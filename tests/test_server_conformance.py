@@ -103,3 +103,71 @@ def test_prompt_plus_min_tokens_at_max_model_len_is_prompt_too_long(srv):
     d = rpc_details(e.value)
     assert d["ErrorInfo"].reason == "PROMPT_TOO_LONG"
     assert d["ErrorInfo"].metadata["prompt_tokens"] == "60"
+
+
+def _run_in_order(s: ServerThread, reqs: list[pb.GenerateRequest], gap_s: float = 0.15) -> tuple[list[str], dict]:
+    """Send the requests `gap_s` apart, each from its own thread; return the order their streams
+    finished and each final message by request id."""
+    import threading
+    import time
+
+    done, finals_by_id = [], {}
+    lock = threading.Lock()
+
+    def one(r):
+        for m in s.stub.Generate(r):
+            if m.HasField("finish"):
+                with lock:
+                    done.append(r.request_id)
+                    finals_by_id[r.request_id] = m
+    threads = []
+    for r in reqs:
+        t = threading.Thread(target=one, args=(r,))
+        t.start()
+        threads.append(t)
+        time.sleep(gap_s)
+    for t in threads:
+        t.join(60)
+    return done, finals_by_id
+
+
+def _req(rid: str, priority: int, max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=rid, text="go", priority=priority, stream=True,
+                              stopping=ST(max_tokens=max_tokens), output=pb.OutputOptions(include_timing=True))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_priority_policy_orders_waiting_requests(policy):
+    # one seat: "first" runs; "later" (priority 3) and then "sooner" (priority 1) wait for it
+    with ServerThread(fake_engine_factory(max_num_seqs=1, step_delay=0.01, policy=policy)) as s:
+        done, out = _run_in_order(s, [_req("first", 0, 60), _req("later", 3, 3), _req("sooner", 1, 3)])
+    assert done == (["first", "sooner", "later"] if policy == "priority" else ["first", "later", "sooner"])
+    assert all(m.finish.timing.num_preemptions == 0 for m in out.values())  # nobody ranked below a waiter
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_priority_arrival_preempts_a_less_urgent_running_request(policy):
+    with ServerThread(fake_engine_factory(max_num_seqs=1, step_delay=0.01, policy=policy)) as s:
+        done, out = _run_in_order(s, [_req("batch", 5, 40), _req("urgent", -1, 3)])
+    if policy == "priority":
+        assert done == ["urgent", "batch"]
+        assert out["batch"].finish.timing.num_preemptions == 1
+    else:
+        assert done == ["batch", "urgent"]
+        assert out["batch"].finish.timing.num_preemptions == 0
+    assert out["batch"].num_output_tokens == 40  # recomputed after preemption, nothing lost
+
+
+def test_scheduling_policy_flag_and_env(monkeypatch):
+    import argparse
+
+    from llmsvc.server import cli
+
+    def config(argv):
+        p = argparse.ArgumentParser()
+        cli.add_arguments(p)
+        return cli.build_config(p.parse_args(argv)).scheduler_config.policy
+    assert config([]) == "fcfs"
+    assert config(["--scheduling-policy", "priority"]) == "priority"
+    monkeypatch.setenv("LLMSVC_SCHEDULING_POLICY", "priority")
+    assert config([]) == "priority"

@@ -8,7 +8,7 @@ from llmsvc import outputs
 from llmsvc.config import CacheConfig, SchedulerConfig
 from llmsvc.engine.core_output import EngineCoreOutput
 from llmsvc.engine.errors import PromptTooLongError, QueueFullError
-from llmsvc.engine.kv_cache_manager import KVCacheManager
+from llmsvc.engine.kv_cache_manager import KVCacheManager, cdiv
 from llmsvc.engine.request import Request, RequestStatus
 from llmsvc.engine.request_queue import create_request_queue
 from llmsvc.wire import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -92,6 +92,8 @@ class Scheduler:
         cached = CachedRequestData.make_empty()
         preempted = False
         now = time.time()
+        if self.config.policy == "priority":
+            self._preempt_for_waiting(budget)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -154,6 +156,24 @@ class Scheduler:
         if total > 0:  # otherwise nothing runs; keep them for the next executed step
             self.finished_req_ids.clear()
         return SchedulerOutput(new_reqs, cached, num_scheduled, total, finished)
+
+    def _preempt_for_waiting(self, budget: int) -> None:
+        """Priority policy: while the best waiting request cannot be admitted (no seat, or too few
+        free blocks for its first chunk) and a running request ranks strictly below it by
+        (priority, arrival_time), preempt the lowest-ranked running request (as vLLM does)."""
+        while len(self.waiting) and self.running:
+            head = self.waiting.peek()
+            victim = self._pick_victim(self.running)
+            if (victim.priority, victim.arrival_time) <= (head.priority, head.arrival_time):
+                return
+            if len(self.running) < self.config.max_num_seqs:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(head)
+                num_new = min(head.num_tokens - num_hit, budget)
+                need = cdiv(num_hit + num_new, self.kv.block_size) - len(hit_blocks)
+                if need <= self.kv.num_free_blocks:
+                    return
+            self.running.remove(victim)
+            self._preempt(victim)
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
         if self.config.policy == "priority":

@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--block-size", int, 16, help="tokens per KV block")
     opt("--no-prefix-caching", bool, help="disable prefix caching")
     opt("--max-waiting-requests", int, 4096, help="admission cap; past it RESOURCE_EXHAUSTED")
+    opt("--scheduling-policy", str, "fcfs", choices=["fcfs", "priority"],
+        help="fcfs: first come, first served; priority: waiting requests by (GenerateRequest.priority, "
+             "arrival), lower first, and a more urgent arrival may preempt a running less urgent request")
     opt("--device", str, "auto", choices=["auto", "cpu", "cuda"], help="device")
     opt("--shutdown-grace", float, 30.0,
         help="seconds in-flight requests get on SIGTERM (a second SIGTERM/SIGINT ends it)")
@@ -91,7 +94,8 @@ def build_config(args):
                                  enable_prefix_caching=not args.no_prefix_caching),
         scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                          max_num_batched_tokens=args.max_num_batched_tokens,
-                                         max_waiting_requests=args.max_waiting_requests),
+                                         max_waiting_requests=args.max_waiting_requests,
+                                         policy=args.scheduling_policy),
         parallel_config=ParallelConfig(executor=args.executor, tensor_parallel_size=args.tensor_parallel_size,
                                        **_multi_node(args)),
         device=args.device)
