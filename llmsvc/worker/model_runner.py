@@ -61,18 +61,19 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     def warmup(self) -> None:
-        """A tiny prefill and decode through every op (block 0 only; nothing is cached yet). On
+        """A tiny prefill and decode through every op (the first blocks; nothing is cached yet). On
         CUDA also a 512-token prefill, a decode past the 512-key split-K threshold and a mixed
         step, so every Triton kernel variant compiles here and not in a user's first request."""
         n = min(self.block_size, 8)
         steps = [{"w0": (0, n)}, {"w0": (n, 1)}]  # req -> (num_computed, num_new), per step
+        short_blocks = -(-(n + 1) // self.block_size)  # the decode at position n needs block 1 when n == block_size
         split = DEFAULT_DECODE_SPLIT
         long_len = split + 2
         long_blocks = -(-long_len // self.block_size)
-        if (self.device.type == "cuda" and self.num_blocks > long_blocks
+        if (self.device.type == "cuda" and self.num_blocks >= short_blocks + long_blocks
                 and (self.config.model_config.max_model_len or 0) >= long_len):
             steps += [{"w1": (0, split)}, {"w1": (split, 1)}, {"w1": (split + 1, 1), "w0": (0, n)}]
-        tables = {"w0": [0], "w1": list(range(1, long_blocks + 1))}
+        tables = {"w0": list(range(short_blocks)), "w1": list(range(short_blocks, short_blocks + long_blocks))}
         prompt_len = {"w0": n + 1, "w1": long_len}
         for step in steps:
             self._warmup_step(step, tables, prompt_len)
