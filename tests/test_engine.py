@@ -94,6 +94,23 @@ def test_waiting_queue_cap(tok):
     run_all(engine)
 
 
+def test_partly_added_n_request_is_rolled_back(tok):
+    # cap 2: "a" waits, child 0 of the n=2 request takes the last place, child 1 is refused;
+    # child 0 must leave the core again or it holds a waiting place (and its id) for ever
+    engine, _ = make_engine(tok)
+    engine.core.scheduler.config.max_waiting_requests = 2
+    engine.add_request("a", [1], SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFullError):
+        engine.add_request("pair", [1, 2], SamplingParams(n=2, max_tokens=2))
+    assert "pair" not in engine.output_processor
+    assert sorted(engine.core.scheduler.requests) == ["a"]
+    engine.add_request("b", [1], SamplingParams(max_tokens=2))  # refused when child 0 stayed
+    outs = run_all(engine)
+    assert sorted(outs) == ["a", "b"]
+    engine.add_request("pair", [1, 2], SamplingParams(n=2, max_tokens=2))  # the id is free
+    assert sorted(run_all(engine)) == ["pair"]
+
+
 def test_stop_string_finishes_request_in_core(tok):
     prompt = tok.encode("Q: name an animal. A:")
     engine, ex = make_engine(tok, token_fn=scripted(tok, " The brown fox jumps high", len(prompt)))

@@ -282,3 +282,17 @@ def test_context_finish_at_max_model_len():
     core.add_request(req("c", list(range(30)), max_tokens=None))
     res = run(core)
     assert res["c"]["finish"] == "context" and len(res["c"]["tokens"]) == 10
+
+
+def test_block_content_reused_at_another_position_is_recomputed():
+    # the FakeExecutor checks every attended slot holds (position, token): a prefix-cache hit on a
+    # block computed at another position (hash without its parent) fails there or in the tokens
+    core, _ = make_core(block_size=4)
+    P, Q, Y = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    core.add_request(req("a", P + Q + Y + [13], max_tokens=2))
+    run(core)
+    for rid, prompt in (("b", P + Y + [13]), ("c", Q + Y + Y + [13]), ("d", P + Q + Y + [14])):
+        core.add_request(req(rid, prompt, max_tokens=4))
+        res = run(core)
+        assert res[rid]["tokens"] == reference_tokens(prompt, 4)
+        assert res[rid]["cached"] == {"b": 4, "c": 0, "d": 12}[rid]
