@@ -5,7 +5,8 @@ reflection at once; load() builds the engine in a worker thread, warms it up, th
 LlmService to SERVING. shutdown(grace): NOT_SERVING -> new Generate UNAVAILABLE -> in-flight
 requests get `grace` seconds -> the rest are aborted -> the server stops (metrics endpoint last).
 Options: TLS/mTLS (`tls`), bearer-token auth (`auth_tokens`; health and reflection stay open),
-Prometheus metrics on their own HTTP port (`metrics_port`: None = off, 0 = any free port).
+Prometheus metrics on their own HTTP port (`metrics_port`: None = off, 0 = any free port), with
+the GenerateRequest.labels keys in `metrics_label_keys` as Prometheus labels.
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ class LlmServer:
                  max_backlog_bytes: int = 4 << 20, max_backlog_age_s: float = 60.0,
                  max_waiting_requests: int | None = None, warmup: bool = True,
                  tls: TlsConfig | None = None, auth_tokens: list[str] | None = None,
-                 metrics_port: int | None = None, metrics_host: str | None = None) -> None:
+                 metrics_port: int | None = None, metrics_host: str | None = None,
+                 metrics_label_keys: tuple[str, ...] = ()) -> None:
         self.engine_factory = engine_factory
         self.host, self.port = host, port
         self.backlog = dict(max_backlog_bytes=max_backlog_bytes, max_backlog_age_s=max_backlog_age_s)
@@ -64,7 +66,7 @@ class LlmServer:
         self.health = Health()
         self.tls = tls
         self.auth = BearerTokenInterceptor(auth_tokens) if auth_tokens else None
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(label_keys=metrics_label_keys)
         self.metrics.add_engine_collector(self._engine_snapshot)
         self.metrics_http = (MetricsHttpServer(self.metrics.registry, metrics_host or host, metrics_port)
                              if metrics_port is not None else None)

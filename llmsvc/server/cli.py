@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--log-format", str, "text", choices=["text", "json"], help="log lines as text or one JSON object each")
     opt("--metrics-port", int, 0, help="Prometheus /metrics HTTP port (0 = off)")
     opt("--metrics-host", str, None, help="address for the metrics port (default: --host)")
+    opt("--metrics-label-keys", str, "",
+        help="comma-separated GenerateRequest.labels keys (e.g. tenant) that become Prometheus labels of the "
+             "per-request series; other keys only reach the logs (at most 100 values per key, then 'other')")
     opt("--tls-cert", str, None, help="PEM server certificate (chain); with --tls-key enables TLS")
     opt("--tls-key", str, None, help="PEM private key of --tls-cert")
     opt("--tls-client-ca", str, None, help="PEM CA bundle; clients must present a certificate it signed (mTLS)")
@@ -143,12 +146,14 @@ def security_options(args) -> dict:
 
 async def serve(args, security: dict | None = None) -> int:
     from llmsvc.server.app import LlmServer, default_engine_factory
+    from llmsvc.server.metrics import parse_label_keys
     config = build_config(args)
     security = security_options(args) if security is None else security
     metrics_port = getattr(args, "metrics_port", 0) or None
     server = LlmServer(default_engine_factory(config), host=args.host, port=args.port,
                        max_waiting_requests=args.max_waiting_requests, metrics_port=metrics_port,
-                       metrics_host=getattr(args, "metrics_host", None), **security)
+                       metrics_host=getattr(args, "metrics_host", None),
+                       metrics_label_keys=parse_label_keys(args.metrics_label_keys), **security)
     server.shutdown_grace = args.shutdown_grace
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -169,9 +174,11 @@ async def serve(args, security: dict | None = None) -> int:
 
 def main(args) -> int:
     from llmsvc.server.logging_setup import setup_logging
+    from llmsvc.server.metrics import parse_label_keys
     setup_logging(args.log_level, getattr(args, "log_format", "text"))
     try:
         _multi_node(args)
+        parse_label_keys(args.metrics_label_keys)
         security = security_options(args)
     except (ValueError, OSError) as e:  # TLS files, token file, multi-node flags: no traceback
         logging.getLogger("llmsvc.server").error("bad configuration: %s", e)

@@ -3,8 +3,9 @@
 Generate: id (body | x-request-id | uuid4) -> validation -> initial metadata (x-request-id, before
 prefill) -> AsyncEngine.generate -> messages. Cancel, disconnect and deadline expiry raise
 CancelledError here, which closes the engine generator and aborts the request.
-The request id is put in `request_id_var` so every log line of the call carries it; each
-output feeds the per-request Prometheus series (`metrics`, a ServerMetrics, when set).
+The request id and labels are put in `request_id_var` / `request_labels_var` so every log line of
+the call carries them; each output feeds the per-request Prometheus series (`metrics`, a
+ServerMetrics, when set), labelled by the allow-listed label keys.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import grpc
 
 from llmsvc.engine.output_stream import merge_delta
 from llmsvc.server import errors
-from llmsvc.server.logging_setup import request_id_var
+from llmsvc.server.logging_setup import request_id_var, request_labels_var
 from llmsvc.server.prompt import encode, has_chat_template, render_chat
 from llmsvc.server.prompt import resolve_prompt
 from llmsvc.server.responses import ResponseBuilder
@@ -101,6 +102,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
     async def Generate(self, request, context):
         rid = self._request_id(request, context)
         request_id_var.set(rid)  # this RPC's task only
+        request_labels_var.set(dict(request.labels) or None)
         tracker = None
         try:
             self._check_serving()
@@ -117,7 +119,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
             logger.debug("request %s admitted: %d prompt tokens, traceparent=%s", rid, len(ids),
                          dict(context.invocation_metadata() or ()).get("traceparent"))
             gen = self.engine.generate(rid, ids, params, prompt=prompt, priority=request.priority)
-            tracker = self.metrics.track(params.n) if self.metrics is not None else None
+            tracker = self.metrics.track(params.n, dict(request.labels)) if self.metrics is not None else None
             try:
                 if request.stream:
                     async for out in gen:
