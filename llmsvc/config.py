@@ -15,6 +15,7 @@ from typing import Any
 _MEMORY_UNITS = {"": 1, "b": 1}
 for _i, _p in enumerate("kmgt", start=1):
     _MEMORY_UNITS.update({_p: 1024 ** _i, _p + "ib": 1024 ** _i, _p + "b": 1000 ** _i})
+DTYPES = ("float32", "bfloat16", "float16")  # ModelConfig.dtype names; torch's via models.llama.to_torch_dtype
 MEMORY_SIZE_HELP = "K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000"
 
 
@@ -31,7 +32,7 @@ def parse_memory(value: int | str) -> int:
 @dataclass
 class ModelConfig:
     model: str | None = None  # HF directory or .gguf file; None = default SmolLM2-135M-Instruct GGUF
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: str = "float32"  # one of DTYPES
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
     enforce_eager: bool = False  # CUDA: never capture decode steps in CUDA graphs
@@ -96,3 +97,23 @@ class EngineConfig:
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)
+
+    @classmethod
+    def from_options(cls, **options) -> "EngineConfig":
+        """The one way the entry points (LLM, `llmsvc serve`, `llmsvc bench`) build a config: each
+        flat option goes to the section that has a field of that name (EngineConfig itself, then
+        model, cache, scheduler, parallel). None means "the default"; `kv_cache_memory` takes a
+        size ("2GiB", parse_memory). TypeError for a name no section has."""
+        config = cls()
+        sections = (config, config.model_config, config.cache_config, config.scheduler_config,
+                    config.parallel_config)
+        for key, value in options.items():
+            if value is None:
+                continue
+            if key == "kv_cache_memory":
+                key, value = "kv_cache_memory_bytes", parse_memory(value)
+            section = next((s for s in sections if key in {f.name for f in dataclasses.fields(s)}), None)
+            if section is None:
+                raise TypeError(f"unknown engine option {key!r}")
+            setattr(section, key, value)
+        return config

@@ -5,7 +5,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, parse_memory
+from llmsvc.config import EngineConfig, parse_memory  # noqa: F401 - parse_memory: public here too
 from llmsvc.outputs import RequestOutput
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
 
@@ -22,21 +22,14 @@ class LLM:
                  tensor_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 1024, kv_cache_memory: int | str | None = None,
                  enable_prefix_caching: bool = True, seed: int = 0, **kw) -> None:
-        model_cfg = ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed)
-        cache_cfg = CacheConfig(enable_prefix_caching=enable_prefix_caching)
-        if kv_cache_memory is not None:
-            cache_cfg.kv_cache_memory_bytes = parse_memory(kv_cache_memory)
-        sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-        par_cfg = ParallelConfig(executor=executor, tensor_parallel_size=tensor_parallel_size)
-        config = EngineConfig(model_config=model_cfg, cache_config=cache_cfg, scheduler_config=sched_cfg,
-                              parallel_config=par_cfg, log_stats_interval_s=0.0)
-        for key, value in kw.items():
-            for section in (config, model_cfg, cache_cfg, sched_cfg, par_cfg):
-                if key in {f.name for f in dataclasses.fields(section)}:
-                    setattr(section, key, value)
-                    break
-            else:
-                raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
+        try:
+            config = EngineConfig.from_options(
+                model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, executor=executor,
+                tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
+                enable_prefix_caching=enable_prefix_caching, log_stats_interval_s=0.0, **kw)
+        except TypeError as e:
+            raise TypeError(f"LLM() got an unexpected keyword argument: {e}") from None
         from llmsvc.engine.llm_engine import LLMEngine
 
         self.llm_engine = LLMEngine.from_config(config)

@@ -121,3 +121,39 @@ def test_serve_on_a_busy_port_exits_non_zero(tmp_path):
     assert proc.returncode != 0
     assert f"127.0.0.1:{port}" in proc.stderr and "in use" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_serve_and_llm_build_the_same_config(monkeypatch):
+    from llmsvc import llm as llm_module
+    from llmsvc.config import EngineConfig
+    from llmsvc.engine.llm_engine import LLMEngine
+
+    served = cli.build_config(parse(["m.gguf", "--dtype", "bfloat16", "--max-model-len", "512", "--block-size", "8",
+                                     "--kv-cache-memory", "1G", "--max-num-seqs", "4", "--executor", "uniproc",
+                                     "--scheduling-policy", "priority", "--device", "cpu"]))
+    seen = []
+    monkeypatch.setattr(LLMEngine, "from_config", classmethod(lambda cls, config: seen.append(config)))
+    llm_module.LLM("m.gguf", dtype="bfloat16", max_model_len=512, block_size=8, kv_cache_memory="1G",
+                   max_num_seqs=4, policy="priority", device="cpu")
+    offline = seen[0]
+    assert offline.replace(log_stats_interval_s=served.log_stats_interval_s) == served  # LLM logs no stats
+    assert EngineConfig.from_options(max_num_seqs=None) == EngineConfig()  # None: the default
+    with pytest.raises(TypeError, match="no_such_option"):
+        EngineConfig.from_options(no_such_option=1)
+    with pytest.raises(TypeError, match="no_such_option"):
+        llm_module.LLM(no_such_option=1)
+
+
+def test_dtype_names_have_one_source():
+    import torch
+
+    from llmsvc.config import DTYPES
+    from llmsvc.models.llama import to_torch_dtype
+
+    assert [to_torch_dtype(name) for name in DTYPES] == [torch.float32, torch.bfloat16, torch.float16]
+    for name in DTYPES:
+        assert cli.build_config(parse(["--dtype", name])).model_config.dtype == name
+    with pytest.raises(SystemExit):
+        parse(["--dtype", "half"])
+    with pytest.raises(ValueError, match="float32, bfloat16, float16"):
+        to_torch_dtype("half")

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from kernels import ops
-from llmsvc.config import ModelConfig
+from llmsvc.config import DTYPES, ModelConfig
 from llmsvc.models.layers.activation import SiluAndMul
 from llmsvc.models.layers.attention import Attention, AttentionMetadata
 from llmsvc.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -240,8 +240,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
 }
 assert tuple(_MODELS) == SUPPORTED_ARCHITECTURES
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
@@ -257,7 +256,7 @@ def to_torch_dtype(dtype) -> torch.dtype:
     try:
         return _DTYPES[str(dtype).removeprefix("torch.")]
     except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16") from None
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}") from None
 
 
 @torch.no_grad()

@@ -1,3 +1,2 @@
-"""Torch-free names the resolver checks before any model is built (kept in sync with loader.py)."""
+"""Torch-free names the resolver checks before any model is built (kept in sync with llama.py)."""
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-TORCH_DTYPE_NAMES = ("float32", "bfloat16", "float16")

@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 
-from llmsvc.config import MEMORY_SIZE_HELP, parse_memory
+from llmsvc.config import DTYPES, MEMORY_SIZE_HELP, parse_memory
 
 def parse_bytes(text: str) -> int:
     """llmsvc.config.parse_memory for argparse: '2G' and '2GiB' -> 2147483648; '512MB' -> 512000000."""
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--node-rank", int, 0, help="this machine's index; 0 serves gRPC, the others run headless workers")
     opt("--master-addr", str, "127.0.0.1", help="address of node 0, where ranks rendezvous (multi-node)")
     opt("--master-port", int, 0, help="rendezvous port on node 0; required when --nnodes > 1")
-    opt("--dtype", str, "float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
+    opt("--dtype", str, "float32", choices=list(DTYPES), help="model dtype")
     opt("--max-model-len", int, None, help="context length (default: the model's)")
     opt("--max-num-seqs", int, 128, help="max requests running at once")
     opt("--max-num-batched-tokens", int, 1024, help="token budget per step")
@@ -89,19 +89,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_config(args):
-    from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-    kv = args.kv_cache_memory if isinstance(args.kv_cache_memory, int) else parse_bytes(args.kv_cache_memory)
-    return EngineConfig(
-        model_config=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
-        cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=kv,
-                                 enable_prefix_caching=not args.no_prefix_caching),
-        scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                         max_num_batched_tokens=args.max_num_batched_tokens,
-                                         max_waiting_requests=args.max_waiting_requests,
-                                         policy=args.scheduling_policy),
-        parallel_config=ParallelConfig(executor=args.executor, tensor_parallel_size=args.tensor_parallel_size,
-                                       **_multi_node(args)),
-        device=args.device)
+    from llmsvc.config import EngineConfig
+    return EngineConfig.from_options(
+        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy, executor=args.executor,
+        tensor_parallel_size=args.tensor_parallel_size, device=args.device, **_multi_node(args))
 
 
 def _multi_node(args) -> dict:

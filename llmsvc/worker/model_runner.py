@@ -8,7 +8,7 @@ import torch
 
 from kernels.triton_ops import DEFAULT_DECODE_SPLIT
 from llmsvc.config import EngineConfig
-from llmsvc.models.llama import build_model, kv_cache_spec
+from llmsvc.models.llama import build_model, kv_cache_spec, to_torch_dtype
 from llmsvc.models.parallel import get_tp_rank, get_tp_world_size
 from llmsvc.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmsvc.worker.graphs import capture_decode_graphs, graph_inputs
@@ -19,7 +19,6 @@ from llmsvc.worker.sampling_metadata import SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelRunner:
@@ -28,7 +27,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
-        self.dtype = DTYPES[config.model_config.dtype]
+        self.dtype = to_torch_dtype(config.model_config.dtype)
         self.block_size = config.cache_config.block_size
         self.states = RequestStates()
         self.sampler = Sampler()
