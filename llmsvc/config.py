@@ -64,7 +64,7 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024  # token budget per step (prefill chunks + decodes)
-    max_waiting_requests: int = 4096  # admission cap; past it new requests are rejected
+    max_waiting_requests: int = 4096  # serving admission cap (AsyncEngine); past it new requests are rejected
     policy: str = "fcfs"  # fcfs | priority
     enable_chunked_prefill: bool = True
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from llmsvc import outputs
 from llmsvc.config import CacheConfig, SchedulerConfig
 from llmsvc.engine.core_output import EngineCoreOutput
-from llmsvc.engine.errors import PromptTooLongError, QueueFullError
+from llmsvc.engine.errors import PromptTooLongError
 from llmsvc.engine.kv_cache_manager import KVCacheManager, cdiv
 from llmsvc.engine.request import Request, RequestStatus
 from llmsvc.engine.request_queue import create_request_queue
@@ -40,8 +40,6 @@ class Scheduler:
             what = ("the KV cache pool" if self.max_len < self.max_model_len
                     else "the maximum context length")
             raise PromptTooLongError(request.num_prompt_tokens, self.max_len, what)
-        if len(self.waiting) >= self.config.max_waiting_requests:
-            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting_requests); retry later")
         request.max_len = self.max_len
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
