@@ -100,8 +100,8 @@ def build_config(args):
 
 def _multi_node(args) -> dict:
     """ParallelConfig fields of the multi-node flags (ValueError when they do not fit together)."""
-    nnodes, node_rank = getattr(args, "nnodes", 1), getattr(args, "node_rank", 0)
-    addr, port = getattr(args, "master_addr", "127.0.0.1"), getattr(args, "master_port", 0)
+    nnodes, node_rank = args.nnodes, args.node_rank
+    addr, port = args.master_addr, args.master_port
     if nnodes > 1:
         tp = args.tensor_parallel_size
         if not 0 <= node_rank < nnodes:
@@ -130,11 +130,10 @@ def security_options(args) -> dict:
     """TLS and auth keyword arguments of LlmServer from the flags and LLMSVC_AUTH_TOKENS (ValueError if bad)."""
     from llmsvc.server.auth import TOKENS_ENV, load_tokens
     from llmsvc.server.tls import TlsConfig
-    tls = TlsConfig.from_args(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
-                              getattr(args, "tls_client_ca", None))
+    tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_client_ca)
     if tls is not None:
         tls.server_credentials()  # fail at startup on unreadable files
-    tokens = load_tokens(getattr(args, "auth_token_file", None), os.environ.get(TOKENS_ENV))
+    tokens = load_tokens(args.auth_token_file, os.environ.get(TOKENS_ENV))
     return dict(tls=tls, auth_tokens=tokens or None)
 
 
@@ -143,10 +142,10 @@ async def serve(args, security: dict | None = None) -> int:
     from llmsvc.server.metrics import parse_label_keys
     config = build_config(args)
     security = security_options(args) if security is None else security
-    metrics_port = getattr(args, "metrics_port", 0) or None
+    metrics_port = args.metrics_port or None
     server = LlmServer(default_engine_factory(config), host=args.host, port=args.port,
                        max_waiting_requests=args.max_waiting_requests, metrics_port=metrics_port,
-                       metrics_host=getattr(args, "metrics_host", None),
+                       metrics_host=args.metrics_host,
                        metrics_label_keys=parse_label_keys(args.metrics_label_keys), **security)
     server.shutdown_grace = args.shutdown_grace
     stop = asyncio.Event()
@@ -169,7 +168,7 @@ async def serve(args, security: dict | None = None) -> int:
 def main(args) -> int:
     from llmsvc.server.logging_setup import setup_logging
     from llmsvc.server.metrics import parse_label_keys
-    setup_logging(args.log_level, getattr(args, "log_format", "text"))
+    setup_logging(args.log_level, args.log_format)
     try:
         _multi_node(args)
         parse_label_keys(args.metrics_label_keys)
@@ -177,7 +176,7 @@ def main(args) -> int:
     except (ValueError, OSError) as e:  # TLS files, token file, multi-node flags: no traceback
         logging.getLogger("llmsvc.server").error("bad configuration: %s", e)
         return 2
-    if getattr(args, "node_rank", 0) > 0:
+    if args.node_rank > 0:
         try:
             return run_headless(args)
         except Exception:
