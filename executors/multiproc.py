@@ -115,8 +115,8 @@ class MultiprocExecutor(Executor):
                 try:
                     return pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError) as e:
-                    for p in self.procs:  # a closed pipe means the process is exiting: learn its exit code
-                        p.join(2.0)
+                    # its process is exiting: wait (briefly) for its exit code, which may explain why
+                    self.procs[self.conns.index(conn)].join(2.0)
                     raise ExecutorError(f"lost worker pipe during {what}: {self._dead() or e}") from e
             if ready:  # a process sentinel fired
                 time.sleep(0.05)

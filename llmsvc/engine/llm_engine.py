@@ -35,7 +35,8 @@ class LLMEngine:
         mc = config.model_config
         self.vocab_size = mc.vocab_size or (len(tokenizer) if tokenizer is not None else 0)
         # seeds for unseeded sampling requests: drawn at admission so each one is echoed and can be
-        # replayed; the stream follows the configured seed, so a rerun of the same requests repeats
+        # replayed; the stream follows the configured seed, so a rerun of the same requests repeats.
+        # 62 bits: seed + index stays below the 2^63 a request may ask for
         self._seed_rng = random.Random(mc.seed)
         self.eos_token_ids = list(mc.eos_token_ids)
         if not self.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -86,7 +87,7 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         arrival_time = time.time() if arrival_time is None else arrival_time
         if params.seed is None and not params.greedy:
-            params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(63))
+            params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(62))
         parent = ParentRequest(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival_time)
         added: list[str] = []
         try:
