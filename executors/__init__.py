@@ -11,8 +11,8 @@ def create_executor(config: EngineConfig) -> Executor:
     """Build the executor named by config.parallel_config.executor (implementations import lazily:
     importing this package does not import torch)."""
     pc = config.parallel_config
-    name = pc.executor
-    if name == "tp" or pc.tensor_parallel_size > 1:
+    name = pc.executor_kind
+    if name == "tp":
         from executors.tensor_parallel import TensorParallelExecutor
 
         return TensorParallelExecutor(config)

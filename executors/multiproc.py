@@ -13,6 +13,7 @@ import multiprocessing.connection as mpc
 import os
 import pickle
 import socket
+import sys
 import time
 
 from executors.base import Executor, ExecutorError
@@ -21,6 +22,25 @@ from llmsvc.config import EngineConfig
 from llmsvc.wire import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# A spawned worker first re-runs the parent's main script (as "__mp_main__"). A script that builds
+# a multiproc engine at top level, unguarded, would build one again in every worker; the worker
+# exits with this code instead, and the parent says what to add.
+UNGUARDED_MAIN_EXIT = 86
+UNGUARDED_MAIN_HINT = (
+    "the main script creates a multiprocess engine at top level: worker processes are spawned and "
+    "re-run the main script, so put that code under `if __name__ == \"__main__\":` "
+    "(or use executor=\"uniproc\")")
+
+
+def _exit_if_reimported_main() -> None:
+    """In a spawned worker that is re-running the parent's unguarded main script: explain, exit.
+    (While multiprocessing re-runs it, the script runs as module "__mp_main__", not yet __main__.)"""
+    rerun = sys.modules.get("__mp_main__")
+    if rerun is not None and rerun is not sys.modules.get("__main__"):
+        sys.stderr.write(f"llmsvc worker: {UNGUARDED_MAIN_HINT}\n")
+        sys.stderr.flush()
+        os._exit(UNGUARDED_MAIN_EXIT)
 
 
 def _free_port(host: str) -> int:
@@ -34,6 +54,7 @@ class MultiprocExecutor(Executor):
     startup_timeout_s = 900.0
 
     def __init__(self, config: EngineConfig, world_size: int = 1) -> None:
+        _exit_if_reimported_main()
         super().__init__(config)
         pc = config.parallel_config
         self.world_size = world_size
@@ -78,6 +99,8 @@ class MultiprocExecutor(Executor):
     # -- plumbing ---------------------------------------------------------------------------
     def _dead(self) -> str | None:
         for rank, p in zip(self.ranks, self.procs):
+            if p.exitcode == UNGUARDED_MAIN_EXIT:
+                return f"worker rank {rank} (pid {p.pid}) could not start: {UNGUARDED_MAIN_HINT}"
             if p.exitcode is not None:
                 return f"worker rank {rank} (pid {p.pid}) died with exit code {p.exitcode}"
         return None
@@ -92,6 +115,8 @@ class MultiprocExecutor(Executor):
                 try:
                     return pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError) as e:
+                    # its process is exiting: wait (briefly) for its exit code, which may explain why
+                    self.procs[self.conns.index(conn)].join(2.0)
                     raise ExecutorError(f"lost worker pipe during {what}: {self._dead() or e}") from e
             if ready:  # a process sentinel fired
                 time.sleep(0.05)

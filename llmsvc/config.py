@@ -7,14 +7,32 @@ model once (`llmsvc.models.resolve.resolve_model_config`, which fills the fields
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+# K/M/G/T and KiB/MiB/GiB/TiB are binary (powers of 1024), KB/MB/GB/TB decimal: "2G" == "2GiB"
+_MEMORY_UNITS = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgt", start=1):
+    _MEMORY_UNITS.update({_p: 1024 ** _i, _p + "ib": 1024 ** _i, _p + "b": 1000 ** _i})
+DTYPES = ("float32", "bfloat16", "float16")  # ModelConfig.dtype names; torch's via models.llama.to_torch_dtype
+MEMORY_SIZE_HELP = "K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000"
+
+
+def parse_memory(value: int | str) -> int:
+    """Bytes from an int or a string like "512MiB", "2G" (= 2GiB), "1.5GB" (decimal). ValueError if bad."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _MEMORY_UNITS:
+        raise ValueError(f"cannot parse memory size {value!r} (e.g. 2GiB, 512MiB; {MEMORY_SIZE_HELP})")
+    return int(float(m.group(1)) * _MEMORY_UNITS[m.group(2).lower()])
 
 
 @dataclass
 class ModelConfig:
     model: str | None = None  # HF directory or .gguf file; None = default SmolLM2-135M-Instruct GGUF
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: str = "float32"  # one of DTYPES
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
     enforce_eager: bool = False  # CUDA: never capture decode steps in CUDA graphs
@@ -46,7 +64,7 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024  # token budget per step (prefill chunks + decodes)
-    max_waiting_requests: int = 4096  # admission cap; past it new requests are rejected
+    max_waiting_requests: int = 4096  # serving admission cap (AsyncEngine); past it new requests are rejected
     policy: str = "fcfs"  # fcfs | priority
     enable_chunked_prefill: bool = True
 
@@ -59,6 +77,11 @@ class ParallelConfig:
     master_port: int = 0  # 0 = pick a free port (single node)
     nnodes: int = 1
     node_rank: int = 0
+
+    @property
+    def executor_kind(self) -> str:
+        """The executor actually built: tensor-parallel whenever tensor_parallel_size > 1."""
+        return "tp" if self.tensor_parallel_size > 1 else self.executor
 
 
 @dataclass
@@ -74,3 +97,23 @@ class EngineConfig:
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)
+
+    @classmethod
+    def from_options(cls, **options) -> "EngineConfig":
+        """The one way the entry points (LLM, `llmsvc serve`, `llmsvc bench`) build a config: each
+        flat option goes to the section that has a field of that name (EngineConfig itself, then
+        model, cache, scheduler, parallel). None means "the default"; `kv_cache_memory` takes a
+        size ("2GiB", parse_memory). TypeError for a name no section has."""
+        config = cls()
+        sections = (config, config.model_config, config.cache_config, config.scheduler_config,
+                    config.parallel_config)
+        for key, value in options.items():
+            if value is None:
+                continue
+            if key == "kv_cache_memory":
+                key, value = "kv_cache_memory_bytes", parse_memory(value)
+            section = next((s for s in sections if key in {f.name for f in dataclasses.fields(s)}), None)
+            if section is None:
+                raise TypeError(f"unknown engine option {key!r}")
+            setattr(section, key, value)
+        return config

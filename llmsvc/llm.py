@@ -3,26 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 from collections.abc import Sequence
 
-from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from llmsvc.config import EngineConfig, parse_memory  # noqa: F401 - parse_memory: public here too
 from llmsvc.outputs import RequestOutput
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30}
-
-
-def parse_memory(value: int | str) -> int:
-    """Bytes from an int or a string like "512MiB", "2GiB", "1.5G"."""
-    if isinstance(value, int):
-        return value
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot parse memory size {value!r} (e.g. 2GiB, 512MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 _GEN_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -37,21 +22,14 @@ class LLM:
                  tensor_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 1024, kv_cache_memory: int | str | None = None,
                  enable_prefix_caching: bool = True, seed: int = 0, **kw) -> None:
-        model_cfg = ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed)
-        cache_cfg = CacheConfig(enable_prefix_caching=enable_prefix_caching)
-        if kv_cache_memory is not None:
-            cache_cfg.kv_cache_memory_bytes = parse_memory(kv_cache_memory)
-        sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-        par_cfg = ParallelConfig(executor=executor, tensor_parallel_size=tensor_parallel_size)
-        config = EngineConfig(model_config=model_cfg, cache_config=cache_cfg, scheduler_config=sched_cfg,
-                              parallel_config=par_cfg, log_stats_interval_s=0.0)
-        for key, value in kw.items():
-            for section in (config, model_cfg, cache_cfg, sched_cfg, par_cfg):
-                if key in {f.name for f in dataclasses.fields(section)}:
-                    setattr(section, key, value)
-                    break
-            else:
-                raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
+        try:
+            config = EngineConfig.from_options(
+                model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, executor=executor,
+                tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
+                enable_prefix_caching=enable_prefix_caching, log_stats_interval_s=0.0, **kw)
+        except TypeError as e:
+            raise TypeError(f"LLM() got an unexpected keyword argument: {e}") from None
         from llmsvc.engine.llm_engine import LLMEngine
 
         self.llm_engine = LLMEngine.from_config(config)

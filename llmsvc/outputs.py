@@ -30,6 +30,7 @@ class CompletionOutput:
     # what matched: int = EOS or stop token id, str = stop string, None otherwise
     stop_reason: int | str | None = None
     num_output_tokens: int = 0  # cumulative, also in DELTA mode
+    seed: int | None = None  # the seed this index sampled with (the request's seed + index)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -42,6 +43,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    num_preemptions: int = 0  # summed over the n samples of the request
 
 
 @dataclass
@@ -56,7 +58,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     abort_reason: str = ""
     error: str | None = None  # set when the engine failed this request (server: INTERNAL/UNAVAILABLE)
-    seed: int | None = None  # the seed actually used when sampling
+    seed: int | None = None  # the request's seed (given, or picked at admission); index i uses seed + i
 
 
 @dataclass

@@ -84,8 +84,9 @@ class SamplingParams:
             bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if any(not s for s in self.stop):
-            bad("stop", "must not contain an empty string")
+        for i, s in enumerate(self.stop):
+            if not s:
+                bad(f"stop[{i}]", "stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative")
         for name in ("logprobs", "prompt_logprobs"):
@@ -101,4 +102,4 @@ class SamplingParams:
                 if tok < 0:
                     bad("logit_bias", f"token id must be >= 0, got {tok}")
                 if not math.isfinite(b) or not -100.0 <= b <= 100.0:
-                    bad("logit_bias", f"bias for token {tok} must be in [-100, 100], got {b}")
+                    bad(f"logit_bias[{tok}]", f"must be in [-100, 100], got {b}")

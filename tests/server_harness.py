@@ -56,14 +56,15 @@ def make_tiny_served_model_dir(path, **cfg) -> str:
 
 def fake_engine_factory(*, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256,
                         max_num_seqs: int = 8, max_waiting_requests: int = 4096, step_delay: float = 0.0,
-                        chat_template: bool = True, token_fn=letters, fail_after: int | None = None):
+                        chat_template: bool = True, token_fn=letters, fail_after: int | None = None,
+                        policy: str = "fcfs"):
     """A factory (as LlmServer wants) of real LLMEngines over the FakeExecutor."""
     from llmsvc.engine.llm_engine import LLMEngine
     from tests.engine_fakes import FakeExecutor, make_config
 
     def make():
         config = make_config(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
-                             max_num_seqs=max_num_seqs, max_num_batched_tokens=64)
+                             max_num_seqs=max_num_seqs, max_num_batched_tokens=64, policy=policy)
         config.model_config.vocab_size = TINY_VOCAB
         config.model_config.eos_token_ids = [EOS]
         config.model_config.architecture = "FakeForCausalLM"

@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from llmsvc.server.logging_setup import JsonFormatter, make_handler, request_id_var, setup_logging
+from llmsvc.server.logging_setup import (JsonFormatter, make_handler, request_id_var, request_labels_var,
+                                         setup_logging)
 from llmsvc.v1 import llmsvc_pb2 as pb
 from tests.server_harness import ServerThread, fake_engine_factory
 
@@ -55,9 +56,13 @@ def test_text_format_tags_request_id(restore_root):
     log.info("no id")
     token = request_id_var.set("abc")
     log.info("with id")
+    labels = request_labels_var.set({"tenant": "a\nb"})
+    log.info("with labels")
+    request_labels_var.reset(labels)
     request_id_var.reset(token)
     lines = buf.getvalue().splitlines()
-    assert len(lines) == 2 and "[req=" not in lines[0] and "llmsvc.test [req=abc]: with id" in lines[1]
+    assert len(lines) == 3 and "[req=" not in lines[0] and "llmsvc.test [req=abc]: with id" in lines[1]
+    assert 'llmsvc.test [req=abc labels={"tenant": "a\\nb"}]: with labels' in lines[2]  # a label cannot break a line
     with pytest.raises(ValueError):
         make_handler("xml")
 
@@ -71,7 +76,7 @@ def test_request_path_log_lines_have_the_request_id():
     server_log.setLevel(logging.DEBUG)
     s = ServerThread(fake_engine_factory())
     try:
-        list(s.stub.Generate(pb.GenerateRequest(text="hi", request_id="log-me-1",
+        list(s.stub.Generate(pb.GenerateRequest(text="hi", request_id="log-me-1", labels={"tenant": "acme"},
                                                 stopping=pb.StoppingCriteria(max_tokens=2))))
         list(s.stub.Generate(pb.GenerateRequest(text="hi", stopping=pb.StoppingCriteria(max_tokens=2)),
                              metadata=(("x-request-id", "from-metadata"),)))
@@ -82,6 +87,8 @@ def test_request_path_log_lines_have_the_request_id():
     records = [json.loads(x) for x in buf.getvalue().splitlines()]
     mine = [r for r in records if r.get("request_id") == "log-me-1"]
     assert any("admitted" in r["msg"] for r in mine) and any("finished: length" in r["msg"] for r in mine)
+    assert all(r["labels"] == {"tenant": "acme"} for r in mine)  # GenerateRequest.labels on every line
+    assert all("labels" not in r for r in records if r.get("request_id") == "from-metadata")
     assert any(r.get("request_id") == "from-metadata" and "finished" in r["msg"] for r in records)
     lifecycle = [r for r in records if "listening on" in r["msg"] or "draining" in r["msg"]]
     assert lifecycle and all("request_id" not in r for r in lifecycle)  # not inside a request

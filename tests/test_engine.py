@@ -9,7 +9,7 @@ import pytest
 
 from engine_fakes import VOCAB, FakeExecutor, make_config, smollm2_tokenizer
 from executors.base import ExecutorError
-from llmsvc.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, QueueFullError
+from llmsvc.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from llmsvc.engine.llm_engine import LLMEngine
 from llmsvc.engine.stats import StatsLogger
 from llmsvc.outputs import EngineStats
@@ -58,13 +58,13 @@ def test_validation_errors(tok):
         engine.add_request("a", [1, 2, 3], ok)
     cases = [
         ([], ok, "prompt"),
-        ([1, VOCAB], ok, "prompt_token_ids"),
-        ([1, -1], ok, "prompt_token_ids"),
+        ([1, VOCAB], ok, "prompt_token_ids[1]"),
+        ([1, -1], ok, "prompt_token_ids[1]"),
         ([1] * 60, SamplingParams(max_tokens=5), "max_tokens"),
-        ([1] * 60, SamplingParams(max_tokens=None, min_tokens=4), "min_tokens"),
+        ([1] * 60, SamplingParams(max_tokens=None, min_tokens=5), "prompt"),  # 60 + 4 fits in 64; 60 + 5 does not
         ([1], SamplingParams(stop=[str(i) for i in range(65)]), "stop"),
         ([1], SamplingParams(n=17), "n"),
-        ([1], SamplingParams(stop_token_ids=[VOCAB + 5]), "stop_token_ids"),
+        ([1], SamplingParams(stop_token_ids=[VOCAB + 5]), "stop_token_ids[0]"),
     ]
     for prompt, params, field in cases:
         with pytest.raises(InvalidRequestError) as e:
@@ -83,15 +83,37 @@ def test_validation_errors(tok):
     run_all(engine)
 
 
-def test_waiting_queue_cap(tok):
-    engine, _ = make_engine(tok)
+def test_offline_engine_has_no_waiting_cap(tok):
+    # max_waiting_requests is the serving front end's admission cap (AsyncEngine, tested there):
+    # an offline generate queues every prompt it is given
+    engine, _ = make_engine(tok, max_num_seqs=1)
     engine.config.scheduler_config.max_waiting_requests = 2
-    engine.core.scheduler.config.max_waiting_requests = 2
-    engine.add_request("a", [1], SamplingParams())
-    engine.add_request("b", [1], SamplingParams())
-    with pytest.raises(QueueFullError):
-        engine.add_request("c", [1], SamplingParams())
-    run_all(engine)
+    for i in range(5):
+        engine.add_request(f"r{i}", [1, i], SamplingParams(max_tokens=2))
+    assert sorted(run_all(engine)) == [f"r{i}" for i in range(5)]
+
+
+def test_partly_added_n_request_is_rolled_back(tok, monkeypatch):
+    # the core refuses child 1 of an n=2 request after taking child 0: child 0 must leave the core
+    # again, or it runs for nobody and its id is taken for ever
+    engine, _ = make_engine(tok)
+    engine.add_request("a", [1], SamplingParams(max_tokens=2))
+    core_add = engine.core.add_request
+
+    def refuse_child_1(request):
+        if request.request_id == "1_pair":
+            raise RuntimeError("refused")
+        core_add(request)
+    monkeypatch.setattr(engine.core, "add_request", refuse_child_1)
+    with pytest.raises(RuntimeError, match="refused"):
+        engine.add_request("pair", [1, 2], SamplingParams(n=2, max_tokens=2))
+    monkeypatch.setattr(engine.core, "add_request", core_add)
+    assert "pair" not in engine.output_processor
+    assert sorted(engine.core.scheduler.requests) == ["a"]
+    engine.add_request("b", [1], SamplingParams(max_tokens=2))
+    assert sorted(run_all(engine)) == ["a", "b"]
+    engine.add_request("pair", [1, 2], SamplingParams(n=2, max_tokens=2))  # refused if child 0 stayed
+    assert sorted(run_all(engine)) == ["pair"]
 
 
 def test_stop_string_finishes_request_in_core(tok):

@@ -149,3 +149,21 @@ def test_no_release_without_a_window_or_before_the_first_step():
     windowed.allocate_slots(late, 1)  # position 41 sees 34..41: blocks 0-7 released
     assert windowed.num_held_blocks("late") == 11 - 8
     windowed.check_invariants()
+
+
+def test_same_block_content_after_a_different_prefix_is_not_a_hit():
+    # a block's K/V depends on every token before it: equal content at another position, or after
+    # another prefix, must miss. P Q Y cached; then P Y (Y one block earlier) and Q Y (Y after Q at
+    # its own position but with another first block) may reuse only what truly matches.
+    P, Q, Y = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    kv = KVCacheManager(32, 4)
+    a = mkreq("a", P + Q + Y + [0])
+    kv.allocate_slots(a, a.num_tokens)
+    a_blocks = list(kv.get_block_ids("a"))
+    kv.free(a)
+    b = mkreq("b", P + Y + [0])
+    assert kv.get_computed_blocks(b) == (a_blocks[:1], 4)  # P only, not A's Y block
+    c = mkreq("c", Q + Q + Y + [0])
+    assert kv.get_computed_blocks(c) == ([], 0)
+    d = mkreq("d", P + Q + Y + [7])
+    assert kv.get_computed_blocks(d)[1] == 12  # the whole chain still hits

@@ -146,3 +146,19 @@ def test_abort_gives_final_output_next_step(tok):
     ros, _ = op.process_outputs([])
     assert len(ros) == 1 and ros[0].finished and ros[0].outputs[0].finish_reason == "abort"
     assert not op.has_unfinished()
+
+
+def test_min_tokens_gates_stop_strings(tok):
+    # a stop string that ends within the first min_tokens tokens does not finish the request
+    text = "a, b, c, d, e, f, g, h, i, j, k"
+    params = SamplingParams(stop=[","], min_tokens=8, output_kind=CUMULATIVE)
+    outs, stopped_at, ids = drive(tok, text, params)
+    assert stopped_at is not None
+    assert stopped_at + 1 >= 8  # number of tokens generated when the stop string matched
+    pieces = [tok.decode(ids[:k + 1]) for k in range(len(ids))]
+    first_allowed = next(k for k in range(7, len(ids)) if pieces[k].count(",") > pieces[6].count(","))
+    assert stopped_at == first_allowed
+    final = outs[-1].outputs[0]
+    assert final.finish_reason == "stop" and final.stop_reason == ","
+    assert final.text == pieces[first_allowed][:pieces[first_allowed].rfind(",")]
+    assert final.text.count(",") >= 2  # the commas before min_tokens stayed in the text

@@ -5,6 +5,7 @@ import ast
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -148,13 +149,13 @@ def test_api_md_rules():
 
 @pytest.fixture
 def buf() -> str:
-    """The buf binary; skipped (with the install command) only outside CI."""
-    local = ROOT / ".tools" / "node_modules" / ".bin" / "buf"
+    """The buf binary of this environment (PyPI buf-bin, in the test extra); skipped only outside CI."""
+    local = Path(sys.executable).parent / "buf"
     path = str(local) if local.exists() else shutil.which("buf")
     if path is None:
         if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("buf is missing in CI: run `npm install --prefix .tools @bufbuild/buf`")
-        pytest.skip("buf not installed (npm install --prefix .tools @bufbuild/buf); required in CI")
+            pytest.fail("buf is missing in CI: pip install -e '.[test]' (buf-bin)")
+        pytest.skip("buf not installed: pip install -e '.[test]' (buf-bin); required in CI")
     return path
 
 

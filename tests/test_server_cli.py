@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from llmsvc.server import cli
-from llmsvc.server.app import LlmServer
+from llmsvc.server.app import BindError, LlmServer
 from tests.server_harness import fake_engine_factory
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def parse(argv, monkeypatch=None, env=None):
@@ -26,6 +32,22 @@ def test_parse_bytes():
     assert cli.parse_bytes("4096") == 4096
     with pytest.raises(argparse.ArgumentTypeError):
         cli.parse_bytes("lots")
+
+
+@pytest.mark.parametrize("size,expected", [("2G", 2 << 30), ("2GiB", 2 << 30), ("2GB", 2 * 10 ** 9),
+                                           ("512M", 512 << 20), ("64K", 64 << 10)])
+def test_kv_cache_memory_means_the_same_in_serve_and_llm(size, expected, monkeypatch):
+    from llmsvc import llm as llm_module
+    from llmsvc.engine.llm_engine import LLMEngine
+
+    c = cli.build_config(parse(["--kv-cache-memory", size]))
+    assert c.cache_config.kv_cache_memory_bytes == expected
+    c = cli.build_config(parse([], monkeypatch, {"LLMSVC_KV_CACHE_MEMORY": size}))
+    assert c.cache_config.kv_cache_memory_bytes == expected
+    seen = []
+    monkeypatch.setattr(LLMEngine, "from_config", classmethod(lambda cls, config: seen.append(config)))
+    llm_module.LLM(kv_cache_memory=size)
+    assert seen[0].cache_config.kv_cache_memory_bytes == expected
 
 
 def test_flags_and_env(monkeypatch):
@@ -69,3 +91,69 @@ def test_serve_exits_0_on_stop_and_1_on_engine_death():
 
     code, server = asyncio.run(_serve_until(fake_engine_factory(), kill_engine))
     assert code == 1 and server.engine_died
+
+
+def test_second_server_on_a_busy_port_fails_naming_it():
+    async def both():
+        first = LlmServer(fake_engine_factory(), host="127.0.0.1", port=0)
+        port = await first.start()
+        try:
+            second = LlmServer(fake_engine_factory(), host="127.0.0.1", port=port)
+            with pytest.raises(BindError, match=f"127.0.0.1:{port}"):
+                await second.start()
+        finally:
+            await first.shutdown(0.0)
+    asyncio.run(both())
+
+
+def test_serve_on_a_busy_port_exits_non_zero(tmp_path):
+    from tests.server_harness import make_tiny_served_model_dir
+
+    model_dir = make_tiny_served_model_dir(tmp_path)
+    with socket.socket() as held:  # a listener with SO_REUSEPORT, as gRPC servers set it by default
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = [sys.executable, "-m", "llmsvc", "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
+               "--executor", "uniproc"]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"127.0.0.1:{port}" in proc.stderr and "in use" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_serve_and_llm_build_the_same_config(monkeypatch):
+    from llmsvc import llm as llm_module
+    from llmsvc.config import EngineConfig
+    from llmsvc.engine.llm_engine import LLMEngine
+
+    served = cli.build_config(parse(["m.gguf", "--dtype", "bfloat16", "--max-model-len", "512", "--block-size", "8",
+                                     "--kv-cache-memory", "1G", "--max-num-seqs", "4", "--executor", "uniproc",
+                                     "--scheduling-policy", "priority", "--device", "cpu"]))
+    seen = []
+    monkeypatch.setattr(LLMEngine, "from_config", classmethod(lambda cls, config: seen.append(config)))
+    llm_module.LLM("m.gguf", dtype="bfloat16", max_model_len=512, block_size=8, kv_cache_memory="1G",
+                   max_num_seqs=4, policy="priority", device="cpu")
+    offline = seen[0]
+    assert offline.replace(log_stats_interval_s=served.log_stats_interval_s) == served  # LLM logs no stats
+    assert EngineConfig.from_options(max_num_seqs=None) == EngineConfig()  # None: the default
+    with pytest.raises(TypeError, match="no_such_option"):
+        EngineConfig.from_options(no_such_option=1)
+    with pytest.raises(TypeError, match="no_such_option"):
+        llm_module.LLM(no_such_option=1)
+
+
+def test_dtype_names_have_one_source():
+    import torch
+
+    from llmsvc.config import DTYPES
+    from llmsvc.models.llama import to_torch_dtype
+
+    assert [to_torch_dtype(name) for name in DTYPES] == [torch.float32, torch.bfloat16, torch.float16]
+    for name in DTYPES:
+        assert cli.build_config(parse(["--dtype", name])).model_config.dtype == name
+    with pytest.raises(SystemExit):
+        parse(["--dtype", "half"])
+    with pytest.raises(ValueError, match="float32, bfloat16, float16"):
+        to_torch_dtype("half")

@@ -72,7 +72,9 @@ def gemm_flops(dtype: str = "float32", n: int = 4096, repeats: int = 3, device: 
     import torch
 
     device, sync = bench_device(device)
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    from llmsvc.models.llama import to_torch_dtype
+
+    dt = to_torch_dtype(dtype)
     a, b = (torch.randn(n, n, dtype=dt, device=device) for _ in range(2))
     return 2 * n ** 3 / _best_seconds(lambda: torch.mm(a, b), sync, repeats)
 

@@ -67,20 +67,13 @@ def _workloads(a) -> list[Workload]:
 
 def _offline_engine(a, prefix_caching: bool = True):
     """An in-process LLMEngine configured as `llmsvc serve` would be with the same flags."""
-    from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+    from llmsvc.config import EngineConfig
     from llmsvc.engine.llm_engine import LLMEngine
-    from llmsvc.server.cli import parse_bytes
 
-    sc, cc = SchedulerConfig(), CacheConfig(enable_prefix_caching=prefix_caching)
-    if a.max_num_seqs:
-        sc.max_num_seqs = a.max_num_seqs
-    if a.max_num_batched_tokens:
-        sc.max_num_batched_tokens = a.max_num_batched_tokens
-    if a.kv_cache_memory:
-        cc.kv_cache_memory_bytes = parse_bytes(a.kv_cache_memory)
-    return LLMEngine.from_config(EngineConfig(
-        model_config=ModelConfig(model=a.model, dtype=a.dtype), cache_config=cc, scheduler_config=sc,
-        parallel_config=ParallelConfig(executor=a.executor, tensor_parallel_size=a.tensor_parallel_size)))
+    return LLMEngine.from_config(EngineConfig.from_options(
+        model=a.model, dtype=a.dtype, enable_prefix_caching=prefix_caching, max_num_seqs=a.max_num_seqs or None,
+        max_num_batched_tokens=a.max_num_batched_tokens or None, kv_cache_memory=a.kv_cache_memory or None,
+        executor=a.executor, tensor_parallel_size=a.tensor_parallel_size))
 
 
 def _line(tag: str, s: dict) -> str:

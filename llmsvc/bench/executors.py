@@ -50,16 +50,13 @@ class TimedExecutor:
 
 
 def engine_config(a, executor: str):
-    from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-    from llmsvc.server.cli import parse_bytes
+    from llmsvc.config import EngineConfig
 
     tp = a.tensor_parallel_size if executor == "tp" else 1
-    return EngineConfig(model_config=ModelConfig(model=a.model, dtype=a.dtype),
-                        cache_config=CacheConfig(kv_cache_memory_bytes=parse_bytes(a.kv_cache_memory)),
-                        scheduler_config=SchedulerConfig(max_num_seqs=a.max_num_seqs,
-                                                         max_num_batched_tokens=a.max_num_batched_tokens),
-                        parallel_config=ParallelConfig(executor=executor, tensor_parallel_size=tp),
-                        device=a.device, log_stats_interval_s=0.0)
+    return EngineConfig.from_options(model=a.model, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory,
+                                     max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                                     executor=executor, tensor_parallel_size=tp, device=a.device,
+                                     log_stats_interval_s=0.0)
 
 
 def run_one(a, executor: str, w: Workload, prompts: list[list[int]]) -> dict:

@@ -18,9 +18,10 @@ def run_hf(model_dir: str, prompts: list[list[int]], output_len: int, dtype: str
     from transformers import AutoModelForCausalLM
 
     from llmsvc.bench.ceiling import bench_device
+    from llmsvc.models.llama import to_torch_dtype
 
     device, sync = bench_device(device)
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    dt = to_torch_dtype(dtype)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt).to(device).eval()
     with torch.inference_mode():  # warm-up outside the clock, as the engine warms up at start
         model.generate(torch.tensor(prompts[:1], device=device), do_sample=False, max_new_tokens=2,

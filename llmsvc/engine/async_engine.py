@@ -62,8 +62,9 @@ class AsyncEngine:
                  max_backlog_bytes: int = 4 << 20, max_backlog_age_s: float = 60.0) -> None:
         self.engine = engine
         if max_waiting_requests is None:
-            sched = getattr(getattr(engine, "config", None), "scheduler_config", None)
-            max_waiting_requests = getattr(sched, "max_waiting_requests", 4096)
+            max_waiting_requests = engine.config.scheduler_config.max_waiting_requests
+        # the one admission cap (the engine has none: offline generate queues any number of
+        # prompts); checked here, so a full queue is refused at once, even during a long step
         self.max_waiting_requests = max_waiting_requests
         self.max_backlog_bytes = max_backlog_bytes
         self.max_backlog_age_s = max_backlog_age_s

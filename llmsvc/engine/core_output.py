@@ -16,6 +16,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # EOS / stop token id that finished it
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    num_preemptions: int = 0  # times this request's KV cache was dropped and recomputed so far
 
     @property
     def finished(self) -> bool:

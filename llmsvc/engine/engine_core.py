@@ -47,7 +47,8 @@ class EngineCore:
         return self.scheduler.max_len
 
     def add_request(self, request: Request) -> None:
-        """Queue a request. Raises PromptTooLongError / QueueFullError (nothing queued then)."""
+        """Queue a request. Raises PromptTooLongError (nothing queued then). The waiting-queue cap is
+        the serving front end's (AsyncEngine): offline generate queues any number of prompts."""
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids, reason: str = ABORT) -> list[str]:

@@ -16,13 +16,15 @@ class InvalidRequestError(ValueError):
 
 
 class PromptTooLongError(InvalidRequestError):
-    """The prompt leaves no room for a single generated token within `limit` tokens."""
+    """The prompt leaves no room for max(min_tokens, 1) generated tokens within `max_model_len` tokens."""
 
-    def __init__(self, prompt_tokens: int, max_model_len: int, what: str = "the maximum context length") -> None:
+    def __init__(self, prompt_tokens: int, max_model_len: int, what: str = "the maximum context length",
+                 min_tokens: int = 0) -> None:
+        room = f"min_tokens={min_tokens} generated tokens" if min_tokens > 1 else "at least one generated token"
         super().__init__(
             "prompt",
             f"prompt has {prompt_tokens} tokens; {what} is {max_model_len} tokens "
-            f"(prompt must be shorter, to leave room for at least one generated token)",
+            f"(prompt must be shorter, to leave room for {room})",
         )
         self.prompt_tokens = prompt_tokens
         self.max_model_len = max_model_len

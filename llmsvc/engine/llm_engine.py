@@ -5,17 +5,20 @@ RequestOutputs. Not thread-safe: call it from one thread (the async engine's loo
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import random
 import time
 from collections.abc import Iterable
 
 from executors.base import Executor
 from llmsvc.config import EngineConfig
 from llmsvc.engine.engine_core import EngineCore
-from llmsvc.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
+from llmsvc.engine.errors import DuplicateRequestError
 from llmsvc.engine.output_processor import OutputProcessor, ParentRequest
 from llmsvc.engine.request import Request
 from llmsvc.engine.stats import StatsLogger
+from llmsvc.engine.validation import RequestLimits, check_request
 from llmsvc.outputs import ABORT, STOP, EngineStats, RequestOutput
 from llmsvc.sampling_params import SamplingParams
 
@@ -31,6 +34,10 @@ class LLMEngine:
         self.stats_logger = StatsLogger(config.log_stats_interval_s)
         mc = config.model_config
         self.vocab_size = mc.vocab_size or (len(tokenizer) if tokenizer is not None else 0)
+        # seeds for unseeded sampling requests: drawn at admission so each one is echoed and can be
+        # replayed; the stream follows the configured seed, so a rerun of the same requests repeats.
+        # 62 bits: seed + index stays below the 2^63 a request may ask for
+        self._seed_rng = random.Random(mc.seed)
         self.eos_token_ids = list(mc.eos_token_ids)
         if not self.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids = [tokenizer.eos_token_id]
@@ -41,9 +48,12 @@ class LLMEngine:
         """Resolve the model, load its tokenizer, start the executor, size the KV cache."""
         from executors import create_executor  # lazy: executors may pull in torch
         from llmsvc.models.resolve import resolve_model_config
+        from llmsvc.worker.device import resolve_device_type
         from transformers import AutoTokenizer
 
-        config = config.replace(model_config=resolve_model_config(config.model_config))
+        # every layer (workers, GetServerInfo) sees the device "auto" resolved to
+        config = config.replace(model_config=resolve_model_config(config.model_config),
+                                device=resolve_device_type(config.device))
         tokenizer = AutoTokenizer.from_pretrained(config.model_config.model_dir)
         executor = create_executor(config)
         try:
@@ -57,42 +67,17 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.core.max_len
 
+    @property
+    def request_limits(self) -> RequestLimits:
+        max_len, context = self.max_model_len, self.config.model_config.max_model_len
+        pool_bound = context is not None and max_len < context
+        return RequestLimits(vocab_size=self.vocab_size, max_len=max_len, max_n=self.config.max_n,
+                             max_stop_strings=self.config.max_stop_strings,
+                             max_len_source="the KV cache pool" if pool_bound else "the maximum context length")
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError / PromptTooLongError for a request this engine cannot serve."""
-        try:
-            params.verify()
-        except ValueError as e:
-            raise InvalidRequestError(str(e).split(" ", 1)[0], str(e)) from None
-        n_prompt = len(prompt_token_ids)
-        if n_prompt == 0:
-            raise InvalidRequestError("prompt", "must not be empty")
-        vocab = self.vocab_size
-        if vocab:
-            bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError("prompt_token_ids", f"token id {bad[0]} is out of range [0, {vocab})")
-            bad = [t for t in params.stop_token_ids if t >= vocab]
-            if bad:
-                raise InvalidRequestError("stop_token_ids", f"token id {bad[0]} is out of range [0, {vocab})")
-            bad = [t for t in (params.logit_bias or {}) if t >= vocab]
-            if bad:
-                raise InvalidRequestError("logit_bias", f"token id {bad[0]} is out of range [0, {vocab})")
-        limit = self.max_model_len
-        if n_prompt >= limit:
-            raise PromptTooLongError(n_prompt, limit)
-        if params.max_tokens is not None and n_prompt + params.max_tokens > limit:
-            raise InvalidRequestError(
-                "max_tokens", f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"maximum context length {limit}; lower max_tokens to at most {limit - n_prompt}")
-        if n_prompt + params.min_tokens >= limit:
-            raise InvalidRequestError(
-                "min_tokens", f"prompt ({n_prompt} tokens) + min_tokens ({params.min_tokens}) must be below "
-                f"the maximum context length {limit}")
-        if len(params.stop) > self.config.max_stop_strings:
-            raise InvalidRequestError("stop", f"{len(params.stop)} stop strings; at most "
-                                      f"{self.config.max_stop_strings} allowed")
-        if params.n > self.config.max_n:
-            raise InvalidRequestError("n", f"must be <= {self.config.max_n}, got {params.n}")
+        check_request(prompt_token_ids, params, self.request_limits)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, priority: int = 0, arrival_time: float | None = None) -> None:
@@ -101,6 +86,8 @@ class LLMEngine:
         prompt_token_ids = list(prompt_token_ids)
         self.validate(prompt_token_ids, params)
         arrival_time = time.time() if arrival_time is None else arrival_time
+        if params.seed is None and not params.greedy:
+            params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(62))
         parent = ParentRequest(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival_time)
         added: list[str] = []
         try:

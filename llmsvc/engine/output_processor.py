@@ -60,6 +60,7 @@ class ParentRequest:
             m.first_scheduled_time = _min(m.first_scheduled_time, c.first_scheduled_time)
             m.first_token_time = _min(m.first_token_time, c.first_token_time)
             m.last_token_time = max(filter(None, (m.last_token_time, c.last_token_time)), default=None)
+        m.num_preemptions = sum(c.num_preemptions for c in self.children)
         if finished:
             m.finished_time = time.time()
         shown = changed if self.kind == RequestOutputKind.DELTA else self.children

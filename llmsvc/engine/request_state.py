@@ -33,6 +33,7 @@ class RequestState:
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
         self.first_scheduled_time: float | None = None
+        self.num_preemptions = 0
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         # what the front end has already been sent (DELTA)
@@ -56,6 +57,7 @@ class RequestState:
         self.changed = True
         self.num_cached_tokens = out.num_cached_tokens
         self.first_scheduled_time = self.first_scheduled_time or out.first_scheduled_time
+        self.num_preemptions = out.num_preemptions
         if out.new_prompt_logprobs and self.prompt_logprobs is not None:
             for lp in out.new_prompt_logprobs:
                 pos = len(self.prompt_logprobs)
@@ -76,17 +78,24 @@ class RequestState:
         if (out.finish_reason == STOP and isinstance(out.stop_reason, int) and new_ids
                 and not self.params.include_stop_str_in_output):
             text_ids = new_ids[:-1]  # the EOS / stop token is not part of the text
-        stopped = self._add_text(self.detokenizer.update(text_ids) if self.detokenizer else "")
+        stopped = self._add_text(self.detokenizer.update(text_ids) if self.detokenizer else "",
+                                 self._may_stop())
         if stopped:
             return True
         if out.finish_reason is not None:
             self.finish(out.finish_reason, out.stop_reason)
         return False
 
-    def _add_text(self, delta: str) -> bool:
+    def _may_stop(self) -> bool:
+        """min_tokens gates stop strings as it gates EOS and stop tokens (the scheduler's check)."""
+        return len(self.token_ids) >= self.params.min_tokens
+
+    def _add_text(self, delta: str, may_stop: bool) -> bool:
         if not delta:
             return False
         self.text += delta
+        if not may_stop:  # a stop string that ends in text before min_tokens does not count
+            return False
         match = self.stop_checker.find(self.text, len(delta))
         if match is None:
             return False
@@ -100,7 +109,7 @@ class RequestState:
         if self.finished:
             return
         self.changed = True
-        if self.detokenizer is not None and self._add_text(self.detokenizer.flush()):
+        if self.detokenizer is not None and self._add_text(self.detokenizer.flush(), self._may_stop()):
             return  # the flushed text completed a stop string
         self.finish_reason, self.stop_reason = reason, stop_reason
 
@@ -135,7 +144,7 @@ class RequestState:
         return CompletionOutput(
             index=self.index, text=text, token_ids=ids, cumulative_logprob=self.cumulative_logprob,
             logprobs=lps, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-            num_output_tokens=len(self.token_ids))
+            num_output_tokens=len(self.token_ids), seed=self.params.seed)
 
     def take_prompt_logprobs(self, kind: RequestOutputKind):
         if self.prompt_logprobs is None:

@@ -7,8 +7,8 @@ from collections.abc import Iterable
 from llmsvc import outputs
 from llmsvc.config import CacheConfig, SchedulerConfig
 from llmsvc.engine.core_output import EngineCoreOutput
-from llmsvc.engine.errors import PromptTooLongError, QueueFullError
-from llmsvc.engine.kv_cache_manager import KVCacheManager
+from llmsvc.engine.errors import PromptTooLongError
+from llmsvc.engine.kv_cache_manager import KVCacheManager, cdiv
 from llmsvc.engine.request import Request, RequestStatus
 from llmsvc.engine.request_queue import create_request_queue
 from llmsvc.wire import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -40,8 +40,6 @@ class Scheduler:
             what = ("the KV cache pool" if self.max_len < self.max_model_len
                     else "the maximum context length")
             raise PromptTooLongError(request.num_prompt_tokens, self.max_len, what)
-        if len(self.waiting) >= self.config.max_waiting_requests:
-            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting_requests); retry later")
         request.max_len = self.max_len
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -92,6 +90,8 @@ class Scheduler:
         cached = CachedRequestData.make_empty()
         preempted = False
         now = time.time()
+        if self.config.policy == "priority":
+            self._preempt_for_waiting(budget)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -154,6 +154,24 @@ class Scheduler:
         if total > 0:  # otherwise nothing runs; keep them for the next executed step
             self.finished_req_ids.clear()
         return SchedulerOutput(new_reqs, cached, num_scheduled, total, finished)
+
+    def _preempt_for_waiting(self, budget: int) -> None:
+        """Priority policy: while the best waiting request cannot be admitted (no seat, or too few
+        free blocks for its first chunk) and a running request ranks strictly below it by
+        (priority, arrival_time), preempt the lowest-ranked running request (as vLLM does)."""
+        while len(self.waiting) and self.running:
+            head = self.waiting.peek()
+            victim = self._pick_victim(self.running)
+            if (victim.priority, victim.arrival_time) <= (head.priority, head.arrival_time):
+                return
+            if len(self.running) < self.config.max_num_seqs:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(head)
+                num_new = min(head.num_tokens - num_hit, budget)
+                need = cdiv(num_hit + num_new, self.kv.block_size) - len(hit_blocks)
+                if need <= self.kv.num_free_blocks:
+                    return
+            self.running.remove(victim)
+            self._preempt(victim)
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
         if self.config.policy == "priority":
@@ -250,6 +268,7 @@ class Scheduler:
             stop_reason=req.stop_reason,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             first_scheduled_time=req.first_scheduled_time,
+            num_preemptions=req.num_preemptions,
         )
 
     # ---- observability ---------------------------------------------------------------------

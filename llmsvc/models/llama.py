@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from kernels import ops
-from llmsvc.config import ModelConfig
+from llmsvc.config import DTYPES, ModelConfig
 from llmsvc.models.layers.activation import SiluAndMul
 from llmsvc.models.layers.attention import Attention, AttentionMetadata
 from llmsvc.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -246,8 +246,7 @@ def kv_cache_spec(hf_config, tp_size: int | None = None) -> tuple[int, int, int]
     return hf_config.num_hidden_layers, max(1, total_kv // tp), head_dim_of(hf_config)
 
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
@@ -265,7 +264,7 @@ def to_torch_dtype(dtype) -> torch.dtype:
     try:
         return _DTYPES[str(dtype).removeprefix("torch.")]
     except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16") from None
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}") from None
 
 
 @torch.no_grad()

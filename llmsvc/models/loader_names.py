@@ -25,7 +25,6 @@ MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
-TORCH_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def layer_sliding_windows(hf_config) -> list[int]:

@@ -180,10 +180,11 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     every attention path)."""
     from transformers import AutoConfig
 
-    from llmsvc.models.loader_names import MODEL_TYPES, SUPPORTED_ARCHITECTURES, TORCH_DTYPE_NAMES
+    from llmsvc.config import DTYPES
+    from llmsvc.models.loader_names import MODEL_TYPES, SUPPORTED_ARCHITECTURES
 
-    if mc.dtype not in TORCH_DTYPE_NAMES:
-        raise ValueError(f"unsupported dtype {mc.dtype!r}; use one of {', '.join(TORCH_DTYPE_NAMES)}")
+    if mc.dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {mc.dtype!r}; use one of {', '.join(DTYPES)}")
     model_dir = resolve_model_dir(mc.model)
     hf_config = AutoConfig.from_pretrained(model_dir)
     archs = list(getattr(hf_config, "architectures", None) or [])

@@ -5,7 +5,8 @@ reflection at once; load() builds the engine in a worker thread, warms it up, th
 LlmService to SERVING. shutdown(grace): NOT_SERVING -> new Generate UNAVAILABLE -> in-flight
 requests get `grace` seconds -> the rest are aborted -> the server stops (metrics endpoint last).
 Options: TLS/mTLS (`tls`), bearer-token auth (`auth_tokens`; health and reflection stay open),
-Prometheus metrics on their own HTTP port (`metrics_port`: None = off, 0 = any free port).
+Prometheus metrics on their own HTTP port (`metrics_port`: None = off, 0 = any free port), with
+the GenerateRequest.labels keys in `metrics_label_keys` as Prometheus labels.
 """
 from __future__ import annotations
 
@@ -31,7 +32,14 @@ SERVER_OPTIONS = (
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),  # never GOAWAY a client for pinging
     ("grpc.keepalive_permit_without_calls", 1),
+    # gRPC sets SO_REUSEPORT by default: a second server on a busy port would bind and silently
+    # share it with the first. Off, the bind fails and the second server exits.
+    ("grpc.so_reuseport", 0),
 )
+
+
+class BindError(OSError):
+    """The gRPC port could not be bound (in use, or not an address of this machine)."""
 
 
 def default_engine_factory(config) -> Callable[[], object]:
@@ -46,7 +54,8 @@ class LlmServer:
                  max_backlog_bytes: int = 4 << 20, max_backlog_age_s: float = 60.0,
                  max_waiting_requests: int | None = None, warmup: bool = True,
                  tls: TlsConfig | None = None, auth_tokens: list[str] | None = None,
-                 metrics_port: int | None = None, metrics_host: str | None = None) -> None:
+                 metrics_port: int | None = None, metrics_host: str | None = None,
+                 metrics_label_keys: tuple[str, ...] = ()) -> None:
         self.engine_factory = engine_factory
         self.host, self.port = host, port
         self.backlog = dict(max_backlog_bytes=max_backlog_bytes, max_backlog_age_s=max_backlog_age_s)
@@ -57,7 +66,7 @@ class LlmServer:
         self.health = Health()
         self.tls = tls
         self.auth = BearerTokenInterceptor(auth_tokens) if auth_tokens else None
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(label_keys=metrics_label_keys)
         self.metrics.add_engine_collector(self._engine_snapshot)
         self.metrics_http = (MetricsHttpServer(self.metrics.registry, metrics_host or host, metrics_port)
                              if metrics_port is not None else None)
@@ -92,12 +101,20 @@ class LlmServer:
         self.health.add_to_server(self.server)
         add_reflection(self.server)
         host = f"[{self.host}]" if ":" in self.host else self.host
-        if self.tls is not None:
-            self.port = self.server.add_secure_port(f"{host}:{self.port}", self.tls.server_credentials())
-        else:
-            self.port = self.server.add_insecure_port(f"{host}:{self.port}")
-        if not self.port:
-            raise RuntimeError(f"could not bind {self.host}")
+        address = f"{host}:{self.port}"
+        try:
+            if self.tls is not None:
+                bound = self.server.add_secure_port(address, self.tls.server_credentials())
+            else:
+                bound = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpc: "Failed to bind to address ..."
+            bound = 0
+        if not bound:
+            await self.server.stop(None)
+            self.server = None
+            raise BindError(f"cannot listen on {address}: port {self.port} is already in use "
+                            f"or {self.host} is not an address of this machine")
+        self.port = bound
         await self.server.start()
         await self.health.starting()
         if self.metrics_http is not None:
@@ -114,8 +131,7 @@ class LlmServer:
         await ae.start()
         self.async_engine = ae
         config = engine.config
-        dev = getattr(config, "device", "cpu")
-        self.state.device = dev if dev != "auto" else str(getattr(engine, "device", "cpu"))
+        self.state.device = config.device  # resolved by the engine ("auto" never reaches here)
         if self.warmup:
             await self._warm_up(ae, config)
         self.servicer.attach(ae, engine.tokenizer, config)

@@ -15,19 +15,16 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 import signal
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000 ** 2, "mb": 1000 ** 2, "mib": 1024 ** 2,
-          "g": 1000 ** 3, "gb": 1000 ** 3, "gib": 1024 ** 3, "t": 1000 ** 4, "tb": 1000 ** 4, "tib": 1024 ** 4}
-
+from llmsvc.config import DTYPES, MEMORY_SIZE_HELP, parse_memory
 
 def parse_bytes(text: str) -> int:
-    """'2GiB' -> 2147483648; '512MB' -> 512000000; '1024' -> 1024."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """llmsvc.config.parse_memory for argparse: '2G' and '2GiB' -> 2147483648; '512MB' -> 512000000."""
+    try:
+        return parse_memory(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _env(name: str, default, type_=str):
@@ -62,14 +59,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--node-rank", int, 0, help="this machine's index; 0 serves gRPC, the others run headless workers")
     opt("--master-addr", str, "127.0.0.1", help="address of node 0, where ranks rendezvous (multi-node)")
     opt("--master-port", int, 0, help="rendezvous port on node 0; required when --nnodes > 1")
-    opt("--dtype", str, "float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
+    opt("--dtype", str, "float32", choices=list(DTYPES), help="model dtype")
     opt("--max-model-len", int, None, help="context length (default: the model's)")
     opt("--max-num-seqs", int, 128, help="max requests running at once")
     opt("--max-num-batched-tokens", int, 1024, help="token budget per step")
-    opt("--kv-cache-memory", parse_bytes, "2GiB", help="KV cache budget, e.g. 2GiB")
+    opt("--kv-cache-memory", parse_bytes, "2GiB", help=f"KV cache budget, e.g. 2GiB or 2G ({MEMORY_SIZE_HELP})")
     opt("--block-size", int, 16, help="tokens per KV block")
     opt("--no-prefix-caching", bool, help="disable prefix caching")
     opt("--max-waiting-requests", int, 4096, help="admission cap; past it RESOURCE_EXHAUSTED")
+    opt("--scheduling-policy", str, "fcfs", choices=["fcfs", "priority"],
+        help="fcfs: first come, first served; priority: waiting requests by (GenerateRequest.priority, "
+             "arrival), lower first, and a more urgent arrival may preempt a running less urgent request")
     opt("--device", str, "auto", choices=["auto", "cpu", "cuda"], help="device")
     opt("--shutdown-grace", float, 30.0,
         help="seconds in-flight requests get on SIGTERM (a second SIGTERM/SIGINT ends it)")
@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--log-format", str, "text", choices=["text", "json"], help="log lines as text or one JSON object each")
     opt("--metrics-port", int, 0, help="Prometheus /metrics HTTP port (0 = off)")
     opt("--metrics-host", str, None, help="address for the metrics port (default: --host)")
+    opt("--metrics-label-keys", str, "",
+        help="comma-separated GenerateRequest.labels keys (e.g. tenant) that become Prometheus labels of the "
+             "per-request series; other keys only reach the logs (at most 100 values per key, then 'other')")
     opt("--tls-cert", str, None, help="PEM server certificate (chain); with --tls-key enables TLS")
     opt("--tls-key", str, None, help="PEM private key of --tls-cert")
     opt("--tls-client-ca", str, None, help="PEM CA bundle; clients must present a certificate it signed (mTLS)")
@@ -86,24 +89,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_config(args):
-    from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-    kv = args.kv_cache_memory if isinstance(args.kv_cache_memory, int) else parse_bytes(args.kv_cache_memory)
-    return EngineConfig(
-        model_config=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
-        cache_config=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=kv,
-                                 enable_prefix_caching=not args.no_prefix_caching),
-        scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                         max_num_batched_tokens=args.max_num_batched_tokens,
-                                         max_waiting_requests=args.max_waiting_requests),
-        parallel_config=ParallelConfig(executor=args.executor, tensor_parallel_size=args.tensor_parallel_size,
-                                       **_multi_node(args)),
-        device=args.device)
+    from llmsvc.config import EngineConfig
+    return EngineConfig.from_options(
+        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy, executor=args.executor,
+        tensor_parallel_size=args.tensor_parallel_size, device=args.device, **_multi_node(args))
 
 
 def _multi_node(args) -> dict:
     """ParallelConfig fields of the multi-node flags (ValueError when they do not fit together)."""
-    nnodes, node_rank = getattr(args, "nnodes", 1), getattr(args, "node_rank", 0)
-    addr, port = getattr(args, "master_addr", "127.0.0.1"), getattr(args, "master_port", 0)
+    nnodes, node_rank = args.nnodes, args.node_rank
+    addr, port = args.master_addr, args.master_port
     if nnodes > 1:
         tp = args.tensor_parallel_size
         if not 0 <= node_rank < nnodes:
@@ -132,22 +130,23 @@ def security_options(args) -> dict:
     """TLS and auth keyword arguments of LlmServer from the flags and LLMSVC_AUTH_TOKENS (ValueError if bad)."""
     from llmsvc.server.auth import TOKENS_ENV, load_tokens
     from llmsvc.server.tls import TlsConfig
-    tls = TlsConfig.from_args(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
-                              getattr(args, "tls_client_ca", None))
+    tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_client_ca)
     if tls is not None:
         tls.server_credentials()  # fail at startup on unreadable files
-    tokens = load_tokens(getattr(args, "auth_token_file", None), os.environ.get(TOKENS_ENV))
+    tokens = load_tokens(args.auth_token_file, os.environ.get(TOKENS_ENV))
     return dict(tls=tls, auth_tokens=tokens or None)
 
 
 async def serve(args, security: dict | None = None) -> int:
     from llmsvc.server.app import LlmServer, default_engine_factory
+    from llmsvc.server.metrics import parse_label_keys
     config = build_config(args)
     security = security_options(args) if security is None else security
-    metrics_port = getattr(args, "metrics_port", 0) or None
+    metrics_port = args.metrics_port or None
     server = LlmServer(default_engine_factory(config), host=args.host, port=args.port,
                        max_waiting_requests=args.max_waiting_requests, metrics_port=metrics_port,
-                       metrics_host=getattr(args, "metrics_host", None), **security)
+                       metrics_host=args.metrics_host,
+                       metrics_label_keys=parse_label_keys(args.metrics_label_keys), **security)
     server.shutdown_grace = args.shutdown_grace
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -168,21 +167,27 @@ async def serve(args, security: dict | None = None) -> int:
 
 def main(args) -> int:
     from llmsvc.server.logging_setup import setup_logging
-    setup_logging(args.log_level, getattr(args, "log_format", "text"))
+    from llmsvc.server.metrics import parse_label_keys
+    setup_logging(args.log_level, args.log_format)
     try:
         _multi_node(args)
+        parse_label_keys(args.metrics_label_keys)
         security = security_options(args)
     except (ValueError, OSError) as e:  # TLS files, token file, multi-node flags: no traceback
         logging.getLogger("llmsvc.server").error("bad configuration: %s", e)
         return 2
-    if getattr(args, "node_rank", 0) > 0:
+    if args.node_rank > 0:
         try:
             return run_headless(args)
         except Exception:
             logging.getLogger("llmsvc.server").exception("headless node failed")
             return 1
+    from llmsvc.server.app import BindError
     try:
         return asyncio.run(serve(args, security))
+    except BindError as e:
+        logging.getLogger("llmsvc.server").error("%s", e)
+        return 1
     except Exception:
         logging.getLogger("llmsvc.server").exception("server failed")
         return 1

@@ -70,14 +70,35 @@ def unavailable(message: str, reason: str = "UNAVAILABLE", retry_delay_s: float 
     return ServiceError(grpc.StatusCode.UNAVAILABLE, message, reason=reason, retry_delay_s=retry_delay_s)
 
 
+# SamplingParams field -> the GenerateRequest message holding the proto field of the same name
+_FIELD_PARENTS = {
+    **dict.fromkeys(("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "seed", "n", "logit_bias"), "sampling"),
+    **dict.fromkeys(("max_tokens", "min_tokens", "stop", "stop_token_ids", "include_stop_str_in_output",
+                     "ignore_eos", "time_limit_ms"), "stopping"),
+    **dict.fromkeys(("logprobs", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens"),
+                    "output"),
+}
+_RENAMED = {"prompt_token_ids": "token_ids.ids"}
+
+
+def proto_field(name: str) -> str:
+    """The GenerateRequest field path of an engine field name: 'stop[1]' -> 'stopping.stop[1]'."""
+    base, bracket, index = name.partition("[")
+    if base in _RENAMED:
+        return _RENAMED[base] + bracket + index
+    parent = _FIELD_PARENTS.get(base)
+    return f"{parent}.{name}" if parent else name
+
+
 def to_service_error(exc: BaseException) -> ServiceError:
     """Map an exception from validation, the engine or AsyncEngine to its status."""
     if isinstance(exc, ServiceError):
         return exc
     if isinstance(exc, PromptTooLongError):
-        return prompt_too_long(exc.prompt_tokens, exc.max_model_len, str(exc))
+        return prompt_too_long(exc.prompt_tokens, exc.max_model_len, exc.message)
     if isinstance(exc, InvalidRequestError):
-        return invalid(exc.field, exc.message)
+        return invalid(proto_field(exc.field), exc.message)
     if isinstance(exc, DuplicateRequestError):
         return ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(exc), reason="DUPLICATE_REQUEST_ID")
     if isinstance(exc, QueueFullError):

@@ -2,8 +2,11 @@
 
 The request id lives in a ContextVar (`request_id_var`); each grpc.aio RPC runs in its own task,
 so setting it at the top of a handler tags every log line that handler (and what it awaits)
-emits, and no other. json: one object per line with ts, level, logger, msg, request_id (when
-known), exc (when there is a traceback) and any `extra=` fields that are JSON-serialisable.
+emits, and no other. The request's GenerateRequest.labels ride along the same way
+(`request_labels_var`). json: one object per line with ts, level, logger, msg, request_id and
+labels (when known), exc (when there is a traceback) and any `extra=` fields that are
+JSON-serialisable. text: " [req=ID labels={...}]" after the logger name; label values are JSON
+strings there, so a label can never break a line.
 """
 from __future__ import annotations
 
@@ -14,21 +17,26 @@ import sys
 import time
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("llmsvc_request_id", default=None)
+request_labels_var: contextvars.ContextVar[dict | None] = contextvars.ContextVar("llmsvc_request_labels",
+                                                                                  default=None)
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s%(request_tag)s: %(message)s"
 
 # attributes every LogRecord has; anything else came from `extra=` and is carried into json
 _STANDARD = set(vars(logging.LogRecord("x", 0, "x", 0, "x", None, None))) | {"message", "asctime", "request_tag",
-                                                                            "request_id"}
+                                                                            "request_id", "labels"}
 
 
 class RequestIdFilter(logging.Filter):
-    """Sets record.request_id (from `extra=` or the ContextVar) and record.request_tag (" [req=ID]" or "")."""
+    """Sets record.request_id and record.labels (from `extra=` or the ContextVars) and
+    record.request_tag (" [req=ID labels={...}]", or less when unknown)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         rid = getattr(record, "request_id", None) or request_id_var.get()
-        record.request_id = rid
-        record.request_tag = f" [req={rid}]" if rid else ""
+        labels = getattr(record, "labels", None) or request_labels_var.get()
+        record.request_id, record.labels = rid, labels
+        tag = ([f"req={rid}"] if rid else []) + ([f"labels={json.dumps(labels, sort_keys=True)}"] if labels else [])
+        record.request_tag = f" [{' '.join(tag)}]" if tag else ""
         return True
 
 
@@ -42,6 +50,9 @@ class JsonFormatter(logging.Formatter):
         rid = getattr(record, "request_id", None) or request_id_var.get()
         if rid:
             obj["request_id"] = rid
+        labels = getattr(record, "labels", None) or request_labels_var.get()
+        if labels:
+            obj["labels"] = labels
         if record.exc_info:
             obj["exc"] = self.formatException(record.exc_info)
         elif record.exc_text:

@@ -5,7 +5,10 @@ Series (all `llmsvc_`):
 - per request (servicer, from RequestOutput.metrics, wall-clock seconds):
   request_success_total{finish_reason} (one per completion; a cancelled call counts "abort"),
   time_to_first_token_seconds, time_per_output_token_seconds, e2e_request_latency_seconds,
-  request_queue_time_seconds, request_prompt_tokens, request_generation_tokens (histograms)
+  request_queue_time_seconds, request_prompt_tokens, request_generation_tokens (histograms).
+  These also carry one Prometheus label per allow-listed GenerateRequest.labels key
+  (`label_keys`, the --metrics-label-keys flag): "" when a request lacks it, and "other" once a
+  key has seen MAX_LABEL_VALUES distinct values, so the number of series stays bounded.
 - engine (sampled on scrape from AsyncEngine.get_stats(), which never blocks on the engine
   thread): num_requests_running / num_requests_waiting / kv_cache_usage_perc (0..1) /
   prefix_cache_hit_rate (0..1) / num_kv_blocks / num_free_kv_blocks gauges; prompt_tokens_total,
@@ -15,7 +18,8 @@ Series (all `llmsvc_`):
 from __future__ import annotations
 
 import logging
-from typing import Callable
+import re
+from typing import Callable, Iterable
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -32,36 +36,65 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
                 5.0)
 TOKEN_BUCKETS = tuple(2 ** i for i in range(18))  # 1 .. 131072
+MAX_LABEL_VALUES = 100  # distinct values kept per allow-listed label key; later ones count as "other"
+OTHER = "other"
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+_RESERVED_LABELS = {"finish_reason", "service", "method", "code", "le", "quantile"}
+
+
+def parse_label_keys(text: str | Iterable[str] | None) -> tuple[str, ...]:
+    """'tenant,team' -> ('tenant', 'team'); ValueError for a key Prometheus cannot carry as a label."""
+    keys = [k.strip() for k in (text.split(",") if isinstance(text, str) else text or ()) if k.strip()]
+    for k in keys:
+        if not _LABEL_NAME.fullmatch(k) or k.startswith("__") or k in _RESERVED_LABELS:
+            raise ValueError(f"metrics label key {k!r} is not usable as a Prometheus label "
+                             f"([a-zA-Z_][a-zA-Z0-9_]*, not {sorted(_RESERVED_LABELS)})")
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"metrics label keys repeat: {keys}")
+    return tuple(keys)
 
 
 class ServerMetrics:
     """Every series of one server instance, in `self.registry` (never the global one)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, label_keys: Iterable[str] = ()) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        r = self.registry
+        self.label_keys = parse_label_keys(label_keys)
+        self._seen_values: dict[str, set[str]] = {k: set() for k in self.label_keys}
+        r, keys = self.registry, list(self.label_keys)
         self.grpc_requests = Counter("llmsvc_grpc_requests", "RPCs finished, by method and gRPC status code",
                                      ["service", "method", "code"], registry=r)
         self.request_success = Counter("llmsvc_request_success", "Completions finished, by finish reason",
-                                       ["finish_reason"], registry=r)
-        self.ttft = Histogram("llmsvc_time_to_first_token_seconds", "Arrival to first output token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("llmsvc_time_per_output_token_seconds",
-                              "Mean time between output tokens of a request (after the first)",
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("llmsvc_e2e_request_latency_seconds", "Arrival to finish",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("llmsvc_request_queue_time_seconds", "Arrival to first scheduled",
-                               buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Histogram("llmsvc_request_prompt_tokens", "Prompt tokens per request",
-                                       buckets=TOKEN_BUCKETS, registry=r)
-        self.generation_tokens = Histogram("llmsvc_request_generation_tokens",
-                                           "Generated tokens per request (all completions)",
-                                           buckets=TOKEN_BUCKETS, registry=r)
+                                       ["finish_reason"] + keys, registry=r)
 
-    def track(self, n: int = 1) -> "RequestTracker":
-        """A tracker for one Generate call producing `n` completions."""
-        return RequestTracker(self, n)
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, keys, buckets=buckets, registry=r)
+        self.ttft = histogram("llmsvc_time_to_first_token_seconds", "Arrival to first output token", LATENCY_BUCKETS)
+        self.tpot = histogram("llmsvc_time_per_output_token_seconds",
+                              "Mean time between output tokens of a request (after the first)", TPOT_BUCKETS)
+        self.e2e = histogram("llmsvc_e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
+        self.queue = histogram("llmsvc_request_queue_time_seconds", "Arrival to first scheduled", LATENCY_BUCKETS)
+        self.prompt_tokens = histogram("llmsvc_request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS)
+        self.generation_tokens = histogram("llmsvc_request_generation_tokens",
+                                           "Generated tokens per request (all completions)", TOKEN_BUCKETS)
+
+    def label_values(self, labels: dict[str, str] | None) -> tuple[str, ...]:
+        """The allow-listed keys' values of a request's labels (bounded per key, see the module doc)."""
+        out = []
+        for k in self.label_keys:
+            v = (labels or {}).get(k, "")
+            seen = self._seen_values[k]
+            if v and v not in seen:
+                if len(seen) >= MAX_LABEL_VALUES:
+                    v = OTHER
+                else:
+                    seen.add(v)
+            out.append(v)
+        return tuple(out)
+
+    def track(self, n: int = 1, labels: dict[str, str] | None = None) -> "RequestTracker":
+        """A tracker for one Generate call producing `n` completions, labelled by `labels`' allow-listed keys."""
+        return RequestTracker(self, n, self.label_values(labels))
 
     def add_engine_collector(self, source: Callable[[], "EngineSnapshot"]) -> None:
         self.registry.register(EngineCollector(source))
@@ -73,9 +106,10 @@ class ServerMetrics:
 class RequestTracker:
     """Fed every (delta) RequestOutput of one request; records each series exactly once."""
 
-    def __init__(self, metrics: ServerMetrics, n: int) -> None:
+    def __init__(self, metrics: ServerMetrics, n: int, label_values: tuple[str, ...] = ()) -> None:
         self.m = metrics
         self.n = n
+        self.label_values = label_values
         self.reasons: dict[int, str] = {}  # completion index -> finish reason
         self.tokens: dict[int, int] = {}  # completion index -> output tokens so far (cumulative)
         self.done = False
@@ -87,7 +121,7 @@ class RequestTracker:
             self.tokens[comp.index] = max(self.tokens.get(comp.index, 0), comp.num_output_tokens)
             if comp.finish_reason is not None and comp.index not in self.reasons:
                 self.reasons[comp.index] = comp.finish_reason
-                self.m.request_success.labels(comp.finish_reason).inc()
+                self.m.request_success.labels(comp.finish_reason, *self.label_values).inc()
         if out.finished:
             self.done = True
             self._observe_final(out)
@@ -104,24 +138,27 @@ class RequestTracker:
         for i in range(self.n):
             if i not in self.reasons:
                 self.reasons[i] = ABORT
-                self.m.request_success.labels(ABORT).inc()
+                self.m.request_success.labels(ABORT, *self.label_values).inc()
+
+    def _series(self, histogram: Histogram) -> Histogram:
+        return histogram.labels(*self.label_values) if self.label_values else histogram
 
     def _observe_final(self, out: RequestOutput) -> None:
-        m = self.m
-        m.prompt_tokens.observe(len(out.prompt_token_ids))
+        m, series = self.m, self._series
+        series(m.prompt_tokens).observe(len(out.prompt_token_ids))
         num_out = max(self.tokens.values(), default=0)  # the longest completion paces the request
-        m.generation_tokens.observe(self.num_generated)
+        series(m.generation_tokens).observe(self.num_generated)
         rm = out.metrics
         if rm is None:
             return
         if rm.first_scheduled_time is not None:
-            m.queue.observe(max(0.0, rm.first_scheduled_time - rm.arrival_time))
+            series(m.queue).observe(max(0.0, rm.first_scheduled_time - rm.arrival_time))
         if rm.first_token_time is not None:
-            m.ttft.observe(max(0.0, rm.first_token_time - rm.arrival_time))
+            series(m.ttft).observe(max(0.0, rm.first_token_time - rm.arrival_time))
             if rm.last_token_time is not None and num_out > 1:
-                m.tpot.observe(max(0.0, rm.last_token_time - rm.first_token_time) / (num_out - 1))
+                series(m.tpot).observe(max(0.0, rm.last_token_time - rm.first_token_time) / (num_out - 1))
         if rm.finished_time is not None:
-            m.e2e.observe(max(0.0, rm.finished_time - rm.arrival_time))
+            series(m.e2e).observe(max(0.0, rm.finished_time - rm.arrival_time))
 
 
 class EngineSnapshot:

@@ -116,10 +116,8 @@ class ResponseBuilder:
                 f.stop_token_id = sr
         f.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=comp.num_output_tokens,
                                   cached_tokens=out.num_cached_tokens))
-        if out.seed is not None:
-            f.seed = out.seed
-        elif self.params.seed is not None:
-            f.seed = self.params.seed
+        if comp.seed is not None:
+            f.seed = comp.seed
         m = out.metrics
         if self.opts.include_timing and m is not None:
             t = f.timing
@@ -134,7 +132,7 @@ class ResponseBuilder:
                     t.decode.CopyFrom(_duration(end - m.first_token_time))
             if m.finished_time:
                 t.total.CopyFrom(_duration(m.finished_time - m.arrival_time))
-            t.num_preemptions = int(getattr(m, "num_preemptions", 0) or 0)
+            t.num_preemptions = m.num_preemptions
         return f
 
     def message(self, out: RequestOutput, comp: CompletionOutput) -> pb.GenerateResponse:

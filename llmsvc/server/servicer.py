@@ -3,8 +3,9 @@
 Generate: id (body | x-request-id | uuid4) -> validation -> initial metadata (x-request-id, before
 prefill) -> AsyncEngine.generate -> messages. Cancel, disconnect and deadline expiry raise
 CancelledError here, which closes the engine generator and aborts the request.
-The request id is put in `request_id_var` so every log line of the call carries it; each
-output feeds the per-request Prometheus series (`metrics`, a ServerMetrics, when set).
+The request id and labels are put in `request_id_var` / `request_labels_var` so every log line of
+the call carries them; each output feeds the per-request Prometheus series (`metrics`, a
+ServerMetrics, when set), labelled by the allow-listed label keys.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import grpc
 
 from llmsvc.engine.output_stream import merge_delta
 from llmsvc.server import errors
-from llmsvc.server.logging_setup import request_id_var
+from llmsvc.server.logging_setup import request_id_var, request_labels_var
 from llmsvc.server.prompt import encode, has_chat_template, render_chat
 from llmsvc.server.prompt import resolve_prompt
 from llmsvc.server.responses import ResponseBuilder
@@ -29,6 +30,8 @@ from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 API_VERSION = "llmsvc.v1"
+# ParallelConfig.executor_kind -> GetServerInfoResponse.executor
+EXECUTOR_NAMES = {"uniproc": "uniproc", "multiproc": "multiproc", "tp": "tensor_parallel"}
 # requests bigger than this are tokenized/validated on a worker thread: a multi-MiB prompt takes
 # seconds to tokenize and must not stall the event loop (every other stream, health checks)
 INLINE_PROMPT_BYTES = 64 << 10
@@ -99,6 +102,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
     async def Generate(self, request, context):
         rid = self._request_id(request, context)
         request_id_var.set(rid)  # this RPC's task only
+        request_labels_var.set(dict(request.labels) or None)
         tracker = None
         try:
             self._check_serving()
@@ -115,7 +119,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
             logger.debug("request %s admitted: %d prompt tokens, traceparent=%s", rid, len(ids),
                          dict(context.invocation_metadata() or ()).get("traceparent"))
             gen = self.engine.generate(rid, ids, params, prompt=prompt, priority=request.priority)
-            tracker = self.metrics.track(params.n) if self.metrics is not None else None
+            tracker = self.metrics.track(params.n, dict(request.labels)) if self.metrics is not None else None
             try:
                 if request.stream:
                     async for out in gen:
@@ -242,7 +246,8 @@ class LlmService(pb_grpc.LlmServiceServicer):
         st = self.engine.get_stats()
         c = self.config
         resp.MergeFrom(pb.GetServerInfoResponse(
-            tensor_parallel_size=c.parallel_config.tensor_parallel_size, executor=c.parallel_config.executor,
+            tensor_parallel_size=c.parallel_config.tensor_parallel_size,
+            executor=EXECUTOR_NAMES[c.parallel_config.executor_kind],
             kv_block_size=c.cache_config.block_size, num_kv_blocks=st.num_kv_blocks,
             num_free_kv_blocks=st.num_free_kv_blocks, max_num_seqs=c.scheduler_config.max_num_seqs,
             max_num_batched_tokens=c.scheduler_config.max_num_batched_tokens, num_running=st.num_running,

@@ -1,24 +1,28 @@
-"""GenerateRequest (proto) -> SamplingParams, checking every rule of docs/api.md "Validation".
+"""GenerateRequest (proto) -> SamplingParams, checked before the request is queued (docs/api.md,
+"Validation", lists the rules).
 
 Unset optional fields take the model's generation_config default, then the neutral value.
-Nothing is clamped: each violation is a ServiceError naming the proto field and the limit.
+The rules themselves are the engine's (llmsvc.engine.validation); this module only maps proto
+fields in and engine field names out. Nothing is clamped: each violation is a ServiceError
+naming the proto field and the limit.
 """
 from __future__ import annotations
 
-import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
 
-from llmsvc.server.errors import ServiceError, invalid, prompt_too_long
+from llmsvc.engine import validation as rules
+from llmsvc.engine.errors import InvalidRequestError
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
+from llmsvc.server.errors import ServiceError, invalid, to_service_error
 
 # proto field -> (SamplingParams field, neutral value); generation_config uses the same names
 SAMPLING_FIELDS = {
     "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
 }
-MAX_STOP_STRING_CHARS = 1024
 MAX_REQUEST_ID_CHARS = 256
 MAX_LABELS = 64
 CONSTRAINTS = ("json_schema", "regex", "choice", "grammar", "json_object")
@@ -42,6 +46,11 @@ class ModelLimits:
                    max_stop_strings=config.max_stop_strings,
                    generation_defaults=dict(mc.generation_defaults or {}))
 
+    @property
+    def request_limits(self) -> rules.RequestLimits:
+        return rules.RequestLimits(vocab_size=self.vocab_size, max_len=self.max_model_len, max_n=self.max_n,
+                                   max_stop_strings=self.max_stop_strings, max_logprobs=self.max_logprobs)
+
     def default_sampling(self) -> dict:
         """The values unset sampling fields resolve to (generation_config, then neutral)."""
         out = {}
@@ -51,19 +60,6 @@ class ModelLimits:
         if out["top_k"] < 0:
             out["top_k"] = 0
         return out
-
-
-def _finite(name: str, v: float) -> float:
-    if not math.isfinite(v):
-        raise invalid(name, f"must be a finite number, got {v}")
-    return v
-
-
-def _in_range(name: str, v: float, lo: float, hi: float, lo_open: bool = False) -> None:
-    _finite(name, v)
-    if (v <= lo if lo_open else v < lo) or v > hi:
-        left = "(" if lo_open else "["
-        raise invalid(name, f"must be in {left}{lo:g}, {hi:g}], got {v:g}")
 
 
 def check_request_id(rid: str) -> None:
@@ -88,9 +84,17 @@ def check_chat(messages, field_prefix: str = "chat") -> None:
 
 
 def check_token_ids(name: str, ids, vocab_size: int) -> None:
-    for i, t in enumerate(ids):
-        if t >= vocab_size:
-            raise invalid(f"{name}[{i}]", f"token id {t} is out of range [0, {vocab_size})")
+    with engine_rules():
+        rules.check_token_ids(name, ids, vocab_size)
+
+
+@contextmanager
+def engine_rules():
+    """Run engine rules; their InvalidRequestError / PromptTooLongError become proto-named ServiceErrors."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        raise to_service_error(e) from None
 
 
 def build_sampling_params(req, limits: ModelLimits) -> SamplingParams:
@@ -102,66 +106,14 @@ def build_sampling_params(req, limits: ModelLimits) -> SamplingParams:
                            f"sampling.{which}: structured output is not supported by this server "
                            f"(supported: {list(limits.supported_constraints)})")
     defaults = limits.default_sampling()
-    kw = {}
-    for name in SAMPLING_FIELDS:
-        kw[name] = getattr(s, name) if s.HasField(name) else defaults[name]
-    _finite("sampling.temperature", kw["temperature"])
-    if kw["temperature"] < 0:
-        raise invalid("sampling.temperature", f"must be >= 0 (0 = greedy), got {kw['temperature']:g}")
-    _in_range("sampling.top_p", kw["top_p"], 0.0, 1.0, lo_open=True)
-    if kw["top_k"] < -1:
-        raise invalid("sampling.top_k", f"must be >= 1, or 0 / -1 to disable, got {kw['top_k']}")
-    if kw["top_k"] > limits.vocab_size:
-        raise invalid("sampling.top_k", f"must be <= vocab_size ({limits.vocab_size}), got {kw['top_k']}")
-    _in_range("sampling.min_p", kw["min_p"], 0.0, 1.0)
-    _in_range("sampling.presence_penalty", kw["presence_penalty"], -2.0, 2.0)
-    _in_range("sampling.frequency_penalty", kw["frequency_penalty"], -2.0, 2.0)
-    _finite("sampling.repetition_penalty", kw["repetition_penalty"])
-    if kw["repetition_penalty"] <= 0:
-        raise invalid("sampling.repetition_penalty", f"must be > 0, got {kw['repetition_penalty']:g}")
-    n = s.n if s.HasField("n") else 1
-    if not 1 <= n <= limits.max_n:
-        raise invalid("sampling.n", f"must be in [1, {limits.max_n}], got {n}")
-    seed = s.seed if s.HasField("seed") else None
-    if seed is not None and seed >= 2 ** 63:
-        raise invalid("sampling.seed", f"must be < 2^63, got {seed}")
-    logit_bias = {}
-    for tok, b in s.logit_bias.items():
-        if tok >= limits.vocab_size:
-            raise invalid("sampling.logit_bias", f"token id {tok} is out of range [0, {limits.vocab_size})")
-        _in_range(f"sampling.logit_bias[{tok}]", b, -100.0, 100.0)
-        logit_bias[tok] = b
-
-    max_tokens = st.max_tokens if st.HasField("max_tokens") else None
-    if max_tokens is not None and max_tokens < 1:
-        raise invalid("stopping.max_tokens", f"must be >= 1 (leave unset to fill the context), got {max_tokens}")
-    if max_tokens is not None and max_tokens >= limits.max_model_len:
-        raise invalid("stopping.max_tokens", f"must be < max_model_len ({limits.max_model_len}), got {max_tokens}")
-    if max_tokens is not None and st.min_tokens > max_tokens:
-        raise invalid("stopping.min_tokens", f"must be <= max_tokens ({max_tokens}), got {st.min_tokens}")
-    if st.min_tokens >= limits.max_model_len:
-        raise invalid("stopping.min_tokens", f"must be < max_model_len ({limits.max_model_len}), got {st.min_tokens}")
-    if len(st.stop) > limits.max_stop_strings:
-        raise invalid("stopping.stop", f"at most {limits.max_stop_strings} stop strings, got {len(st.stop)}")
-    for i, stop in enumerate(st.stop):
-        if not stop:
-            raise invalid(f"stopping.stop[{i}]", "stop strings must not be empty")
-        if len(stop) > MAX_STOP_STRING_CHARS:
-            raise invalid(f"stopping.stop[{i}]", f"must be at most {MAX_STOP_STRING_CHARS} characters")
-    if len(st.stop_token_ids) > limits.max_stop_strings:
-        raise invalid("stopping.stop_token_ids",
-                      f"at most {limits.max_stop_strings} stop token ids, got {len(st.stop_token_ids)}")
-    check_token_ids("stopping.stop_token_ids", st.stop_token_ids, limits.vocab_size)
-
-    for name in ("logprobs", "prompt_logprobs"):
-        if o.HasField(name) and getattr(o, name) > limits.max_logprobs:
-            raise invalid(f"output.{name}", f"must be in [0, {limits.max_logprobs}], got {getattr(o, name)}")
-    try:
-        return SamplingParams(
-            n=n, seed=seed, logit_bias=logit_bias or None,
+    kw = {name: getattr(s, name) if s.HasField(name) else defaults[name] for name in SAMPLING_FIELDS}
+    with engine_rules():
+        params = rules.make_sampling_params(
+            n=s.n if s.HasField("n") else 1, seed=s.seed if s.HasField("seed") else None,
+            logit_bias=dict(s.logit_bias) or None,
             stop=list(st.stop), stop_token_ids=list(st.stop_token_ids),
             include_stop_str_in_output=st.include_stop_str_in_output, ignore_eos=st.ignore_eos,
-            max_tokens=max_tokens, min_tokens=st.min_tokens,
+            max_tokens=st.max_tokens if st.HasField("max_tokens") else None, min_tokens=st.min_tokens,
             logprobs=o.logprobs if o.HasField("logprobs") else None,
             prompt_logprobs=o.prompt_logprobs if o.HasField("prompt_logprobs") else None,
             skip_special_tokens=o.skip_special_tokens if o.HasField("skip_special_tokens") else True,
@@ -170,20 +122,11 @@ def build_sampling_params(req, limits: ModelLimits) -> SamplingParams:
             time_limit_ms=st.time_limit_ms or None,
             output_kind=RequestOutputKind.DELTA,
             **kw)
-    except ValueError as e:  # SamplingParams.verify(): "<field> <why>" (belt and braces)
-        name, _, why = str(e).partition(" ")
-        raise invalid(name, why) from None
+        rules.check_sampling_params(params, limits.request_limits)
+    return params
 
 
 def check_prompt_fits(params: SamplingParams, num_prompt_tokens: int, limits: ModelLimits) -> None:
-    """Prompt (+ min_tokens, + explicit max_tokens) must fit in max_model_len."""
-    L = limits.max_model_len
-    if num_prompt_tokens + max(params.min_tokens, 1) > L:
-        raise prompt_too_long(num_prompt_tokens, L,
-                              f"prompt has {num_prompt_tokens} tokens (+ min_tokens {params.min_tokens}); "
-                              f"max_model_len is {L}: shorten it or set truncate_prompt_tokens")
-    if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > L:
-        raise invalid("stopping.max_tokens",
-                      f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                      f"max_model_len ({L}); lower max_tokens to <= {L - num_prompt_tokens} or leave it unset",
-                      prompt_tokens=num_prompt_tokens, max_model_len=L)
+    """Prompt (+ min_tokens, + explicit max_tokens) must fit in max_model_len (the engine's rule)."""
+    with engine_rules():
+        rules.check_prompt_fits(num_prompt_tokens, params, limits.request_limits)

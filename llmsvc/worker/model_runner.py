@@ -8,7 +8,7 @@ import torch
 
 from kernels.triton_ops import DEFAULT_DECODE_SPLIT
 from llmsvc.config import EngineConfig
-from llmsvc.models.llama import build_model, kv_cache_spec
+from llmsvc.models.llama import build_model, kv_cache_spec, to_torch_dtype
 from llmsvc.models.parallel import get_tp_rank, get_tp_world_size
 from llmsvc.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmsvc.worker.graphs import capture_decode_graphs, graph_inputs
@@ -19,7 +19,6 @@ from llmsvc.worker.sampling_metadata import SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelRunner:
@@ -28,7 +27,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
-        self.dtype = DTYPES[config.model_config.dtype]
+        self.dtype = to_torch_dtype(config.model_config.dtype)
         self.block_size = config.cache_config.block_size
         self.states = RequestStates()
         self.sampler = Sampler()
@@ -61,15 +60,15 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     def warmup(self) -> None:
-        """A tiny prefill and decode through every op (the first blocks only; nothing is cached yet). On
+        """A tiny prefill and decode through every op (the first blocks; nothing is cached yet). On
         CUDA also a 512-token prefill, a decode past the 512-key split-K threshold and a mixed
         step, so every Triton kernel variant compiles here and not in a user's first request."""
         n = min(self.block_size, 8)
         steps = [{"w0": (0, n)}, {"w0": (n, 1)}]  # req -> (num_computed, num_new), per step
+        short_blocks = -(-(n + 1) // self.block_size)  # the decode at position n needs block 1 when n == block_size
         split = DEFAULT_DECODE_SPLIT
         long_len = split + 2
         long_blocks = -(-long_len // self.block_size)
-        short_blocks = -(-(n + 1) // self.block_size)  # w0's n + 1 tokens (2 blocks when block_size < 9)
         if (self.device.type == "cuda" and self.num_blocks >= short_blocks + long_blocks
                 and (self.config.model_config.max_model_len or 0) >= long_len):
             steps += [{"w1": (0, split)}, {"w1": (split, 1)}, {"w1": (split + 1, 1), "w0": (0, n)}]

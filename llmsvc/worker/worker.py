@@ -11,14 +11,14 @@ from llmsvc.config import EngineConfig
 from llmsvc.sampling_params import SamplingParams
 from llmsvc.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmsvc.worker import host_malloc
+from llmsvc.worker.device import resolve_device_type
 from llmsvc.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+    name = resolve_device_type(name)
     if name == "cuda":
         return torch.device("cuda", local_rank)
     return torch.device(name)

@@ -1,0 +1,105 @@
+"""The request rules every front end shares (offline LLM, gRPC server), written once. Torch-free.
+
+A violation raises InvalidRequestError naming the SamplingParams field, with an index where one
+element is at fault ("stop[1]", "logit_bias[7]", "prompt_token_ids[3]"), or PromptTooLongError.
+The server runs the same functions and only maps those names onto proto field paths.
+
+Room for output: a request fits when prompt + max(min_tokens, 1) <= max_len (it can generate its
+min_tokens, and at least one token), and an explicit max_tokens fits when prompt + max_tokens <= max_len.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmsvc.engine.errors import InvalidRequestError, PromptTooLongError
+from llmsvc.sampling_params import SamplingParams
+
+MAX_SEED = 2 ** 63  # seeds are drawn and hashed as signed 64-bit integers
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one engine accepts. max_len: tokens (prompt + output) one request may hold."""
+
+    vocab_size: int  # 0: unknown, token ids are not range-checked
+    max_len: int
+    max_n: int = 16
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
+    max_logprobs: int = 20
+    # what max_len is, for the PROMPT_TOO_LONG message
+    max_len_source: str = "the maximum context length"
+
+
+def _verify_error(e: ValueError) -> InvalidRequestError:
+    name, _, why = str(e).partition(" ")  # SamplingParams.verify(): "<field> <why>"
+    return InvalidRequestError(name, why)
+
+
+def make_sampling_params(**kw) -> SamplingParams:
+    """SamplingParams(**kw), its verify() failure raised as InvalidRequestError."""
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        raise _verify_error(e) from None
+
+
+def check_sampling_params(params: SamplingParams, limits: RequestLimits) -> None:
+    """The rules that need no prompt (the server runs them before tokenizing)."""
+    try:
+        params.verify(limits.max_logprobs)
+    except ValueError as e:
+        raise _verify_error(e) from None
+    if params.n > limits.max_n:
+        raise InvalidRequestError("n", f"must be in [1, {limits.max_n}], got {params.n}")
+    if params.seed is not None and params.seed >= MAX_SEED:
+        raise InvalidRequestError("seed", f"must be < 2^63, got {params.seed}")
+    vocab = limits.vocab_size
+    if vocab and params.top_k > vocab:
+        raise InvalidRequestError("top_k", f"must be <= vocab_size ({vocab}), got {params.top_k}")
+    if vocab:
+        for tok in params.logit_bias or {}:
+            if tok >= vocab:
+                raise InvalidRequestError("logit_bias", f"token id {tok} is out of range [0, {vocab})")
+    L = limits.max_len
+    if params.max_tokens is not None and params.max_tokens >= L:
+        raise InvalidRequestError("max_tokens", f"must be < max_model_len ({L}), got {params.max_tokens}")
+    if params.min_tokens >= L:
+        raise InvalidRequestError("min_tokens", f"must be < max_model_len ({L}), got {params.min_tokens}")
+    if len(params.stop) > limits.max_stop_strings:
+        raise InvalidRequestError("stop", f"at most {limits.max_stop_strings} stop strings, got {len(params.stop)}")
+    for i, stop in enumerate(params.stop):
+        if len(stop) > limits.max_stop_string_chars:
+            raise InvalidRequestError(f"stop[{i}]", f"must be at most {limits.max_stop_string_chars} characters")
+    if len(params.stop_token_ids) > limits.max_stop_strings:
+        raise InvalidRequestError("stop_token_ids", f"at most {limits.max_stop_strings} stop token ids, "
+                                  f"got {len(params.stop_token_ids)}")
+    check_token_ids("stop_token_ids", params.stop_token_ids, vocab)
+
+
+def check_token_ids(name: str, ids, vocab_size: int) -> None:
+    if not vocab_size:
+        return
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidRequestError(f"{name}[{i}]", f"token id {t} is out of range [0, {vocab_size})")
+
+
+def check_prompt_fits(num_prompt_tokens: int, params: SamplingParams, limits: RequestLimits) -> None:
+    """Room for output (see the module docstring)."""
+    L = limits.max_len
+    if num_prompt_tokens + max(params.min_tokens, 1) > L:
+        raise PromptTooLongError(num_prompt_tokens, L, limits.max_len_source, params.min_tokens)
+    if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > L:
+        raise InvalidRequestError(
+            "max_tokens", f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"max_model_len ({L}); lower max_tokens to <= {L - num_prompt_tokens} or leave it unset")
+
+
+def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:
+    """Every rule: what the engine checks when a request is added."""
+    check_sampling_params(params, limits)
+    if not prompt_token_ids:
+        raise InvalidRequestError("prompt", "must not be empty")
+    check_token_ids("prompt_token_ids", prompt_token_ids, limits.vocab_size)
+    check_prompt_fits(len(prompt_token_ids), params, limits)
