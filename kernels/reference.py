@@ -129,3 +129,25 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         o = o.view(hkv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d)
         out[qsl[i]:qsl[i + 1]] = o.to(out.dtype)
     return out
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Structured output: set every token a grammar forbids to -inf, in place.
+
+    logits [S, V] float; bitmask [R, W] int32, bit t % 32 of word t // 32 set iff token t is
+    allowed in the grammar row; rows [R] int64, the logits row each bitmask row applies to
+    (unique). Tokens >= 32 * W (model vocab padded past the tokenizer's) are forbidden; bits
+    >= V (mask wider than the logits) are ignored. Rows not listed are untouched.
+    """
+    R, W = bitmask.shape
+    V = logits.shape[1]
+    if R == 0:
+        return
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
+    allowed = bits.reshape(R, W * 32)[:, :V] != 0  # [R, min(V, 32W)]
+    if allowed.shape[1] < V:
+        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
+    sub = logits.index_select(0, rows)  # [R, V]
+    sub.masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, rows, sub)
