@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--no-prefix-caching", bool, help="disable prefix caching")
     opt("--max-waiting-requests", int, 4096, help="admission cap; past it RESOURCE_EXHAUSTED")
     opt("--device", str, "auto", choices=["auto", "cpu", "cuda"], help="device")
+    opt("--grammar-compile-timeout", float, 10.0,
+        help="seconds a structured-output constraint may take to compile; longer fails with INVALID_ARGUMENT")
+    opt("--grammar-cache-size", int, 256, help="compiled structured-output grammars kept (LRU)")
     opt("--shutdown-grace", float, 30.0,
         help="seconds in-flight requests get on SIGTERM (a second SIGTERM/SIGINT ends it)")
     opt("--log-level", str, "INFO", help="logging level")
@@ -97,7 +100,9 @@ def build_config(args):
                                          max_waiting_requests=args.max_waiting_requests),
         parallel_config=ParallelConfig(executor=args.executor, tensor_parallel_size=args.tensor_parallel_size,
                                        **_multi_node(args)),
-        device=args.device)
+        device=args.device,
+        grammar_compile_timeout_s=getattr(args, "grammar_compile_timeout", 10.0),
+        grammar_cache_size=getattr(args, "grammar_cache_size", 256))
 
 
 def _multi_node(args) -> dict:

@@ -8,9 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import grpc
-
-from llmsvc.server.errors import ServiceError, invalid, prompt_too_long
+from llmsvc.server.constraints import served_constraints, structured_outputs_from_proto
+from llmsvc.server.errors import invalid, prompt_too_long
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
 
 # proto field -> (SamplingParams field, neutral value); generation_config uses the same names
@@ -40,7 +39,8 @@ class ModelLimits:
         mc = config.model_config
         return cls(vocab_size=mc.vocab_size, max_model_len=mc.max_model_len, max_n=config.max_n,
                    max_stop_strings=config.max_stop_strings,
-                   generation_defaults=dict(mc.generation_defaults or {}))
+                   generation_defaults=dict(mc.generation_defaults or {}),
+                   supported_constraints=served_constraints())
 
     def default_sampling(self) -> dict:
         """The values unset sampling fields resolve to (generation_config, then neutral)."""
@@ -96,11 +96,7 @@ def check_token_ids(name: str, ids, vocab_size: int) -> None:
 def build_sampling_params(req, limits: ModelLimits) -> SamplingParams:
     """Check the sampling/stopping/output fields of `req`; prompt-length checks come later."""
     s, st, o = req.sampling, req.stopping, req.output
-    which = s.WhichOneof("constraint")
-    if which is not None and which not in limits.supported_constraints:
-        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED,
-                           f"sampling.{which}: structured output is not supported by this server "
-                           f"(supported: {list(limits.supported_constraints)})")
+    structured_outputs = structured_outputs_from_proto(s, limits.supported_constraints)
     defaults = limits.default_sampling()
     kw = {}
     for name in SAMPLING_FIELDS:
@@ -169,6 +165,7 @@ def build_sampling_params(req, limits: ModelLimits) -> SamplingParams:
                                            if o.HasField("spaces_between_special_tokens") else True),
             time_limit_ms=st.time_limit_ms or None,
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured_outputs,
             **kw)
     except ValueError as e:  # SamplingParams.verify(): "<field> <why>" (belt and braces)
         name, _, why = str(e).partition(" ")
