@@ -106,3 +106,26 @@ def test_compile_time_limit_is_invalid_argument(srv):
 def test_model_info_lists_every_kind(srv):
     info = srv.stub.GetModelInfo(pb.GetModelInfoRequest())
     assert sorted(info.supported_constraints) == ["choice", "grammar", "json_object", "json_schema", "regex"]
+
+
+def test_client_function_call(srv):
+    import jsonschema
+
+    from llmsvc.client import Client, InvalidArgument, function_call_schema
+
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": None}},
+             {"name": "get_weather", "parameters": {
+                 "type": "object", "properties": {"city": {"type": "string", "maxLength": 5}},
+                 "required": ["city"], "additionalProperties": False}}]
+    schema = function_call_schema(tools)
+    with Client(srv.address) as c:
+        result = c.generate(messages=[{"role": "user", "content": "weather?"}], json_schema=schema,
+                            temperature=0.0, max_tokens=60)
+        call = json.loads(result.text)
+        jsonschema.validate(call, schema)
+        assert call["name"] in ("get_time", "get_weather") and result.finish_reason == "stop"
+        with pytest.raises(InvalidArgument) as ei:
+            c.generate("x", regex="(", max_tokens=4)
+        assert "sampling.regex" in str(ei.value)
+    with pytest.raises(ValueError):
+        function_call_schema([])
