@@ -129,3 +129,21 @@ def test_client_function_call(srv):
         assert "sampling.regex" in str(ei.value)
     with pytest.raises(ValueError):
         function_call_schema([])
+
+
+def test_compile_timeout_flag_and_env(monkeypatch):
+    import argparse
+
+    from llmsvc.server import cli
+
+    def config(argv):
+        p = argparse.ArgumentParser()
+        cli.add_arguments(p)
+        return cli.build_config(p.parse_args(argv))
+
+    assert config([]).grammar_compile_timeout_s == 10.0
+    assert config(["--grammar-compile-timeout", "0.5"]).grammar_compile_timeout_s == 0.5
+    monkeypatch.setenv("LLMSVC_GRAMMAR_COMPILE_TIMEOUT", "2.5")
+    monkeypatch.setenv("LLMSVC_GRAMMAR_CACHE_SIZE", "7")
+    c = config([])
+    assert c.grammar_compile_timeout_s == 2.5 and c.grammar_cache_size == 7

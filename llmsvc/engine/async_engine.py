@@ -154,9 +154,9 @@ class AsyncEngine:
         Later: EngineDeadError, OutputBacklogError. Closing or cancelling the generator before
         the final output aborts the request (its id stays reserved until the engine confirms).
         """
+        compiled = self._submit_constraint(params)  # starts the compile now, off the engine thread
         stream = self._admit(request_id)
         params.output_kind = RequestOutputKind.DELTA
-        compiled = self._submit_constraint(params)  # starts the compile now, off the engine thread
         fut = self._loop.create_future()
         self._send(("add", dict(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                                 params=params, prompt=prompt, priority=priority,

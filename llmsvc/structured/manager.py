@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import numpy as np
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from llmsvc.sampling_params import StructuredOutputsParams
 from llmsvc.structured import errors as E
@@ -46,7 +46,6 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self.compile_seconds: dict[tuple[str, str], float] = {}  # last compile time per spec (bench)
-        self._mask_executor: llguidance.LLExecutor | None = None
 
     @property
     def mask_width(self) -> int:
@@ -107,10 +106,10 @@ class StructuredOutputManager:
     def fill_bitmask(self, requests: list[StructuredRequest]) -> np.ndarray:
         """[len(requests), mask_width] int32: row i allows the tokens requests[i] may sample next."""
         bitmask = allocate_token_bitmask(len(requests), self._tokenizer.result().vocab_size)
-        if self._mask_executor is None:
-            self._mask_executor = llguidance.LLExecutor()
-        fill_next_token_bitmask_par(self._mask_executor, [(r.matcher, i) for i, r in enumerate(requests)],
-                                    bitmask)
+        # one row at a time on this thread (~10 us each for typical schemas): llguidance's
+        # parallel fill keeps worker threads spinning that the model's own threads need
+        for i, r in enumerate(requests):
+            fill_next_token_bitmask(r.matcher, bitmask, i)
         return bitmask
 
     def shutdown(self) -> None:
