@@ -10,6 +10,8 @@ Layouts (shared with the Triton kernels):
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -140,14 +142,18 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
     >= V (mask wider than the logits) are ignored. Rows not listed are untouched.
     """
     R, W = bitmask.shape
-    V = logits.shape[1]
+    S, V = logits.shape
     if R == 0:
         return
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
-    allowed = bits.reshape(R, W * 32)[:, :V] != 0  # [R, min(V, 32W)]
-    if allowed.shape[1] < V:
-        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
+    assert sys.byteorder == "little"  # byte k of a row holds tokens 8k .. 8k+7, lowest bit first
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    bits = (bitmask.contiguous().view(torch.uint8).unsqueeze(-1) >> shifts) & 1  # [R, 4W, 8] uint8
+    forbid = bits.view(R, W * 32)[:, :V] == 0  # [R, min(V, 32W)]
+    if forbid.shape[1] < V:
+        forbid = torch.nn.functional.pad(forbid, (0, V - forbid.shape[1]), value=True)
+    if R == S and torch.equal(rows, torch.arange(S, device=rows.device)):
+        logits.masked_fill_(forbid, float("-inf"))  # every row, in order: no gather / scatter
+        return
     sub = logits.index_select(0, rows)  # [R, V]
-    sub.masked_fill_(~allowed, float("-inf"))
+    sub.masked_fill_(forbid, float("-inf"))
     logits.index_copy_(0, rows, sub)
