@@ -35,6 +35,8 @@ class StructuredRequest:
                 raise E.ConstraintError(self.kind, E.COMPILE_TIMEOUT,
                                         f"did not compile within {self._timeout_s:g} s")
             return False
+        if self._compiled.cancelled():  # the engine is shutting down
+            raise E.ConstraintError(self.kind, E.COMPILE_CANCELLED, "was not compiled: the engine stopped")
         self.matcher = self._compiled.result().deep_copy()  # re-raises the compile's ConstraintError
         self.num_consumed = 0
         return True

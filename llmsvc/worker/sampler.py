@@ -17,8 +17,9 @@ Structured output comes first of all (step 0): tokens a row's grammar forbids ge
 stage, logprobs included, sees only the tokens the grammar allows.
 
 Logprobs follow vLLM's default `logprobs_mode="raw_logprobs"`: log_softmax of the model's
-raw logits (after the grammar mask), before bias, penalties, temperature and truncation; the rank of the sampled
-token (1-based, ties count against it) and the top-k are taken in that same distribution.
+raw logits (after the grammar mask), before bias, penalties, temperature and truncation;
+the rank of the sampled token (1-based, ties count against it) and the top-k are taken in
+that same distribution.
 `Sampler(logprobs_mode="processed_logprobs")` reports the distribution actually sampled
 from instead (after step 5; for greedy rows after step 3).
 """
