@@ -28,4 +28,5 @@ def test_bench_json_schema_option(tmp_path):
         assert s["completed"] == 3 and s["failed"] == 0 and s["output_tok_s"] > 0
         assert res["json_schema"][f"{kind}_ratio"] > 0
     assert 0 < res["json_schema"]["cached_compile_s"] < res["json_schema"]["compile_s"]
+    assert res["serve_after_json_schema"]["completed"] == 3
     assert "JSON Schema" in r.stdout and "compiles in" in r.stdout

@@ -214,3 +214,23 @@ def test_mask_equals_llguidance_matcher_step_by_step(so, tokens):
         assert req.terminated
     finally:
         mgr.shutdown()
+
+
+def test_chunked_prefill_masks_only_the_rows_that_sample(engine):
+    """A 100-token prompt over a 32-token budget takes several steps; the bitmask covers a
+    constrained request only in the steps where it samples, and every other row is left alone."""
+    ex = engine.core.executor
+    inner, seen = ex.execute_model, []
+
+    def spy(so):
+        out = inner(so)
+        seen.append((list(so.structured_output_req_ids), list(out.req_ids)))
+        return out
+    ex.execute_model = spy
+    done = run(engine, {"long": ("p" * 100, params(SO(regex=r"[a-z]{4}!"))),
+                        "free": ("q" * 40, SamplingParams(temperature=0.0, max_tokens=6))})
+    assert re.fullmatch(r"[a-z]{4}!", done["long"].outputs[0].text)
+    masked_steps = [ids for ids, _ in seen if ids]
+    assert len(masked_steps) == 5 and all(ids == ["long"] for ids in masked_steps)
+    assert all(set(ids) <= set(sampled) for ids, sampled in seen)
+    assert sum(1 for _, sampled in seen if "long" not in sampled) >= 3  # prefill chunks: no mask
