@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import jsonschema
 import llguidance

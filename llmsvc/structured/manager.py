@@ -41,16 +41,10 @@ class StructuredOutputManager:
         self.compile_timeout_s = compile_timeout_s
         self.cache_size = cache_size
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="llmsvc-grammar")
-        # the tokenizer view takes ~0.5 s: build it in the pool too; compiles wait for it
+        # the tokenizer view takes 0.5-2 s: build it in the pool too; compiles wait for it
         self._tokenizer = self._pool.submit(build_tokenizer, hf_tokenizer, vocab_size, eos_token_ids)
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self.compile_seconds: dict[tuple[str, str], float] = {}  # last compile time per spec (bench)
-
-    @property
-    def mask_width(self) -> int:
-        """Words (int32) per bitmask row: ceil(n_vocab / 32)."""
-        return (self._tokenizer.result().vocab_size + 31) // 32
 
     # ---- compiling ----------------------------------------------------------------------
     def submit(self, params: StructuredOutputsParams) -> Future:
@@ -80,7 +74,6 @@ class StructuredOutputManager:
                                     f"cannot be compiled: {e}") from None
         finally:
             dt = time.perf_counter() - t0
-            self.compile_seconds[key] = dt
             logger.debug("compiled %s constraint in %.1f ms (%s)", key[0], dt * 1e3,
                          "ok" if matcher is not None else "failed")
         if dt > self.compile_timeout_s:
@@ -104,7 +97,7 @@ class StructuredOutputManager:
 
     # ---- per step -------------------------------------------------------------------------
     def fill_bitmask(self, requests: list[StructuredRequest]) -> np.ndarray:
-        """[len(requests), mask_width] int32: row i allows the tokens requests[i] may sample next."""
+        """[len(requests), ceil(n_vocab / 32)] int32: row i allows the tokens requests[i] may sample next."""
         bitmask = allocate_token_bitmask(len(requests), self._tokenizer.result().vocab_size)
         # one row at a time on this thread (~10 us each for typical schemas): llguidance's
         # parallel fill keeps worker threads spinning that the model's own threads need
