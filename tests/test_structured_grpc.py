@@ -147,3 +147,15 @@ def test_compile_timeout_flag_and_env(monkeypatch):
     monkeypatch.setenv("LLMSVC_GRAMMAR_CACHE_SIZE", "7")
     c = config([])
     assert c.grammar_compile_timeout_s == 2.5 and c.grammar_cache_size == 7
+
+
+def test_abort_a_constrained_stream(srv):
+    req = build_generate_request("hello", request_id="so-abort", stream=True, regex="[a-z]{200}",
+                                 max_tokens=200, temperature=0.0)
+    stream = srv.stub.Generate(req)
+    first = next(stream)
+    assert first.request_id == "so-abort"
+    assert list(srv.stub.Abort(pb.AbortRequest(request_ids=["so-abort"])).aborted) == ["so-abort"]
+    last = list(stream)[-1]
+    assert last.finish.reason == pb.FinishInfo.REASON_ABORTED
+    free_blocks_back(srv)
