@@ -32,8 +32,9 @@ from kernels.triton_ops import HAS_TRITON, INTERPRET
 
 if HAS_TRITON:
     from kernels import custom_ops as _tri
+    from kernels.triton_ops import token_bitmask as _tri_bitmask
 else:  # pragma: no cover
-    _tri = None
+    _tri = _tri_bitmask = None
 
 _forced = HAS_TRITON and os.environ.get("LLMSVC_FORCE_TRITON", "0") not in ("", "0")
 
@@ -193,3 +194,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0 and _cpu_ew.supports(x):
         return _cpu_ew.argmax_rows(x)
     return _ref.argmax_rows(x)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Structured output: in place, logits[rows[r], t] = -inf where bit t of bitmask[r] is 0.
+
+    logits [S, V] float, bitmask [R, W] int32, rows [R] int64 (see the reference for the
+    widths). Called outside CUDA graphs and torch.compile, so no custom-op layer."""
+    if _use_triton(logits):
+        _tri_bitmask.apply_token_bitmask_(logits, bitmask, rows)
+    else:
+        _ref.apply_token_bitmask_(logits, bitmask, rows)

@@ -10,6 +10,8 @@ Layouts (shared with the Triton kernels):
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -152,3 +154,29 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         o = o.view(hkv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d)
         out[qsl[i]:qsl[i + 1]] = o.to(out.dtype)
     return out
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Structured output: set every token a grammar forbids to -inf, in place.
+
+    logits [S, V] float; bitmask [R, W] int32, bit t % 32 of word t // 32 set iff token t is
+    allowed in the grammar row; rows [R] int64, the logits row each bitmask row applies to
+    (unique). Tokens >= 32 * W (model vocab padded past the tokenizer's) are forbidden; bits
+    >= V (mask wider than the logits) are ignored. Rows not listed are untouched.
+    """
+    R, W = bitmask.shape
+    S, V = logits.shape
+    if R == 0:
+        return
+    assert sys.byteorder == "little"  # byte k of a row holds tokens 8k .. 8k+7, lowest bit first
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    bits = (bitmask.contiguous().view(torch.uint8).unsqueeze(-1) >> shifts) & 1  # [R, 4W, 8] uint8
+    forbid = bits.view(R, W * 32)[:, :V] == 0  # [R, min(V, 32W)]
+    if forbid.shape[1] < V:
+        forbid = torch.nn.functional.pad(forbid, (0, V - forbid.shape[1]), value=True)
+    if R == S and torch.equal(rows, torch.arange(S, device=rows.device)):
+        logits.masked_fill_(forbid, float("-inf"))  # every row, in order: no gather / scatter
+        return
+    sub = logits.index_select(0, rows)  # [R, V]
+    sub.masked_fill_(forbid, float("-inf"))
+    logits.index_copy_(0, rows, sub)

@@ -13,6 +13,7 @@ _LAZY = {
     "LLM": "llmsvc.llm",
     "SamplingParams": "llmsvc.sampling_params",
     "RequestOutputKind": "llmsvc.sampling_params",
+    "StructuredOutputsParams": "llmsvc.sampling_params",
     "RequestOutput": "llmsvc.outputs",
     "CompletionOutput": "llmsvc.outputs",
     "EngineConfig": "llmsvc.config",

@@ -94,6 +94,9 @@ class EngineConfig:
     log_stats_interval_s: float = 10.0
     max_stop_strings: int = 64
     max_n: int = 16
+    # structured output: a constraint whose grammar takes longer to compile fails (INVALID_ARGUMENT)
+    grammar_compile_timeout_s: float = 10.0
+    grammar_cache_size: int = 256  # compiled grammars kept, by (kind, spec), least recently used out
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

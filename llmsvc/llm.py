@@ -60,6 +60,7 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         tok = self.get_tokenizer()
         engine = self.llm_engine
+        self._compile_constraints(sampling_params)
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
@@ -76,6 +77,20 @@ class LLM:
             while engine.has_unfinished_requests():  # drain the abort outputs; frees every block
                 engine.step()
             raise
+
+    def _compile_constraints(self, sampling_params: Sequence[SamplingParams]) -> None:
+        """Compile every distinct structured-output constraint (in parallel, in the engine's
+        pool) before queueing anything, so a bad one raises ConstraintError (a ValueError)
+        here rather than aborting its request mid-run."""
+        manager = self.llm_engine.structured_output_manager
+        specs = {p.structured_outputs.key(): p.structured_outputs
+                 for p in sampling_params if p.structured_outputs is not None}
+        if not specs or manager is None:
+            return  # no constraint, or add_request refuses them (no grammar engine)
+        for so in specs.values():
+            manager.submit(so)
+        for so in specs.values():
+            manager.wait(so)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -6,14 +6,83 @@ that to INVALID_ARGUMENT. Nothing is clamped silently.
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries everything so far
     DELTA = 1  # every output carries only what is new (streaming)
     FINAL_ONLY = 2  # one output, when the request finishes (offline generate)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Structured output: exactly one constraint, named as vLLM names them.
+
+    json: a JSON Schema (dict, or its JSON text); regex: the whole output must match;
+    choice: the output is exactly one of these strings; grammar: Lark or GBNF (EBNF) text;
+    json_object: any JSON object. `verify()` checks only what needs no compiling (the
+    grammar engine reports the rest when the constraint is compiled).
+    """
+
+    json: str | dict | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self.verify()
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): the cache key of the compiled grammar."""
+        kind, value = self.kind, getattr(self, self.kind)
+        if kind == "json":
+            text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        elif kind == "choice":
+            text = json.dumps(value)
+        elif kind == "json_object":
+            text = ""
+        else:
+            text = value
+        return kind, text
+
+    def verify(self) -> None:
+        set_ = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(self.KINDS)}; "
+                             f"got {', '.join(set_) or 'none'}")
+        kind = set_[0]
+        value: Any = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(value, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON Schema: an object or a "
+                                 f"boolean, got {type(value).__name__}")
+        elif kind == "choice":
+            if not self.choice:
+                raise ValueError("structured_outputs.choice must list at least one string")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice entries must be non-empty strings")
+        elif kind in ("regex", "grammar") and not isinstance(value, str):
+            raise ValueError(f"structured_outputs.{kind} must be a string")
+        elif kind == "json_object" and value is not True:
+            raise ValueError("structured_outputs.json_object must be True when set")
 
 
 @dataclass
@@ -40,6 +109,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     time_limit_ms: int | None = None  # graceful: finish "time_limit", output kept
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -13,6 +13,7 @@ Worker-side invariant, per scheduled request r after applying the diff:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmsvc.sampling_params import SamplingParams
 
@@ -59,6 +60,11 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # workers drop these states (finished, aborted, preempted)
+    # structured output: the requests that sample this step under a grammar, and row i of
+    # grammar_bitmask ([len(ids), ceil(n_vocab / 32)] int32 numpy, bit t % 32 of word t // 32
+    # set iff token t is allowed) is the mask of structured_output_req_ids[i]
+    structured_output_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":

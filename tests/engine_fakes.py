@@ -118,7 +118,7 @@ class FakeExecutor(Executor):
                 out.prompt_logprobs[rid] = lps
             r.num_computed = end
             if end == len(r.tokens):
-                tok = self.token_fn(r.tokens)
+                tok = obey_grammar(so, rid, self.token_fn(r.tokens))
                 out.req_ids.append(rid)
                 out.sampled_token_ids.append(tok)
                 k = getattr(r.params, "logprobs", None)
@@ -126,6 +126,19 @@ class FakeExecutor(Executor):
                     -0.5, 1, [tok, (tok + 1) % VOCAB][:max(k, 0) or 1], [-0.5, -1.5][:max(k, 0) or 1]))
         self.steps.append(rec)
         return out
+
+
+def obey_grammar(so: SchedulerOutput, rid: str, tok: int) -> int:
+    """Sample as a masked sampler would: under a structured-output bitmask, the fake's own token
+    if the grammar allows it, else the next allowed id (cyclically)."""
+    if so.grammar_bitmask is None or rid not in so.structured_output_req_ids:
+        return tok
+    import numpy as np
+
+    row = so.grammar_bitmask[so.structured_output_req_ids.index(rid)]
+    allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+    assert len(allowed), f"{rid}: the grammar allows no token"
+    return int(allowed[np.searchsorted(allowed, tok) % len(allowed)])
 
 
 def make_config(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,

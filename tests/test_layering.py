@@ -10,9 +10,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # top to bottom; a module may import its own layer and any layer below it
-LAYERS = ["entry", "server", "client", "engine", "executors", "worker", "models", "kernels", "shared"]
+LAYERS = ["entry", "server", "client", "engine", "structured", "executors", "worker", "models", "kernels",
+          "shared"]
 SHARED = {"llmsvc.config", "llmsvc.sampling_params", "llmsvc.wire", "llmsvc.outputs"}
-TORCH_FREE = ["llmsvc.engine", "llmsvc.client", "llmsvc.server", "executors", "llmsvc.v1"]
+TORCH_FREE = ["llmsvc.engine", "llmsvc.client", "llmsvc.server", "executors", "llmsvc.v1", "llmsvc.structured"]
 
 
 def layer_of(module: str) -> str | None:
@@ -27,7 +28,7 @@ def layer_of(module: str) -> str | None:
         return "shared"
     sub = parts[1] if len(parts) > 1 else ""
     return {"server": "server", "client": "client", "v1": "client", "engine": "engine",
-            "worker": "worker", "models": "models"}.get(sub, "entry")
+            "structured": "structured", "worker": "worker", "models": "models"}.get(sub, "entry")
 
 
 def source_modules():
@@ -98,7 +99,8 @@ def test_no_direct_torch_import_in_torch_free_layers():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("package", ["llmsvc", "llmsvc.engine", "llmsvc.client", "executors"])
+@pytest.mark.parametrize("package", ["llmsvc", "llmsvc.engine", "llmsvc.client", "executors",
+                                     "llmsvc.structured"])
 def test_importing_torch_free_packages_does_not_load_torch(package):
     mods = [m for m, _ in source_modules() if m == package or (
         m.startswith(package + ".") and package != "llmsvc" and m != "executors.uniproc"

@@ -158,7 +158,7 @@ def test_duplicate_in_flight_id(srv):
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 5000])), grpc.StatusCode.INVALID_ARGUMENT,
      "token_ids.ids[1]"),
     (pb.GenerateRequest(text="z" * 300), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
-    (gen(sampling=pb.SamplingParams(json_schema="{}")), grpc.StatusCode.UNIMPLEMENTED, None),
+    (gen(sampling=pb.SamplingParams(json_schema="{")), grpc.StatusCode.INVALID_ARGUMENT, "sampling.json_schema"),
 ])
 def test_error_rows_over_the_wire(srv, request_, code, field):
     with pytest.raises(grpc.RpcError) as ei:
@@ -207,7 +207,8 @@ def test_tokenize_detokenize_model_info(srv):
         "<|im_start|>user\nhi")
     info = srv.stub.GetModelInfo(pb.GetModelInfoRequest())
     assert info.max_model_len == 256 and info.vocab_size == 259 and list(info.eos_token_ids) == [EOS]
-    assert info.has_chat_template and list(info.supported_constraints) == []
+    assert info.has_chat_template
+    assert sorted(info.supported_constraints) == ["choice", "grammar", "json_object", "json_schema", "regex"]
     assert info.default_sampling.temperature == 1.0 and info.default_sampling.n == 1
 
 

@@ -119,10 +119,11 @@ def test_truncation_keeps_last_tokens():
     assert params.max_tokens is None  # unset => fill the context
 
 
-def test_constraint_is_unimplemented():
+def test_constraint_kind_not_served_is_unimplemented():
+    limits = ModelLimits(vocab_size=259, max_model_len=64, supported_constraints=("json_schema",))
     with pytest.raises(ServiceError) as ei:
-        full_check(req(sampling=S(regex="a+")))
-    assert ei.value.code == grpc.StatusCode.UNIMPLEMENTED
+        build_sampling_params(req(sampling=S(regex="a+")), limits)
+    assert ei.value.code == grpc.StatusCode.UNIMPLEMENTED and "sampling.regex" in ei.value.message
 
 
 def test_chat_without_template_is_failed_precondition():

@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list (uniproc,multiproc,tp): compare executors offline on one workload "
                         "(llmsvc.bench.executors); --tensor-parallel-size > 1 sets tp's ranks")
     p.add_argument("--plot", default=None, help="write a PNG of the sweep (or throughput bars)")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="run each workload again with this JSON Schema constraint on every request, then "
+                        "unconstrained once more (same mode): print its output tok/s against the mean "
+                        "of the unconstrained runs, and the schema's compile time")
     e = p.add_argument_group("engine (passed to the server it starts, or used offline)")
     e.add_argument("--dtype", default="float32")
     e.add_argument("--executor", default="multiproc", help="as `llmsvc serve`'s, whose default this is")
@@ -103,21 +107,21 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
     print(f"\n== {w.name}: {w.num_requests} requests x {w.input_len} in / {w.output_len} out, "
           f"{w.arrival}{f' {w.rate}/s' if w.rate else ''}")
 
-    def serve(prefix_caching=True, rate=None, concurrency=None):
+    def serve(prefix_caching=True, rate=None, concurrency=None, json_schema=None):
         offs = offsets if rate is None else arrival_offsets(dataclasses.replace(w, arrival="poisson", rate=rate))
         conc = concurrency or w.concurrency
         if a.server:
             wait_serving(a.server, timeout=180.0)  # a server still loading answers UNAVAILABLE
-            recs, wall = run_serving(a.server, prompts, w.output_len, offs, conc)
+            recs, wall = run_serving(a.server, prompts, w.output_len, offs, conc, json_schema)
         else:
             with running_server(_serve_args(a, prefix_caching)) as target:
-                recs, wall = run_serving(target, prompts, w.output_len, offs, conc)
+                recs, wall = run_serving(target, prompts, w.output_len, offs, conc, json_schema)
         return recs, summarize(recs, wall)
 
-    def offline(prefix_caching=True):
+    def offline(prefix_caching=True, json_schema=None):
         engine = _offline_engine(a, prefix_caching)
         try:
-            recs, wall = run_offline(engine, prompts, w.output_len, offsets)
+            recs, wall = run_offline(engine, prompts, w.output_len, offsets, json_schema)
         finally:
             engine.shutdown()
         return recs, summarize(recs, wall)
@@ -132,6 +136,8 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
             res["grpc_cost"] = 1 - res["serve"]["output_tok_s"] / res["offline"]["output_tok_s"]
             print(f"  gRPC streaming cost vs offline: {100 * res['grpc_cost']:.1f}% of output tok/s")
     ours = res.get("serve") or res["offline"]
+    if a.json_schema:
+        _structured_run(a, res, model_dir, offline, serve)
     if a.compare_prefix_caching:  # the same mode again, prefix caching off
         kind, run = ("offline", offline) if a.mode == "offline" else ("serve", serve)
         _, off = run(prefix_caching=False)
@@ -172,6 +178,41 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
                 _, s = serve(**{kind: v if kind == "rate" else int(v)})
                 sweep[str(v)] = s
                 print(_line(f"{kind}={v:g}", s))
+
+
+def _structured_run(a, res: dict, model_dir: str, offline, serve) -> None:
+    """The same workload with a JSON Schema on every request, and the schema's compile time.
+
+    The constrained run is bracketed by the unconstrained one before it and another after it,
+    and compared with their mean, so that load drifting on a shared machine biases neither."""
+    from llmsvc.bench.structured import compile_seconds
+
+    with open(a.json_schema) as f:
+        schema = f.read()
+    cold, warm = compile_seconds(model_dir, schema)
+    res["json_schema"] = {"file": a.json_schema, "compile_s": cold, "cached_compile_s": warm}
+    print(f"  JSON Schema {a.json_schema}: compiles in {1e3 * cold:.1f} ms (once per distinct schema; "
+          f"{1e3 * warm:.3f} ms from the grammar cache)")
+    for kind, run in (("offline", offline), ("serve", serve)):
+        if kind not in res:
+            continue
+        tag = "offline" if kind == "offline" else "gRPC"
+        _, s = run(json_schema=schema)
+        res[f"{kind}_json_schema"] = s
+        print(_line(f"llmsvc {tag}, JSON Schema", s))
+        _, after = run()
+        res[f"{kind}_after_json_schema"] = after
+        print(_line(f"llmsvc {tag}, again", after))
+        base = (res[kind]["output_tok_s"] + after["output_tok_s"]) / 2
+        ratio = s["output_tok_s"] / base if base else float("nan")
+        res["json_schema"][f"{kind}_ratio"] = ratio
+        print(f"  output tok/s with the schema / without (mean of the runs before and after): "
+              f"{s['output_tok_s']:.1f} / {base:.1f} = {ratio:.2f}x ({_tokens(s)} vs {_tokens(after)} "
+              "tokens: a complete document ends its request)")
+
+
+def _tokens(s: dict) -> int:
+    return round(s["output_tok_s"] * s["wall_s"])
 
 
 def _executors_main(a) -> int:

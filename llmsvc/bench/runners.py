@@ -9,13 +9,15 @@ from tqdm import tqdm
 from llmsvc.bench.metrics import RequestRecord
 
 
-def run_offline(engine, prompts: list[list[int]], output_len: int, offsets: list[float]
-                ) -> tuple[list[RequestRecord], float]:
-    """Drive LLMEngine.step() directly; requests are added when their arrival offset is due."""
-    from llmsvc.sampling_params import RequestOutputKind, SamplingParams
+def run_offline(engine, prompts: list[list[int]], output_len: int, offsets: list[float],
+                json_schema: str | None = None) -> tuple[list[RequestRecord], float]:
+    """Drive LLMEngine.step() directly; requests are added when their arrival offset is due.
+    json_schema: every request is constrained to it (structured output)."""
+    from llmsvc.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
+                            output_kind=RequestOutputKind.DELTA,
+                            structured_outputs=StructuredOutputsParams(json=json_schema) if json_schema else None)
     order = sorted(range(len(prompts)), key=lambda i: offsets[i])
     records: dict[str, RequestRecord] = {}
     bar = tqdm(total=len(prompts), desc="offline", unit="req")
@@ -44,7 +46,7 @@ def run_offline(engine, prompts: list[list[int]], output_len: int, offsets: list
     return [records[f"bench-{i}"] for i in range(len(prompts))], time.perf_counter() - t0
 
 
-async def _serve(target: str, prompts, output_len, offsets, concurrency: int | None):
+async def _serve(target: str, prompts, output_len, offsets, concurrency: int | None, json_schema: str | None):
     import grpc
 
     from llmsvc.v1 import llmsvc_pb2 as pb
@@ -63,7 +65,7 @@ async def _serve(target: str, prompts, output_len, offsets, concurrency: int | N
                 rec = records[i]
                 rec.start = time.perf_counter()
                 req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompts[i]), stream=True,
-                                         sampling=pb.SamplingParams(temperature=0.0),
+                                         sampling=pb.SamplingParams(temperature=0.0, json_schema=json_schema),
                                          stopping=pb.StoppingCriteria(max_tokens=output_len, ignore_eos=True))
                 try:
                     async for msg in stub.Generate(req):
@@ -83,5 +85,5 @@ async def _serve(target: str, prompts, output_len, offsets, concurrency: int | N
 
 
 def run_serving(target: str, prompts: list[list[int]], output_len: int, offsets: list[float],
-                concurrency: int | None = None) -> tuple[list[RequestRecord], float]:
-    return asyncio.run(_serve(target, prompts, output_len, offsets, concurrency))
+                concurrency: int | None = None, json_schema: str | None = None) -> tuple[list[RequestRecord], float]:
+    return asyncio.run(_serve(target, prompts, output_len, offsets, concurrency, json_schema))

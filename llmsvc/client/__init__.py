@@ -19,6 +19,7 @@ _EXPORTS = {
     "GenerateResult": "llmsvc.client.result",
     "Completion": "llmsvc.client.result",
     "build_generate_request": "llmsvc.client.request",
+    "function_call_schema": "llmsvc.client.structured",
     "LlmsvcError": "llmsvc.client.errors",
     "InvalidArgument": "llmsvc.client.errors",
     "PromptTooLong": "llmsvc.client.errors",

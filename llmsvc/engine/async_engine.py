@@ -27,6 +27,7 @@ from llmsvc.engine.errors import DuplicateRequestError, QueueFullError
 from llmsvc.engine.output_stream import RequestStream
 from llmsvc.outputs import EngineStats, RequestOutput
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
+from llmsvc.structured.errors import COMPILE_TIMEOUT, ConstraintError
 
 logger = logging.getLogger(__name__)
 
@@ -147,10 +148,14 @@ class AsyncEngine:
         """Submit a request and yield its outputs (DELTA kind; coalesced when read slowly).
 
         Raises on the first iteration: DuplicateRequestError, QueueFullError (llmsvc.engine.errors), EngineDeadError,
-        EngineStoppedError, or whatever the engine's add_request raised (validation).
+        EngineStoppedError, or whatever the engine's add_request raised (validation), or
+        ConstraintError when the structured-output constraint does not compile (in time): the
+        request waits in the engine (WAITING_FOR_FSM) while this awaits its compile, and is
+        aborted before it produced anything.
         Later: EngineDeadError, OutputBacklogError. Closing or cancelling the generator before
         the final output aborts the request (its id stays reserved until the engine confirms).
         """
+        compiled = self._submit_constraint(params)  # starts the compile now, off the engine thread
         stream = self._admit(request_id)
         params.output_kind = RequestOutputKind.DELTA
         fut = self._loop.create_future()
@@ -166,6 +171,15 @@ class AsyncEngine:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
             raise
+        if compiled is not None:
+            try:
+                await self._wait_compiled(compiled, params)
+            except asyncio.CancelledError:
+                self._abort_stream(stream, "client went away")
+                raise
+            except ConstraintError:
+                self._abort_stream(stream, "structured-output constraint did not compile")
+                raise
         try:
             while True:
                 out = await stream.get()
@@ -194,6 +208,22 @@ class AsyncEngine:
         return not_found
 
     # ---- event-loop internals ------------------------------------------------------------
+    def _submit_constraint(self, params: SamplingParams):
+        """The compile future of the request's constraint (None: unconstrained, or an engine
+        without a grammar manager, which then refuses it in add_request)."""
+        manager = getattr(self.engine, "structured_output_manager", None)
+        if params.structured_outputs is None or manager is None:
+            return None
+        return manager.submit(params.structured_outputs)
+
+    async def _wait_compiled(self, compiled, params: SamplingParams) -> None:
+        limit = self.engine.structured_output_manager.compile_timeout_s
+        try:  # shield: a timeout here must not cancel the compile shared through the cache
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiled)), limit)
+        except asyncio.TimeoutError:
+            raise ConstraintError(params.structured_outputs.kind, COMPILE_TIMEOUT,
+                                  f"did not compile within {limit:g} s") from None
+
     def _admit(self, request_id: str) -> RequestStream:
         if self._dead is not None:
             raise EngineDeadError(f"engine loop died: {self._dead}")

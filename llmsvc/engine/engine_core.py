@@ -6,6 +6,7 @@ Executor interface; the executor object is injected (torch stays out of this pro
 from __future__ import annotations
 
 import logging
+from concurrent.futures import FIRST_COMPLETED, wait
 
 from executors.base import Executor
 from llmsvc.config import EngineConfig
@@ -20,12 +21,16 @@ from llmsvc.wire import ModelRunnerOutput
 logger = logging.getLogger(__name__)
 
 _UNBOUNDED_LEN = 1 << 31
+_FSM_POLL_S = 0.005  # an idle step waits this long at most for a grammar compile
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor, structured_output_manager=None) -> None:
         self.config = config
         self.executor = executor
+        # llmsvc.structured.StructuredOutputManager (None: no constraints served); fills the
+        # grammar bitmask of each step
+        self.structured_output_manager = structured_output_manager
         cache = config.cache_config
         num_blocks = executor.determine_num_kv_blocks()
         if cache.num_kv_blocks_override is not None:
@@ -63,9 +68,29 @@ class EngineCore:
             return [], False
         so = self.scheduler.schedule()
         executed = so.total_num_scheduled_tokens > 0
+        if executed and self.structured_output_manager is not None:
+            self._attach_grammar_bitmask(so)
+        elif not executed and self.scheduler.waiting_for_fsm:
+            # nothing runnable until a grammar compiles: sleep on the compiles, not a busy loop
+            wait(self.scheduler.compiling_grammars(), timeout=_FSM_POLL_S, return_when=FIRST_COMPLETED)
         runner_output = self.executor.execute_model(so) if executed else ModelRunnerOutput.make_empty()
         self.num_steps += executed
         return self.scheduler.update_from_output(so, runner_output), executed
+
+    def _attach_grammar_bitmask(self, so) -> None:
+        """Fill the bitmask rows of the constrained requests that sample in this step (a request
+        samples iff this step computes up to its last token)."""
+        reqs = self.scheduler.requests
+        ids, states = [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            req = reqs[rid]
+            if req.structured is not None and req.num_computed_tokens + n == req.num_tokens:
+                req.structured.sync(req.output_token_ids)
+                ids.append(rid)
+                states.append(req.structured)
+        if ids:
+            so.structured_output_req_ids = ids
+            so.grammar_bitmask = self.structured_output_manager.fill_bitmask(states)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -89,3 +114,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from executors.base import Executor
 from llmsvc.config import EngineConfig
 from llmsvc.engine.engine_core import EngineCore
-from llmsvc.engine.errors import DuplicateRequestError
+from llmsvc.engine.errors import DuplicateRequestError, InvalidRequestError
 from llmsvc.engine.output_processor import OutputProcessor, ParentRequest
 from llmsvc.engine.request import Request
 from llmsvc.engine.stats import StatsLogger
@@ -29,9 +29,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor, tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.core = EngineCore(config, executor)
-        self.output_processor = OutputProcessor(tokenizer)
-        self.stats_logger = StatsLogger(config.log_stats_interval_s)
         mc = config.model_config
         self.vocab_size = mc.vocab_size or (len(tokenizer) if tokenizer is not None else 0)
         # seeds for unseeded sampling requests: drawn at admission so each one is echoed and can be
@@ -41,6 +38,11 @@ class LLMEngine:
         self.eos_token_ids = list(mc.eos_token_ids)
         if not self.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids = [tokenizer.eos_token_id]
+        self.structured_output_manager = _structured_output_manager(config, tokenizer, self.vocab_size,
+                                                                    self.eos_token_ids)
+        self.core = EngineCore(config, executor, self.structured_output_manager)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.stats_logger = StatsLogger(config.log_stats_interval_s)
         self._shutdown = False
 
     @classmethod
@@ -78,6 +80,9 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError / PromptTooLongError for a request this engine cannot serve."""
         check_request(prompt_token_ids, params, self.request_limits)
+        if params.structured_outputs is not None and self.structured_output_manager is None:
+            raise InvalidRequestError("structured_outputs", "structured output needs the llguidance package "
+                                      "and a fast (Rust) tokenizer; this engine has none")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, priority: int = 0, arrival_time: float | None = None) -> None:
@@ -92,9 +97,11 @@ class LLMEngine:
         added: list[str] = []
         try:
             for child in parent.children:
-                self.core.add_request(Request(child.req_id, prompt_token_ids, child.params,
-                                              eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
-                                              priority=priority))
+                req = Request(child.req_id, prompt_token_ids, child.params, eos_token_ids=self.eos_token_ids,
+                              arrival_time=arrival_time, priority=priority)
+                if params.structured_outputs is not None:  # one grammar state per sample (n > 1)
+                    req.structured = self.structured_output_manager.new_request(params.structured_outputs)
+                self.core.add_request(req)
                 added.append(child.req_id)
         except BaseException:
             self.core.abort_requests(added)
@@ -138,3 +145,17 @@ class LLMEngine:
         if not self._shutdown:
             self._shutdown = True
             self.core.shutdown()
+
+
+def _structured_output_manager(config: EngineConfig, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+    """The grammar manager, or None where llguidance or a fast tokenizer is missing (then every
+    constrained request is refused at validation)."""
+    from llmsvc import structured
+
+    if tokenizer is None or not getattr(tokenizer, "is_fast", False) or not structured.available():
+        return None
+    from llmsvc.structured.manager import StructuredOutputManager
+
+    return StructuredOutputManager(tokenizer, vocab_size, eos_token_ids,
+                                   compile_timeout_s=config.grammar_compile_timeout_s,
+                                   cache_size=config.grammar_cache_size)

@@ -17,6 +17,7 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2  # back in the waiting queue after its blocks were freed (recompute)
+    WAITING_FOR_FSM = 3  # structured output: admitted, its grammar still compiling (not queued yet)
     # finished states: everything after here
     FINISHED_STOPPED = 10
     FINISHED_LENGTH_CAPPED = 11
@@ -84,6 +85,8 @@ class Request:
         self.num_output_tokens_sent = 0
         # prompt positions whose logprobs were reported (a preempted request recomputes them)
         self.num_prompt_logprobs_sent = 0
+        # structured output: llmsvc.structured.StructuredRequest when the params carry a constraint
+        self.structured = None
 
     # ---- tokens ---------------------------------------------------------------------------
     @property

@@ -11,6 +11,7 @@ from llmsvc.engine.errors import PromptTooLongError
 from llmsvc.engine.kv_cache_manager import KVCacheManager, cdiv
 from llmsvc.engine.request import Request, RequestStatus
 from llmsvc.engine.request_queue import create_request_queue
+from llmsvc.structured.errors import ConstraintError
 from llmsvc.wire import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
@@ -27,6 +28,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
+        # structured output: admitted requests whose grammar still compiles; queued once ready
+        self.waiting_for_fsm: list[Request] = []
+        self._grammar_failed: list[Request] = []  # finished at promotion; reported next update
         self.finished_req_ids: set[str] = set()  # to tell the workers on the next executed step
         self.num_preemptions = 0
         self.prompt_tokens_total = 0  # prompt tokens computed (cache hits excluded)
@@ -40,10 +44,16 @@ class Scheduler:
             what = ("the KV cache pool" if self.max_len < self.max_model_len
                     else "the maximum context length")
             raise PromptTooLongError(request.num_prompt_tokens, self.max_len, what)
+        # a constraint that already failed to compile (cached) raises ConstraintError here
+        ready = request.structured is None or request.structured.poll()
         request.max_len = self.max_len
-        request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        if ready:
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request)
+        else:
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.waiting_for_fsm.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], reason: str) -> list[Request]:
         """Finish (abort, or stop-string from the output processor) unfinished requests.
@@ -57,6 +67,8 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_FSM:
+                self.waiting_for_fsm.remove(req)
             else:
                 self.waiting.remove(req)
             req.status = status
@@ -83,6 +95,8 @@ class Scheduler:
         # than the budget is computed in chunks over several steps (chunked prefill), prefix-cache
         # hits start a request with num_computed_tokens > 0, and a preempted request restarts
         # from its cache hits (recompute). Running requests go first, then waiting ones.
+        if self.waiting_for_fsm:
+            self._promote_ready_grammars()
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
         num_scheduled: dict[str, int] = {}
@@ -173,6 +187,31 @@ class Scheduler:
             self.running.remove(victim)
             self._preempt(victim)
 
+    def _promote_ready_grammars(self) -> None:
+        """Queue the WAITING_FOR_FSM requests whose grammar has compiled (in arrival order);
+        finish those whose compile failed or ran out of time (aborted: the front end reports
+        the ConstraintError itself; nothing was allocated)."""
+        now = time.monotonic()
+        still = []
+        for req in self.waiting_for_fsm:
+            try:
+                ready = req.structured.poll(now)
+            except ConstraintError:
+                req.status = RequestStatus.FINISHED_ABORTED
+                self._free(req)
+                self._grammar_failed.append(req)
+                continue
+            if ready:
+                req.status = RequestStatus.WAITING
+                self.waiting.add(req)
+            else:
+                still.append(req)
+        self.waiting_for_fsm = still
+
+    def compiling_grammars(self) -> list:
+        """Futures of the compiles that WAITING_FOR_FSM requests wait for."""
+        return [r.structured.future for r in self.waiting_for_fsm]
+
     def _pick_victim(self, candidates: list[Request]) -> Request:
         if self.config.policy == "priority":
             return max(candidates, key=lambda r: (r.priority, r.arrival_time))
@@ -216,13 +255,16 @@ class Scheduler:
                 lp = [runner_output.logprobs[k]]
             req.append_output_token_ids(token)
             self.generation_tokens_total += 1
-            if self._check_stop(req, token):
+            if self._check_stop(req, token) or self._check_grammar(req, token):
                 stopped.append(req)
             out.append(self._output(req, [token], lp, prompt_lp))
         for req in stopped:
             self.running.remove(req)
             self._free(req)
         out.extend(self._expire(time.monotonic()))
+        if self._grammar_failed:
+            out.extend(self._output(r, [], None, None) for r in self._grammar_failed)
+            self._grammar_failed = []
         return out
 
     @staticmethod
@@ -253,6 +295,21 @@ class Scheduler:
             return True
         return False
 
+    @staticmethod
+    def _check_grammar(req: Request, token: int) -> bool:
+        """Structured output: advance the grammar by the sampled token; finish "stop" as soon as
+        the grammar is complete (no further token possible), without waiting for an EOS."""
+        st = req.structured
+        if st is None:
+            return False
+        if not st.accept(token):  # cannot happen under the mask; never emit past a broken grammar
+            req.status = RequestStatus.FINISHED_ABORTED
+            return True
+        if st.terminated:
+            req.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
+
     def _expire(self, now: float) -> list[EngineCoreOutput]:
         """Finish every unfinished request past its time_limit_ms deadline (output kept)."""
         expired = [r.request_id for r in self.requests.values() if r.deadline is not None and now >= r.deadline]
@@ -278,4 +335,4 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.waiting_for_fsm)

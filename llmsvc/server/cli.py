@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="fcfs: first come, first served; priority: waiting requests by (GenerateRequest.priority, "
              "arrival), lower first, and a more urgent arrival may preempt a running less urgent request")
     opt("--device", str, "auto", choices=["auto", "cpu", "cuda"], help="device")
+    opt("--grammar-compile-timeout", float, 10.0,
+        help="seconds a structured-output constraint may take to compile; longer fails with INVALID_ARGUMENT")
+    opt("--grammar-cache-size", int, 256, help="compiled structured-output grammars kept (LRU)")
     opt("--shutdown-grace", float, 30.0,
         help="seconds in-flight requests get on SIGTERM (a second SIGTERM/SIGINT ends it)")
     opt("--log-level", str, "INFO", help="logging level")
@@ -95,7 +98,9 @@ def build_config(args):
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy, executor=args.executor,
-        tensor_parallel_size=args.tensor_parallel_size, device=args.device, **_multi_node(args))
+        tensor_parallel_size=args.tensor_parallel_size, device=args.device,
+        grammar_compile_timeout_s=args.grammar_compile_timeout, grammar_cache_size=args.grammar_cache_size,
+        **_multi_node(args))
 
 
 def _multi_node(args) -> dict:

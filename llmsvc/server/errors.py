@@ -15,6 +15,7 @@ from grpc_status import rpc_status
 
 from llmsvc.engine.async_engine import EngineDeadError, EngineStepError, EngineStoppedError, OutputBacklogError
 from llmsvc.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, QueueFullError
+from llmsvc.structured.errors import ConstraintError
 
 logger = logging.getLogger(__name__)
 DOMAIN = "llmsvc"
@@ -95,6 +96,10 @@ def to_service_error(exc: BaseException) -> ServiceError:
     """Map an exception from validation, the engine or AsyncEngine to its status."""
     if isinstance(exc, ServiceError):
         return exc
+    if isinstance(exc, ConstraintError):
+        from llmsvc.server.constraints import constraint_error  # that module imports this one
+
+        return constraint_error(exc)
     if isinstance(exc, PromptTooLongError):
         return prompt_too_long(exc.prompt_tokens, exc.max_model_len, exc.message)
     if isinstance(exc, InvalidRequestError):

@@ -11,12 +11,11 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import grpc
-
 from llmsvc.engine import validation as rules
 from llmsvc.engine.errors import InvalidRequestError
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
-from llmsvc.server.errors import ServiceError, invalid, to_service_error
+from llmsvc.server.constraints import served_constraints, structured_outputs_from_proto
+from llmsvc.server.errors import invalid, to_service_error
 
 # proto field -> (SamplingParams field, neutral value); generation_config uses the same names
 SAMPLING_FIELDS = {
@@ -44,7 +43,8 @@ class ModelLimits:
         mc = config.model_config
         return cls(vocab_size=mc.vocab_size, max_model_len=mc.max_model_len, max_n=config.max_n,
                    max_stop_strings=config.max_stop_strings,
-                   generation_defaults=dict(mc.generation_defaults or {}))
+                   generation_defaults=dict(mc.generation_defaults or {}),
+                   supported_constraints=served_constraints())
 
     @property
     def request_limits(self) -> rules.RequestLimits:
@@ -100,11 +100,7 @@ def engine_rules():
 def build_sampling_params(req, limits: ModelLimits) -> SamplingParams:
     """Check the sampling/stopping/output fields of `req`; prompt-length checks come later."""
     s, st, o = req.sampling, req.stopping, req.output
-    which = s.WhichOneof("constraint")
-    if which is not None and which not in limits.supported_constraints:
-        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED,
-                           f"sampling.{which}: structured output is not supported by this server "
-                           f"(supported: {list(limits.supported_constraints)})")
+    structured_outputs = structured_outputs_from_proto(s, limits.supported_constraints)
     defaults = limits.default_sampling()
     kw = {name: getattr(s, name) if s.HasField(name) else defaults[name] for name in SAMPLING_FIELDS}
     with engine_rules():
@@ -121,6 +117,7 @@ def build_sampling_params(req, limits: ModelLimits) -> SamplingParams:
                                            if o.HasField("spaces_between_special_tokens") else True),
             time_limit_ms=st.time_limit_ms or None,
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured_outputs,
             **kw)
         rules.check_sampling_params(params, limits.request_limits)
     return params

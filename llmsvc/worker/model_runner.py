@@ -117,6 +117,8 @@ class ModelRunner:
             [s.output_token_ids for s in states],
             vocab_size=logits.shape[-1], device=self.device,
             eos_token_ids=self.config.model_config.eos_token_ids)
+        if so.grammar_bitmask is not None:
+            md.set_grammar_bitmask(inp.sampling_req_ids, so.structured_output_req_ids, so.grammar_bitmask)
         out = self.sampler.forward(logits, md)
         logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else None
         return ModelRunnerOutput(inp.sampling_req_ids, out.sampled_token_ids.tolist(), logprobs,

@@ -12,9 +12,14 @@ Order of operations (as vLLM v1):
     6. random rows: exponential race, argmax(probs / E) with E ~ Exp(1) drawn from the row's
        own generator when seeded (see SamplingMetadata), which is an exact draw from probs.
 
+Structured output comes first of all (step 0): tokens a row's grammar forbids get -inf
+(kernels.ops.apply_token_bitmask_, one batched op over the constrained rows), so every later
+stage, logprobs included, sees only the tokens the grammar allows.
+
 Logprobs follow vLLM's default `logprobs_mode="raw_logprobs"`: log_softmax of the model's
-raw logits, before bias, penalties, temperature and truncation; the rank of the sampled
-token (1-based, ties count against it) and the top-k are taken in that same distribution.
+raw logits (after the grammar mask), before bias, penalties, temperature and truncation;
+the rank of the sampled token (1-based, ties count against it) and the top-k are taken in
+that same distribution.
 `Sampler(logprobs_mode="processed_logprobs")` reports the distribution actually sampled
 from instead (after step 5; for greedy rows after step 3).
 """
@@ -58,6 +63,11 @@ class Sampler:
         want_lp = md.max_num_logprobs is not None
         raw = self.logprobs_mode == "raw_logprobs"
         lp_rows = _logprob_rows(md) if want_lp else None
+        owned = False  # whether logits is our own float32 copy (the caller's stays untouched)
+        if md.grammar_rows is not None:
+            logits = logits.to(torch.float32, copy=True)  # [S, V]
+            ops.apply_token_bitmask_(logits, md.grammar_bitmask, md.grammar_rows)
+            owned = True
 
         raw_lp = None
         if want_lp and raw:
@@ -68,9 +78,9 @@ class Sampler:
             sampled = ops.argmax_rows(logits)
             processed = logits
         else:
-            # [S, V] float32, contiguous, ours to modify in place
-            processed = torch.empty(logits.shape, dtype=torch.float32,
-                                    device=logits.device).copy_(logits)
+            # [S, V] float32, contiguous, ours to modify in place (raw logprobs are taken already)
+            processed = logits if owned else torch.empty(logits.shape, dtype=torch.float32,
+                                                         device=logits.device).copy_(logits)
             sampled = self._sample(processed, md)
 
         logprobs: list[SampleLogprobs | None] = [None] * md.num_rows

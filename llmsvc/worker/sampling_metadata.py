@@ -80,6 +80,25 @@ class SamplingMetadata:
     num_logprobs: list[int | None]  # per row: None => none, 0 => sampled only, k => + top-k
     max_num_logprobs: int | None  # None when no row asks for logprobs
 
+    # --- structured output: rows under a grammar and the tokens each may sample ---------
+    grammar_rows: torch.Tensor | None = None  # [G] long, sorted
+    grammar_bitmask: torch.Tensor | None = None  # [G, W] int32, row i belongs to grammar_rows[i]
+
+    def set_grammar_bitmask(self, row_req_ids: list[str], mask_req_ids: list[str], bitmask) -> None:
+        """Take the step's grammar bitmask (numpy [len(mask_req_ids), W] int32, from the
+        SchedulerOutput); row_req_ids is the request of each sampling row."""
+        where = {rid: i for i, rid in enumerate(row_req_ids)}
+        pairs = sorted((where[rid], k) for k, rid in enumerate(mask_req_ids) if rid in where)
+        if not pairs:
+            return
+        device = self.temperature.device
+        rows, src = zip(*pairs)
+        mask = torch.from_numpy(bitmask)
+        if list(src) != list(range(len(mask_req_ids))):
+            mask = mask.index_select(0, torch.tensor(src, dtype=torch.long))
+        self.grammar_rows = torch.tensor(rows, dtype=torch.long, device=device)
+        self.grammar_bitmask = mask.to(device, non_blocking=True)
+
     @classmethod
     def build(
         cls,

@@ -1,0 +1,109 @@
+"""StructuredOutputManager: compiles constraints off the step loop and fills the per-step mask.
+
+Threads: `submit` may be called from any thread (the asyncio front end and the engine
+thread both do); compiles run in a small thread pool of this object's own (llguidance drops
+the GIL while it builds a matcher). `fill_bitmask` runs on the engine thread, once per step,
+for the constrained requests that sample in that step only.
+
+Compiled grammars are cached by (kind, spec) in an LRU of `cache_size` entries, failures
+included, so a bad spec sent again fails at once. A request whose compile is not done after
+`compile_timeout_s` fails with ConstraintError(COMPILE_TIMEOUT); so does a compile that
+itself ran longer than that, and that outcome is what the cache keeps.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import numpy as np
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+from llmsvc.sampling_params import StructuredOutputsParams
+from llmsvc.structured import errors as E
+from llmsvc.structured.compiler import build_tokenizer, compile_matcher
+from llmsvc.structured.request import StructuredRequest
+
+logger = logging.getLogger(__name__)
+
+_GENERIC_REASON = {"json": E.INVALID_SCHEMA, "json_object": E.INVALID_SCHEMA, "regex": E.INVALID_REGEX,
+                   "choice": E.INVALID_CHOICE, "grammar": E.INVALID_GRAMMAR}
+
+
+class StructuredOutputManager:
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int], *,
+                 compile_timeout_s: float = 10.0, cache_size: int = 256, num_threads: int = 2) -> None:
+        if compile_timeout_s <= 0:
+            raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
+        self.compile_timeout_s = compile_timeout_s
+        self.cache_size = cache_size
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="llmsvc-grammar")
+        # the tokenizer view takes 0.5-2 s: build it in the pool too; compiles wait for it
+        self._tokenizer = self._pool.submit(build_tokenizer, hf_tokenizer, vocab_size, eos_token_ids)
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+
+    # ---- compiling ----------------------------------------------------------------------
+    def submit(self, params: StructuredOutputsParams) -> Future:
+        """Future of the compiled start-state matcher for this constraint (cached)."""
+        key = params.key()
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                return fut
+            fut = self._pool.submit(self._compile, key, params)
+            self._cache[key] = fut
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)  # a request still holds its own future
+            return fut
+
+    def _compile(self, key, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        tokenizer = self._tokenizer.result()
+        t0 = time.perf_counter()
+        matcher = None
+        try:
+            matcher = compile_matcher(tokenizer, params)
+        except E.ConstraintError:
+            raise
+        except Exception as e:  # the grammar engine refused the spec some other way
+            raise E.ConstraintError(params.kind, _GENERIC_REASON[params.kind],
+                                    f"cannot be compiled: {e}") from None
+        finally:
+            dt = time.perf_counter() - t0
+            logger.debug("compiled %s constraint in %.1f ms (%s)", key[0], dt * 1e3,
+                         "ok" if matcher is not None else "failed")
+        if dt > self.compile_timeout_s:
+            raise E.ConstraintError(params.kind, E.COMPILE_TIMEOUT,
+                                    f"took {dt:.3g} s to compile; the limit is {self.compile_timeout_s:g} s")
+        return matcher
+
+    def new_request(self, params: StructuredOutputsParams) -> StructuredRequest:
+        return StructuredRequest(params.kind, self.submit(params), self.compile_timeout_s)
+
+    def wait(self, params: StructuredOutputsParams, timeout_s: float | None = None) -> None:
+        """Block until the constraint is compiled; ConstraintError if it fails or times out.
+        For callers that may block (offline generate); never the engine thread."""
+        fut = self.submit(params)
+        limit = self.compile_timeout_s if timeout_s is None else timeout_s
+        try:
+            fut.result(timeout=limit)
+        except TimeoutError:
+            raise E.ConstraintError(params.kind, E.COMPILE_TIMEOUT,
+                                    f"did not compile within {limit:g} s") from None
+
+    # ---- per step -------------------------------------------------------------------------
+    def fill_bitmask(self, requests: list[StructuredRequest]) -> np.ndarray:
+        """[len(requests), ceil(n_vocab / 32)] int32: row i allows the tokens requests[i] may sample next."""
+        bitmask = allocate_token_bitmask(len(requests), self._tokenizer.result().vocab_size)
+        # one row at a time on this thread (~10 us each for typical schemas): llguidance's
+        # parallel fill keeps worker threads spinning that the model's own threads need
+        for i, r in enumerate(requests):
+            fill_next_token_bitmask(r.matcher, bitmask, i)
+        return bitmask
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
