@@ -71,6 +71,7 @@ class EngineConfig:
     log_stats_interval_s: float = 10.0
     max_stop_strings: int = 64
     max_n: int = 16
+    engine_core: str = "inline"  # inline: EngineCore in the caller's process | process: its own, over ZeroMQ
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

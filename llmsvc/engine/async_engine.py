@@ -130,6 +130,7 @@ class AsyncEngine:
         with self._cond:
             self._stop = True
             self._cond.notify()
+        self._wake_engine()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30.0)
         for s in list(self._streams.values()):
@@ -217,6 +218,12 @@ class AsyncEngine:
         with self._cond:
             self._commands.append(cmd)
             self._cond.notify()
+        self._wake_engine()
+
+    def _wake_engine(self) -> None:
+        wake = getattr(self.engine, "wake", None)
+        if wake is not None:  # the engine thread may be blocked waiting on the engine-core process
+            wake()
 
     def _on_outputs(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
         self._stats = stats

@@ -1,7 +1,9 @@
 """LLMEngine: the synchronous engine both front ends drive (offline LLM, the async server engine).
 
-add_request validates and queues; step() runs one EngineCore step and turns its token ids into
-RequestOutputs. Not thread-safe: call it from one thread (the async engine's loop thread).
+add_request validates and queues; step() takes the engine core's next outputs (token ids) and
+turns them into RequestOutputs. The engine core sits behind an EngineCoreClient: in this process
+(config.engine_core "inline") or in its own (“process”), where it computes the next step while
+this one detokenizes. Not thread-safe: call it from one thread (the async engine's loop thread).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from collections.abc import Iterable
 
 from executors.base import Executor
 from llmsvc.config import EngineConfig
+from llmsvc.core.client import EngineCoreClient, InprocClient
 from llmsvc.engine.engine_core import EngineCore
 from llmsvc.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from llmsvc.engine.output_processor import OutputProcessor, ParentRequest
@@ -23,10 +26,11 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: Executor, tokenizer) -> None:
+    def __init__(self, config: EngineConfig, core: EngineCoreClient | Executor, tokenizer) -> None:
+        """`core`: an EngineCoreClient, or an Executor to drive from an in-process EngineCore."""
         self.config = config
         self.tokenizer = tokenizer
-        self.core = EngineCore(config, executor)
+        self.core_client = core if isinstance(core, EngineCoreClient) else InprocClient(EngineCore(config, core))
         self.output_processor = OutputProcessor(tokenizer)
         self.stats_logger = StatsLogger(config.log_stats_interval_s)
         mc = config.model_config
@@ -38,24 +42,44 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
-        """Resolve the model, load its tokenizer, start the executor, size the KV cache."""
-        from executors import create_executor  # lazy: executors may pull in torch
+        """Resolve the model, start the engine core (executor, KV cache sizing, warm-up), load the
+        tokenizer. With engine_core "process" the tokenizer loads while the core loads the model."""
         from llmsvc.models.resolve import resolve_model_config
-        from transformers import AutoTokenizer
 
         config = config.replace(model_config=resolve_model_config(config.model_config))
-        tokenizer = AutoTokenizer.from_pretrained(config.model_config.model_dir)
-        executor = create_executor(config)
+        if config.engine_core == "process":
+            from llmsvc.core.mp_client import MPClient
+
+            client = MPClient(config)
+            try:
+                tokenizer = _load_tokenizer(config)
+                client.wait_ready()
+                return cls(config, client, tokenizer)
+            except BaseException:
+                client.shutdown()
+                raise
+        if config.engine_core != "inline":
+            raise ValueError(f"engine_core must be 'inline' or 'process', got {config.engine_core!r}")
+        client = InprocClient.from_config(config)
         try:
-            return cls(config, executor, tokenizer)
+            return cls(config, client, _load_tokenizer(config))
         except BaseException:
-            executor.shutdown()
+            client.shutdown()
             raise
+
+    @property
+    def core(self):
+        """The EngineCore itself when it runs in this process (introspection, tests)."""
+        return self.core_client.core
+
+    def wake(self) -> None:
+        """Thread-safe: make a step() blocked on the engine-core process return early."""
+        self.core_client.wake()
 
     # ---- requests --------------------------------------------------------------------------
     @property
     def max_model_len(self) -> int:
-        return self.core.max_len
+        return self.core_client.max_len
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError / PromptTooLongError for a request this engine cannot serve."""
@@ -105,12 +129,12 @@ class LLMEngine:
         added: list[str] = []
         try:
             for child in parent.children:
-                self.core.add_request(Request(child.req_id, prompt_token_ids, child.params,
+                self.core_client.add_request(Request(child.req_id, prompt_token_ids, child.params,
                                               eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
                                               priority=priority))
                 added.append(child.req_id)
         except BaseException:
-            self.core.abort_requests(added)
+            self.core_client.abort_requests(added)
             raise
         self.output_processor.add_request(parent)
 
@@ -118,36 +142,42 @@ class LLMEngine:
         """Abort user requests (unknown ids ignored); each gets a final "abort" output next step()."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        self.core.abort_requests(self.output_processor.abort(list(request_ids), ABORT), ABORT)
+        self.core_client.abort_requests(self.output_processor.abort(list(request_ids), ABORT), ABORT)
 
     # ---- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        core_outputs, _ = self.core.step()
+        core_outputs, _ = self.core_client.get_output()
         outputs, stop_finished = self.output_processor.process_outputs(core_outputs)
         if stop_finished:
-            self.core.abort_requests(stop_finished, STOP)
+            self.core_client.abort_requests(stop_finished, STOP)
         if self.config.log_stats_interval_s > 0:
-            self.stats_logger.maybe_log(self.core.stats)
+            self.stats_logger.maybe_log(self.core_client.get_stats())
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished() or self.core.has_unfinished()
+        return self.output_processor.has_unfinished() or self.core_client.has_unfinished()
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash; only possible while no request holds blocks."""
-        return self.core.kv_cache_manager.pool.reset_prefix_cache()
+        return self.core_client.reset_prefix_cache()
 
     def get_stats(self) -> EngineStats:
-        return self.core.stats
+        return self.core_client.get_stats()
 
     def check_health(self) -> None:
         """Raise executors.base.ExecutorError if a worker is dead (cheap; called when idle)."""
-        self.core.executor.check_health()
+        self.core_client.check_health()
 
     def shutdown(self) -> None:
         if not self._shutdown:
             self._shutdown = True
-            self.core.shutdown()
+            self.core_client.shutdown()
+
+
+def _load_tokenizer(config: EngineConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config.model_config.model_dir)

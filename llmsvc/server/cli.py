@@ -54,9 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct GGUF) [LLMSVC_MODEL]")
     opt("--host", str, "127.0.0.1", help="address to bind (0.0.0.0: every interface, as in the container image)")
     opt("--port", int, 50051, help="port to bind (0 = any free port)")
-    opt("--executor", str, "multiproc", choices=["uniproc", "multiproc", "tp"],
-        help="where the model runs: multiproc (a worker process, so the gRPC threads and the model "
-             "never share a GIL), uniproc (this process) or tp (--tensor-parallel-size ranks)")
+    opt("--engine-core", str, "process", choices=["process", "inline"],
+        help="where the scheduler and executor run: process (their own process behind ZeroMQ; this one "
+             "keeps gRPC, tokenizing and detokenizing) or inline (a thread of this process)")
+    opt("--executor", str, "auto", choices=["auto", "uniproc", "multiproc", "tp"],
+        help="where the model runs: uniproc (the engine core's process), multiproc (a worker process of its "
+             "own) or tp (--tensor-parallel-size ranks); auto: uniproc with --engine-core process, multiproc "
+             "with inline (either way the gRPC threads and the model never share a GIL)")
     opt("--tensor-parallel-size", int, 1, help="ranks for --executor tp")
     opt("--nnodes", int, 1, help="machines sharing the --tensor-parallel-size ranks (multi-node TP)")
     opt("--node-rank", int, 0, help="this machine's index; 0 serves gRPC, the others run headless workers")
@@ -95,9 +99,16 @@ def build_config(args):
         scheduler_config=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                          max_num_batched_tokens=args.max_num_batched_tokens,
                                          max_waiting_requests=args.max_waiting_requests),
-        parallel_config=ParallelConfig(executor=args.executor, tensor_parallel_size=args.tensor_parallel_size,
+        parallel_config=ParallelConfig(executor=executor_name(args), tensor_parallel_size=args.tensor_parallel_size,
                                        **_multi_node(args)),
-        device=args.device)
+        device=args.device, engine_core=getattr(args, "engine_core", "inline"))
+
+
+def executor_name(args) -> str:
+    """--executor with "auto" resolved: the model never shares a GIL with the gRPC threads."""
+    if args.executor != "auto":
+        return args.executor
+    return "uniproc" if getattr(args, "engine_core", "inline") == "process" else "multiproc"
 
 
 def _multi_node(args) -> dict:
