@@ -88,19 +88,31 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def worker_pids(pid: int) -> list[int]:
-    """Descendants of `pid` that are executor worker processes (spawned multiprocessing children,
-    not the resource tracker), in start order."""
+def _spawned(pid: int) -> list[tuple[int, str]]:
+    """(pid, comm) of the spawned multiprocessing descendants of `pid` (not the resource tracker)."""
     out = []
     for p in descendants(pid):
         try:
             with open(f"/proc/{p}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ")
+            with open(f"/proc/{p}/comm") as f:
+                comm = f.read().strip()
         except OSError:
             continue
         if b"multiprocessing.spawn" in cmd:
-            out.append(p)
+            out.append((p, comm))
     return out
+
+
+def worker_pids(pid: int) -> list[int]:
+    """Descendants of `pid` that are executor worker processes, in start order (the engine-core
+    process, also a spawned child, names itself llmsvc-core and is left out)."""
+    return [p for p, comm in _spawned(pid) if comm != "llmsvc-core"]
+
+
+def core_pids(pid: int) -> list[int]:
+    """Descendants of `pid` that are engine-core processes (`llmsvc serve --engine-core process`)."""
+    return [p for p, comm in _spawned(pid) if comm == "llmsvc-core"]
 
 
 def alive(pid: int) -> bool:

@@ -18,6 +18,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -34,6 +35,20 @@ from llmsvc.engine.request import Request
 from llmsvc.outputs import ABORT, EngineStats
 
 logger = logging.getLogger(__name__)
+
+
+def _log_format() -> tuple[logging.Formatter | None, list]:
+    """The root handler's formatter and filters, for the core to log the same way (json or text);
+    (None, []) where they cannot cross a process boundary (e.g. a test runner's handler)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        return None, []
+    handler = root.handlers[0]
+    try:
+        pickle.dumps((handler.formatter, handler.filters))
+    except Exception:  # noqa: BLE001 - any unpicklable state: the core uses a plain format
+        return None, []
+    return handler.formatter, list(handler.filters)
 
 
 class EngineCoreDeadError(ExecutorError):
@@ -55,13 +70,10 @@ class MPClient(EngineCoreClient):
         os.set_blocking(self._wake_r, False)
         ctx = mp.get_context("spawn")
         death_reader, self._death_writer = ctx.Pipe(duplex=False)
-        root = logging.getLogger()
-        handler = root.handlers[0] if root.handlers else None
         self.proc = ctx.Process(
             target=run_engine_core, name="llmsvc-engine-core",
             args=(config, f"ipc://{self._dir}/cmd", f"ipc://{self._dir}/out", death_reader,
-                  root.getEffectiveLevel(), handler.formatter if handler else None,
-                  list(handler.filters) if handler else []))
+                  logging.getLogger().getEffectiveLevel(), *_log_format()))
         self.proc.start()  # not a daemon: the core may start worker processes of its own
         death_reader.close()
         self._poller = zmq.Poller()
