@@ -3,12 +3,14 @@ machine's arithmetic ceiling measured in the same run, printed as ratios."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 import time
 
 from llmsvc.bench.metrics import fmt_ms, summarize
+from llmsvc.bench.probe import RpcProbe
 from llmsvc.bench.workloads import (Workload, arrival_offsets, build_prompts, load_workloads,
                                     ordinary_vocab, workloads_path)
 
@@ -37,7 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="write a PNG of the sweep (or throughput bars)")
     e = p.add_argument_group("engine (passed to the server it starts, or used offline)")
     e.add_argument("--dtype", default="float32")
-    e.add_argument("--executor", default="multiproc", help="as `llmsvc serve`'s, whose default this is")
+    e.add_argument("--executor", default="auto", help="as `llmsvc serve`'s; auto: its default when serving, "
+                   "uniproc (the model in this process, as LLM) offline")
+    e.add_argument("--engine-core", default="process", choices=["process", "inline"],
+                   help="as `llmsvc serve`'s, whose default this is (offline runs are always inline)")
     e.add_argument("--tensor-parallel-size", type=int, default=1)
     e.add_argument("--max-num-seqs", type=int, default=None)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -46,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _serve_args(a, prefix_caching: bool = True) -> list[str]:
     out = ([a.model] if a.model else []) + ["--dtype", a.dtype, "--executor", a.executor,
+                                            "--engine-core", a.engine_core,
                                             "--tensor-parallel-size", str(a.tensor_parallel_size)]
     for flag in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
         if getattr(a, flag) is not None:
@@ -82,7 +88,8 @@ def _offline_engine(a, prefix_caching: bool = True):
         cc.kv_cache_memory_bytes = parse_bytes(a.kv_cache_memory)
     return LLMEngine.from_config(EngineConfig(
         model_config=ModelConfig(model=a.model, dtype=a.dtype), cache_config=cc, scheduler_config=sc,
-        parallel_config=ParallelConfig(executor=a.executor, tensor_parallel_size=a.tensor_parallel_size)))
+        parallel_config=ParallelConfig(executor="uniproc" if a.executor == "auto" else a.executor,
+                                       tensor_parallel_size=a.tensor_parallel_size)))
 
 
 def _line(tag: str, s: dict) -> str:
@@ -112,15 +119,22 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
     print(f"\n== {w.name}: {w.num_requests} requests x {w.input_len} in / {w.output_len} out, "
           f"{w.arrival}{f' {w.rate}/s' if w.rate else ''}")
 
-    def serve(prefix_caching=True, rate=None, concurrency=None):
+    def serve(prefix_caching=True, rate=None, concurrency=None, probe=False):
         offs = offsets if rate is None else arrival_offsets(dataclasses.replace(w, arrival="poisson", rate=rate))
         conc = concurrency or w.concurrency
-        if a.server:
-            wait_serving(a.server, timeout=180.0)  # a server still loading answers UNAVAILABLE
-            recs, wall = run_serving(a.server, prompts, w.output_len, offs, conc)
-        else:
-            with running_server(_serve_args(a, prefix_caching)) as target:
-                recs, wall = run_serving(target, prompts, w.output_len, offs, conc)
+        with contextlib.ExitStack() as stack:
+            if a.server:
+                wait_serving(a.server, timeout=180.0)  # a server still loading answers UNAVAILABLE
+                target = a.server
+            else:
+                target = stack.enter_context(running_server(_serve_args(a, prefix_caching)))
+            rpc = stack.enter_context(RpcProbe(target)) if probe else None
+            recs, wall = run_serving(target, prompts, w.output_len, offs, conc)
+        if rpc is not None:  # small RPCs alongside the workload: how long they waited
+            res["rpc_latency"] = lat = rpc.summary()
+            for name in ("GetServerInfo", "Tokenize"):
+                print(f"  {name + ' alongside':<28} {fmt_ms(lat[name])} ({lat[name]['n']} calls"
+                      + (f", {lat['errors']} failed)" if lat["errors"] else ")"))
         return recs, summarize(recs, wall)
 
     def offline(prefix_caching=True):
@@ -135,11 +149,13 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
         _, res["offline"] = offline()
         print(_line("llmsvc offline", res["offline"]))
     if a.mode in ("serve", "both"):
-        _, res["serve"] = serve()
+        _, res["serve"] = serve(probe=True)
         print(_line("llmsvc gRPC", res["serve"]))
         if a.mode == "both":
-            res["grpc_cost"] = 1 - res["serve"]["output_tok_s"] / res["offline"]["output_tok_s"]
-            print(f"  gRPC streaming cost vs offline: {100 * res['grpc_cost']:.1f}% of output tok/s")
+            res["grpc_ratio"] = res["serve"]["output_tok_s"] / res["offline"]["output_tok_s"]
+            res["grpc_cost"] = 1 - res["grpc_ratio"]
+            print(f"  gRPC / in-process output tok/s: {res['grpc_ratio']:.3f}x "
+                  f"(gRPC streaming cost vs offline: {100 * res['grpc_cost']:.1f}%)")
     ours = res.get("serve") or res["offline"]
     if a.compare_prefix_caching:  # the same mode again, prefix caching off
         kind, run = ("offline", offline) if a.mode == "offline" else ("serve", serve)
