@@ -14,6 +14,7 @@ server answers UNAVAILABLE and exits non-zero).
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import multiprocessing as mp
@@ -76,6 +77,8 @@ class MPClient(EngineCoreClient):
                   logging.getLogger().getEffectiveLevel(), *_log_format()))
         self.proc.start()  # not a daemon: the core may start worker processes of its own
         death_reader.close()
+        # before multiprocessing's own exit hook, which would wait forever for a core never shut down
+        atexit.register(self.shutdown)
         self._poller = zmq.Poller()
         self._poller.register(self._out, zmq.POLLIN)
         self._poller.register(self.proc.sentinel, zmq.POLLIN)
@@ -230,6 +233,7 @@ class MPClient(EngineCoreClient):
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.shutdown)
         if self.proc.exitcode is None and self._dead is None:
             try:
                 self._cmd.send(m.encode((m.SHUTDOWN,)), zmq.NOBLOCK)

@@ -41,16 +41,18 @@ class LLMEngine:
         self._shutdown = False
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+    def from_config(cls, config: EngineConfig, core_client=None) -> "LLMEngine":
         """Resolve the model, start the engine core (executor, KV cache sizing, warm-up), load the
-        tokenizer. With engine_core "process" the tokenizer loads while the core loads the model."""
-        from llmsvc.models.resolve import resolve_model_config
-
-        config = config.replace(model_config=resolve_model_config(config.model_config))
+        tokenizer. With engine_core "process" the tokenizer loads while the core loads the model;
+        `core_client`: an MPClient already started by start_engine_core(config), which also
+        returned the resolved `config` to pass here."""
+        if core_client is None:
+            if config.engine_core == "process":
+                config, core_client = start_engine_core(config)
+            else:
+                config = _resolved(config)
         if config.engine_core == "process":
-            from llmsvc.core.mp_client import MPClient
-
-            client = MPClient(config)
+            client = core_client
             try:
                 tokenizer = _load_tokenizer(config)
                 client.wait_ready()
@@ -58,8 +60,6 @@ class LLMEngine:
             except BaseException:
                 client.shutdown()
                 raise
-        if config.engine_core != "inline":
-            raise ValueError(f"engine_core must be 'inline' or 'process', got {config.engine_core!r}")
         client = InprocClient.from_config(config)
         try:
             return cls(config, client, _load_tokenizer(config))
@@ -175,6 +175,24 @@ class LLMEngine:
         if not self._shutdown:
             self._shutdown = True
             self.core_client.shutdown()
+
+
+def _resolved(config: EngineConfig) -> EngineConfig:
+    from llmsvc.models.resolve import resolve_model_config
+
+    if config.engine_core not in ("inline", "process"):
+        raise ValueError(f"engine_core must be 'inline' or 'process', got {config.engine_core!r}")
+    return config.replace(model_config=resolve_model_config(config.model_config))
+
+
+def start_engine_core(config: EngineConfig) -> tuple[EngineConfig, EngineCoreClient]:
+    """Resolve the model and spawn the engine-core process; returns at once (the core loads the
+    model while the caller goes on). Returns the resolved config and the client to hand to
+    LLMEngine.from_config."""
+    from llmsvc.core.mp_client import MPClient
+
+    config = _resolved(config)
+    return config, MPClient(config)
 
 
 def _load_tokenizer(config: EngineConfig):

@@ -152,11 +152,19 @@ def security_options(args) -> dict:
 
 
 async def serve(args, security: dict | None = None) -> int:
-    from llmsvc.server.app import LlmServer, default_engine_factory
     config = build_config(args)
+    core_start = None
+    if config.engine_core == "process":  # the core's interpreter, torch import and model load overlap ours
+        import concurrent.futures
+
+        from llmsvc.engine.llm_engine import start_engine_core
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-start")
+        core_start = pool.submit(start_engine_core, config)
+        pool.shutdown(wait=False)
+    from llmsvc.server.app import LlmServer, default_engine_factory
     security = security_options(args) if security is None else security
     metrics_port = getattr(args, "metrics_port", 0) or None
-    server = LlmServer(default_engine_factory(config), host=args.host, port=args.port,
+    server = LlmServer(default_engine_factory(config, core_start), host=args.host, port=args.port,
                        max_waiting_requests=args.max_waiting_requests, metrics_port=metrics_port,
                        metrics_host=getattr(args, "metrics_host", None), **security)
     server.shutdown_grace = args.shutdown_grace
