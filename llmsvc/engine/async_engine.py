@@ -294,6 +294,9 @@ class AsyncEngine:
                                                prompt=kw["prompt"], priority=kw["priority"],
                                                arrival_time=kw["arrival_time"])
                         except Exception as e:  # validation: goes back to the caller
+                            if is_worker_failure(e):  # the engine core died (seen on the send): all fail
+                                self._post(_set_future, fut, EngineDeadError(f"engine loop died: {e}"))
+                                raise
                             self._post(_set_future, fut, e)
                         else:
                             self._post(_set_future, fut, None)
