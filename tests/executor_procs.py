@@ -166,3 +166,15 @@ def _listdir(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
+
+
+def serve_tiny(model_dir: str, *extra: str, timeout: float = 180.0):
+    """`python -m llmsvc serve` of a tiny model on 127.0.0.1 (any free port), once "ready";
+    returns (LoggedProcess, grpc channel to it)."""
+    import grpc
+
+    srv = LoggedProcess(llmsvc_cmd("serve", model_dir, "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
+                                   "--max-model-len", "4096", "--kv-cache-memory", "8MiB", *extra))
+    port = int(srv.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
+    srv.wait_for(r"ready: serving", timeout=timeout)
+    return srv, grpc.insecure_channel(f"127.0.0.1:{port}")

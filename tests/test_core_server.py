@@ -14,26 +14,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from executor_procs import LoggedProcess, core_pids, descendants, llmsvc_cmd, wait_gone, worker_pids
+from executor_procs import core_pids, descendants, serve_tiny as serve, wait_gone, worker_pids
 from llmsvc.v1 import llmsvc_pb2 as pb
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
-from tests.server_harness import make_tiny_served_model_dir
-
-SERVICE = "llmsvc.v1.LlmService"
-SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_served_model_dir(tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096)
-
-
-def serve(model_dir: str, *extra: str) -> tuple[LoggedProcess, grpc.Channel]:
-    srv = LoggedProcess(llmsvc_cmd("serve", model_dir, "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
-                                   "--max-model-len", "4096", "--kv-cache-memory", "8MiB", *extra))
-    port = int(srv.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
-    srv.wait_for(r"ready: serving", timeout=180)
-    return srv, grpc.insecure_channel(f"127.0.0.1:{port}")
+from tests.test_executors_server import SERVICE, SERVING, tiny_dir  # noqa: F401 - tiny_dir is a fixture
 
 
 def _stream(max_tokens: int = 4000, text: str = "never ending"):

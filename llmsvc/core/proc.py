@@ -22,6 +22,7 @@ import traceback
 
 import zmq
 
+from executors.worker_proc import watch_parent
 from llmsvc.core import messages as m
 from llmsvc.engine.core_output import EngineCoreOutput
 from llmsvc.engine.errors import PromptTooLongError, QueueFullError
@@ -41,14 +42,6 @@ def _name_process(name: str) -> None:
         pass
 
 
-def _watch_parent(death_reader) -> None:
-    try:
-        death_reader.recv()
-    except (EOFError, OSError):
-        pass
-    os._exit(1)
-
-
 def run_engine_core(config, in_addr: str, out_addr: str, death_reader, log_level: int,
                     log_formatter: logging.Formatter | None, log_filters: list) -> None:
     """Process entry point (multiprocessing spawn target). Logs to stderr like the front end:
@@ -60,7 +53,7 @@ def run_engine_core(config, in_addr: str, out_addr: str, death_reader, log_level
     for f in log_filters:
         handler.addFilter(f)
     logging.basicConfig(level=log_level, handlers=[handler], force=True)
-    threading.Thread(target=_watch_parent, args=(death_reader,), daemon=True, name="death-pipe").start()
+    threading.Thread(target=watch_parent, args=(death_reader,), daemon=True, name="death-pipe").start()
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(in_addr)
