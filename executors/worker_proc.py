@@ -18,7 +18,7 @@ import traceback
 READY, OK, FAILURE = "READY", "OK", "FAILURE"
 
 
-def _watch_parent(death_reader) -> None:
+def watch_parent(death_reader) -> None:
     """Exit as soon as the driver dies: its end of the death pipe closes and recv() raises EOF."""
     try:
         death_reader.recv()
@@ -45,7 +45,7 @@ def worker_main(config, rank: int, world_size: int, local_rank: int, init_method
                         format=f"%(asctime)s %(levelname)s [rank{rank}] %(name)s: %(message)s")
     log = logging.getLogger("llmsvc.worker")
     if death_reader is not None:
-        threading.Thread(target=_watch_parent, args=(death_reader,), daemon=True).start()
+        threading.Thread(target=watch_parent, args=(death_reader,), daemon=True).start()
     import torch
 
     torch.set_num_threads(num_threads)

@@ -97,6 +97,7 @@ class EngineConfig:
     # structured output: a constraint whose grammar takes longer to compile fails (INVALID_ARGUMENT)
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 256  # compiled grammars kept, by (kind, spec), least recently used out
+    engine_core: str = "inline"  # inline: EngineCore in the caller's process | process: its own, over ZeroMQ
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

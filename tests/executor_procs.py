@@ -88,19 +88,31 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def worker_pids(pid: int) -> list[int]:
-    """Descendants of `pid` that are executor worker processes (spawned multiprocessing children,
-    not the resource tracker), in start order."""
+def _spawned(pid: int) -> list[tuple[int, str]]:
+    """(pid, comm) of the spawned multiprocessing descendants of `pid` (not the resource tracker)."""
     out = []
     for p in descendants(pid):
         try:
             with open(f"/proc/{p}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ")
+            with open(f"/proc/{p}/comm") as f:
+                comm = f.read().strip()
         except OSError:
             continue
         if b"multiprocessing.spawn" in cmd:
-            out.append(p)
+            out.append((p, comm))
     return out
+
+
+def worker_pids(pid: int) -> list[int]:
+    """Descendants of `pid` that are executor worker processes, in start order (the engine-core
+    process, also a spawned child, names itself llmsvc-core and is left out)."""
+    return [p for p, comm in _spawned(pid) if comm != "llmsvc-core"]
+
+
+def core_pids(pid: int) -> list[int]:
+    """Descendants of `pid` that are engine-core processes (`llmsvc serve --engine-core process`)."""
+    return [p for p, comm in _spawned(pid) if comm == "llmsvc-core"]
 
 
 def alive(pid: int) -> bool:
@@ -154,3 +166,15 @@ def _listdir(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
+
+
+def serve_tiny(model_dir: str, *extra: str, timeout: float = 180.0):
+    """`python -m llmsvc serve` of a tiny model on 127.0.0.1 (any free port), once "ready";
+    returns (LoggedProcess, grpc channel to it)."""
+    import grpc
+
+    srv = LoggedProcess(llmsvc_cmd("serve", model_dir, "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
+                                   "--max-model-len", "4096", "--kv-cache-memory", "8MiB", *extra))
+    port = int(srv.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
+    srv.wait_for(r"ready: serving", timeout=timeout)
+    return srv, grpc.insecure_channel(f"127.0.0.1:{port}")

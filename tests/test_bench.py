@@ -160,6 +160,11 @@ def test_bench_cli_offline_and_serve_on_a_tiny_model(tmp_path):
     assert "came from the prefix cache" in r.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "llmsvc gRPC" in r.stdout and "gRPC streaming cost" in r.stdout
+    assert res["grpc_ratio"] == pytest.approx(res["serve"]["output_tok_s"] / res["offline"]["output_tok_s"])
+    assert f"gRPC / in-process output tok/s: {res['grpc_ratio']:.3f}x" in r.stdout
+    for rpc in ("GetServerInfo", "Tokenize"):  # probed while the serve run streamed
+        assert res["rpc_latency"][rpc]["n"] >= 1 and res["rpc_latency"][rpc]["p99"] > 0
+    assert "GetServerInfo alongside" in r.stdout
 
 
 def test_server_mode_rejects_compare_prefix_caching_and_tolerates_no_tokens():

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from executor_procs import LoggedProcess, alive, descendants, llmsvc_cmd, open_shm_of, shm_entries, wait_gone, \
+from executor_procs import alive, descendants, open_shm_of, serve_tiny as serve, shm_entries, wait_gone, \
     worker_pids
 from llmsvc.v1 import llmsvc_pb2 as pb
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
@@ -27,12 +27,6 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_served_model_dir(tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096)
 
 
-def serve(model_dir: str, *extra: str) -> tuple[LoggedProcess, grpc.Channel]:
-    srv = LoggedProcess(llmsvc_cmd("serve", model_dir, "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
-                                   "--max-model-len", "4096", "--kv-cache-memory", "8MiB", *extra))
-    port = int(srv.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
-    srv.wait_for(r"ready: serving", timeout=180)
-    return srv, grpc.insecure_channel(f"127.0.0.1:{port}")
 
 
 def _long_stream():

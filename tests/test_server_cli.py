@@ -64,6 +64,19 @@ def test_flags_and_env(monkeypatch):
     assert parse(["--port", "7"], monkeypatch, {"LLMSVC_PORT": "1234"}).port == 7  # flag wins over env
 
 
+def test_engine_core_flag_env_and_executor_auto(monkeypatch):
+    c = cli.build_config(parse([]))
+    assert (c.engine_core, c.parallel_config.executor) == ("process", "uniproc")  # the model in the core process
+    c = cli.build_config(parse(["--engine-core", "inline"]))
+    assert (c.engine_core, c.parallel_config.executor) == ("inline", "multiproc")  # off the gRPC process' GIL
+    c = cli.build_config(parse([], monkeypatch, {"LLMSVC_ENGINE_CORE": "inline", "LLMSVC_EXECUTOR": "uniproc"}))
+    assert (c.engine_core, c.parallel_config.executor) == ("inline", "uniproc")
+    c = cli.build_config(parse(["--engine-core", "process", "--executor", "multiproc"]))
+    assert (c.engine_core, c.parallel_config.executor) == ("process", "multiproc")
+    with pytest.raises(SystemExit):
+        parse(["--engine-core", "elsewhere"])
+
+
 async def _serve_until(factory, trigger) -> tuple[int, LlmServer]:
     server = LlmServer(factory, host="127.0.0.1", port=0)
     server.shutdown_grace = 5.0

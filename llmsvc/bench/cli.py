@@ -3,12 +3,14 @@ machine's arithmetic ceiling measured in the same run, printed as ratios."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 import time
 
 from llmsvc.bench.metrics import fmt_ms, summarize
+from llmsvc.bench.probe import RpcProbe
 from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, get_workload, load_workloads, ordinary_vocab
 
 
@@ -40,7 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "of the unconstrained runs, and the schema's compile time")
     e = p.add_argument_group("engine (passed to the server it starts, or used offline)")
     e.add_argument("--dtype", default="float32")
-    e.add_argument("--executor", default="multiproc", help="as `llmsvc serve`'s, whose default this is")
+    e.add_argument("--executor", default="auto", help="as `llmsvc serve`'s; auto: its default when serving, "
+                   "uniproc (the model in this process, as LLM) offline")
+    e.add_argument("--engine-core", default="process", choices=["process", "inline"],
+                   help="as `llmsvc serve`'s, whose default this is (offline runs are always inline)")
     e.add_argument("--tensor-parallel-size", type=int, default=1)
     e.add_argument("--max-num-seqs", type=int, default=None)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -49,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _serve_args(a, prefix_caching: bool = True) -> list[str]:
     out = ([a.model] if a.model else []) + ["--dtype", a.dtype, "--executor", a.executor,
+                                            "--engine-core", a.engine_core,
                                             "--tensor-parallel-size", str(a.tensor_parallel_size)]
     for flag in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
         if getattr(a, flag) is not None:
@@ -77,7 +83,7 @@ def _offline_engine(a, prefix_caching: bool = True):
     return LLMEngine.from_config(EngineConfig.from_options(
         model=a.model, dtype=a.dtype, enable_prefix_caching=prefix_caching, max_num_seqs=a.max_num_seqs or None,
         max_num_batched_tokens=a.max_num_batched_tokens or None, kv_cache_memory=a.kv_cache_memory or None,
-        executor=a.executor, tensor_parallel_size=a.tensor_parallel_size))
+        executor="uniproc" if a.executor == "auto" else a.executor, tensor_parallel_size=a.tensor_parallel_size))
 
 
 def _line(tag: str, s: dict) -> str:
@@ -107,15 +113,22 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
     print(f"\n== {w.name}: {w.num_requests} requests x {w.input_len} in / {w.output_len} out, "
           f"{w.arrival}{f' {w.rate}/s' if w.rate else ''}")
 
-    def serve(prefix_caching=True, rate=None, concurrency=None, json_schema=None):
+    def serve(prefix_caching=True, rate=None, concurrency=None, json_schema=None, probe=False):
         offs = offsets if rate is None else arrival_offsets(dataclasses.replace(w, arrival="poisson", rate=rate))
         conc = concurrency or w.concurrency
-        if a.server:
-            wait_serving(a.server, timeout=180.0)  # a server still loading answers UNAVAILABLE
-            recs, wall = run_serving(a.server, prompts, w.output_len, offs, conc, json_schema)
-        else:
-            with running_server(_serve_args(a, prefix_caching)) as target:
-                recs, wall = run_serving(target, prompts, w.output_len, offs, conc, json_schema)
+        with contextlib.ExitStack() as stack:
+            if a.server:
+                wait_serving(a.server, timeout=180.0)  # a server still loading answers UNAVAILABLE
+                target = a.server
+            else:
+                target = stack.enter_context(running_server(_serve_args(a, prefix_caching)))
+            rpc = stack.enter_context(RpcProbe(target)) if probe else None
+            recs, wall = run_serving(target, prompts, w.output_len, offs, conc, json_schema)
+        if rpc is not None:  # small RPCs alongside the workload: how long they waited
+            res["rpc_latency"] = lat = rpc.summary()
+            for name in ("GetServerInfo", "Tokenize"):
+                print(f"  {name + ' alongside':<28} {fmt_ms(lat[name])} ({lat[name]['n']} calls"
+                      + (f", {lat['errors']} failed)" if lat["errors"] else ")"))
         return recs, summarize(recs, wall)
 
     def offline(prefix_caching=True, json_schema=None):
@@ -130,11 +143,13 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
         _, res["offline"] = offline()
         print(_line("llmsvc offline", res["offline"]))
     if a.mode in ("serve", "both"):
-        _, res["serve"] = serve()
+        _, res["serve"] = serve(probe=True)
         print(_line("llmsvc gRPC", res["serve"]))
         if a.mode == "both":
-            res["grpc_cost"] = 1 - res["serve"]["output_tok_s"] / res["offline"]["output_tok_s"]
-            print(f"  gRPC streaming cost vs offline: {100 * res['grpc_cost']:.1f}% of output tok/s")
+            res["grpc_ratio"] = res["serve"]["output_tok_s"] / res["offline"]["output_tok_s"]
+            res["grpc_cost"] = 1 - res["grpc_ratio"]
+            print(f"  gRPC / in-process output tok/s: {res['grpc_ratio']:.3f}x "
+                  f"(gRPC streaming cost vs offline: {100 * res['grpc_cost']:.1f}%)")
     ours = res.get("serve") or res["offline"]
     if a.json_schema:
         _structured_run(a, res, model_dir, offline, serve)

@@ -132,6 +132,7 @@ class AsyncEngine:
         with self._cond:
             self._stop = True
             self._cond.notify()
+        self._wake_engine()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30.0)
         for s in list(self._streams.values()):
@@ -248,6 +249,12 @@ class AsyncEngine:
         with self._cond:
             self._commands.append(cmd)
             self._cond.notify()
+        self._wake_engine()
+
+    def _wake_engine(self) -> None:
+        wake = getattr(self.engine, "wake", None)
+        if wake is not None:  # the engine thread may be blocked waiting on the engine-core process
+            wake()
 
     def _on_outputs(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
         self._stats = stats
@@ -318,6 +325,9 @@ class AsyncEngine:
                                                prompt=kw["prompt"], priority=kw["priority"],
                                                arrival_time=kw["arrival_time"])
                         except Exception as e:  # validation: goes back to the caller
+                            if is_worker_failure(e):  # the engine core died (seen on the send): all fail
+                                self._post(_set_future, fut, EngineDeadError(f"engine loop died: {e}"))
+                                raise
                             self._post(_set_future, fut, e)
                         else:
                             self._post(_set_future, fut, None)

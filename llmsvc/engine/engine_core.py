@@ -54,6 +54,10 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises PromptTooLongError (nothing queued then). The waiting-queue cap is
         the serving front end's (AsyncEngine): offline generate queues any number of prompts."""
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None and self.structured_output_manager is not None and request.structured is None:
+            # one grammar state per child request (n > 1); the compile is shared through the cache
+            request.structured = self.structured_output_manager.new_request(constraint)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids, reason: str = ABORT) -> list[str]:

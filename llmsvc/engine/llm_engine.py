@@ -1,7 +1,9 @@
 """LLMEngine: the synchronous engine both front ends drive (offline LLM, the async server engine).
 
-add_request validates and queues; step() runs one EngineCore step and turns its token ids into
-RequestOutputs. Not thread-safe: call it from one thread (the async engine's loop thread).
+add_request validates and queues; step() takes the engine core's next outputs (token ids) and
+turns them into RequestOutputs. The engine core sits behind an EngineCoreClient: in this process
+(config.engine_core "inline") or in its own (“process”), where it computes the next step while
+this one detokenizes. Not thread-safe: call it from one thread (the async engine's loop thread).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from collections.abc import Iterable
 
 from executors.base import Executor
 from llmsvc.config import EngineConfig
+from llmsvc.core.client import EngineCoreClient, InprocClient
 from llmsvc.engine.engine_core import EngineCore
 from llmsvc.engine.errors import DuplicateRequestError, InvalidRequestError
 from llmsvc.engine.output_processor import OutputProcessor, ParentRequest
@@ -21,42 +24,58 @@ from llmsvc.engine.stats import StatsLogger
 from llmsvc.engine.validation import RequestLimits, check_request
 from llmsvc.outputs import ABORT, STOP, EngineStats, RequestOutput
 from llmsvc.sampling_params import SamplingParams
+from llmsvc.structured.build import build_structured_output_manager, model_eos_token_ids, model_vocab_size
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: Executor, tokenizer) -> None:
+    def __init__(self, config: EngineConfig, core: EngineCoreClient | Executor, tokenizer) -> None:
+        """`core`: an EngineCoreClient, or an Executor to drive from an in-process EngineCore."""
         self.config = config
         self.tokenizer = tokenizer
         mc = config.model_config
-        self.vocab_size = mc.vocab_size or (len(tokenizer) if tokenizer is not None else 0)
+        self.vocab_size = model_vocab_size(config, tokenizer)
         # seeds for unseeded sampling requests: drawn at admission so each one is echoed and can be
         # replayed; the stream follows the configured seed, so a rerun of the same requests repeats.
         # 62 bits: seed + index stays below the 2^63 a request may ask for
         self._seed_rng = random.Random(mc.seed)
-        self.eos_token_ids = list(mc.eos_token_ids)
-        if not self.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
-            self.eos_token_ids = [tokenizer.eos_token_id]
-        self.structured_output_manager = _structured_output_manager(config, tokenizer, self.vocab_size,
-                                                                    self.eos_token_ids)
-        self.core = EngineCore(config, executor, self.structured_output_manager)
+        self.eos_token_ids = model_eos_token_ids(config, tokenizer)
+        # compiles constraints for validation and compile errors (AsyncEngine, LLM); inline it is
+        # also the core's, so each constraint compiles once; a core process builds its own
+        self.structured_output_manager = build_structured_output_manager(config, tokenizer)
+        if isinstance(core, EngineCoreClient):
+            self.core_client = core
+        else:
+            self.core_client = InprocClient(EngineCore(config, core, self.structured_output_manager))
         self.output_processor = OutputProcessor(tokenizer)
         self.stats_logger = StatsLogger(config.log_stats_interval_s)
         self._shutdown = False
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
-        """Resolve the model, load its tokenizer, start the executor, size the KV cache."""
+    def from_config(cls, config: EngineConfig, core_client=None) -> "LLMEngine":
+        """Resolve the model, start the engine core (executor, KV cache sizing, warm-up), load the
+        tokenizer. With engine_core "process" the tokenizer loads while the core loads the model;
+        `core_client`: an MPClient already started by start_engine_core(config), which also
+        returned the resolved `config` to pass here."""
+        if core_client is None:
+            if config.engine_core == "process":
+                config, core_client = start_engine_core(config)
+            else:
+                config = _resolved(config)
+        if config.engine_core == "process":
+            client = core_client
+            try:
+                tokenizer = _load_tokenizer(config)
+                client.wait_ready()
+                # the device "auto" became in the core, for GetServerInfo and the logs
+                return cls(config.replace(device=client.device), client, tokenizer)
+            except BaseException:
+                client.shutdown()
+                raise
         from executors import create_executor  # lazy: executors may pull in torch
-        from llmsvc.models.resolve import resolve_model_config
-        from llmsvc.worker.device import resolve_device_type
-        from transformers import AutoTokenizer
 
-        # every layer (workers, GetServerInfo) sees the device "auto" resolved to
-        config = config.replace(model_config=resolve_model_config(config.model_config),
-                                device=resolve_device_type(config.device))
-        tokenizer = AutoTokenizer.from_pretrained(config.model_config.model_dir)
+        tokenizer = _load_tokenizer(config)
         executor = create_executor(config)
         try:
             return cls(config, executor, tokenizer)
@@ -64,10 +83,19 @@ class LLMEngine:
             executor.shutdown()
             raise
 
+    @property
+    def core(self):
+        """The EngineCore itself when it runs in this process (introspection, tests)."""
+        return self.core_client.core
+
+    def wake(self) -> None:
+        """Thread-safe: make a step() blocked on the engine-core process return early."""
+        self.core_client.wake()
+
     # ---- requests --------------------------------------------------------------------------
     @property
     def max_model_len(self) -> int:
-        return self.core.max_len
+        return self.core_client.max_len
 
     @property
     def request_limits(self) -> RequestLimits:
@@ -97,14 +125,12 @@ class LLMEngine:
         added: list[str] = []
         try:
             for child in parent.children:
-                req = Request(child.req_id, prompt_token_ids, child.params, eos_token_ids=self.eos_token_ids,
-                              arrival_time=arrival_time, priority=priority)
-                if params.structured_outputs is not None:  # one grammar state per sample (n > 1)
-                    req.structured = self.structured_output_manager.new_request(params.structured_outputs)
-                self.core.add_request(req)
+                self.core_client.add_request(Request(child.req_id, prompt_token_ids, child.params,
+                                                     eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
+                                                     priority=priority))
                 added.append(child.req_id)
         except BaseException:
-            self.core.abort_requests(added)
+            self.core_client.abort_requests(added)
             raise
         self.output_processor.add_request(parent)
 
@@ -112,50 +138,67 @@ class LLMEngine:
         """Abort user requests (unknown ids ignored); each gets a final "abort" output next step()."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        self.core.abort_requests(self.output_processor.abort(list(request_ids), ABORT), ABORT)
+        self.core_client.abort_requests(self.output_processor.abort(list(request_ids), ABORT), ABORT)
 
     # ---- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        core_outputs, _ = self.core.step()
+        core_outputs, _ = self.core_client.get_output()
         outputs, stop_finished = self.output_processor.process_outputs(core_outputs)
         if stop_finished:
-            self.core.abort_requests(stop_finished, STOP)
+            self.core_client.abort_requests(stop_finished, STOP)
         if self.config.log_stats_interval_s > 0:
-            self.stats_logger.maybe_log(self.core.stats)
+            self.stats_logger.maybe_log(self.core_client.get_stats())
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished() or self.core.has_unfinished()
+        return self.output_processor.has_unfinished() or self.core_client.has_unfinished()
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash; only possible while no request holds blocks."""
-        return self.core.kv_cache_manager.pool.reset_prefix_cache()
+        return self.core_client.reset_prefix_cache()
 
     def get_stats(self) -> EngineStats:
-        return self.core.stats
+        return self.core_client.get_stats()
 
     def check_health(self) -> None:
         """Raise executors.base.ExecutorError if a worker is dead (cheap; called when idle)."""
-        self.core.executor.check_health()
+        self.core_client.check_health()
 
     def shutdown(self) -> None:
         if not self._shutdown:
             self._shutdown = True
-            self.core.shutdown()
+            self.core_client.shutdown()
 
 
-def _structured_output_manager(config: EngineConfig, tokenizer, vocab_size: int, eos_token_ids: list[int]):
-    """The grammar manager, or None where llguidance or a fast tokenizer is missing (then every
-    constrained request is refused at validation)."""
-    from llmsvc import structured
+def _resolved(config: EngineConfig) -> EngineConfig:
+    """The model resolved; inline also the device "auto" stands for (a core process resolves
+    its own, keeping torch out of this process)."""
+    from llmsvc.models.resolve import resolve_model_config
 
-    if tokenizer is None or not getattr(tokenizer, "is_fast", False) or not structured.available():
-        return None
-    from llmsvc.structured.manager import StructuredOutputManager
+    if config.engine_core not in ("inline", "process"):
+        raise ValueError(f"engine_core must be 'inline' or 'process', got {config.engine_core!r}")
+    config = config.replace(model_config=resolve_model_config(config.model_config))
+    if config.engine_core == "inline":
+        from llmsvc.worker.device import resolve_device_type
 
-    return StructuredOutputManager(tokenizer, vocab_size, eos_token_ids,
-                                   compile_timeout_s=config.grammar_compile_timeout_s,
-                                   cache_size=config.grammar_cache_size)
+        config = config.replace(device=resolve_device_type(config.device))
+    return config
+
+
+def start_engine_core(config: EngineConfig) -> tuple[EngineConfig, EngineCoreClient]:
+    """Resolve the model and spawn the engine-core process; returns at once (the core loads the
+    model while the caller goes on). Returns the resolved config and the client to hand to
+    LLMEngine.from_config."""
+    from llmsvc.core.mp_client import MPClient
+
+    config = _resolved(config)
+    return config, MPClient(config)
+
+
+def _load_tokenizer(config: EngineConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config.model_config.model_dir)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import Future
 from typing import Callable
 
 import grpc
@@ -42,9 +43,14 @@ class BindError(OSError):
     """The gRPC port could not be bound (in use, or not an address of this machine)."""
 
 
-def default_engine_factory(config) -> Callable[[], object]:
+def default_engine_factory(config, core_start: Future | None = None) -> Callable[[], object]:
+    """`core_start`: a future of llm_engine.start_engine_core(config), begun before the server
+    was built so the engine-core process loads the model while this process starts up."""
     def make():
         from llmsvc.engine.llm_engine import LLMEngine  # heavy: model loading
+        if core_start is not None:
+            resolved, client = core_start.result()
+            return LLMEngine.from_config(resolved, core_client=client)
         return LLMEngine.from_config(config)
     return make
 

@@ -51,9 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct GGUF) [LLMSVC_MODEL]")
     opt("--host", str, "127.0.0.1", help="address to bind (0.0.0.0: every interface, as in the container image)")
     opt("--port", int, 50051, help="port to bind (0 = any free port)")
-    opt("--executor", str, "multiproc", choices=["uniproc", "multiproc", "tp"],
-        help="where the model runs: multiproc (a worker process, so the gRPC threads and the model "
-             "never share a GIL), uniproc (this process) or tp (--tensor-parallel-size ranks)")
+    opt("--engine-core", str, "process", choices=["process", "inline"],
+        help="where the scheduler and executor run: process (their own process behind ZeroMQ; this one "
+             "keeps gRPC, tokenizing and detokenizing) or inline (a thread of this process)")
+    opt("--executor", str, "auto", choices=["auto", "uniproc", "multiproc", "tp"],
+        help="where the model runs: uniproc (the engine core's process), multiproc (a worker process of its "
+             "own) or tp (--tensor-parallel-size ranks); auto: uniproc with --engine-core process, multiproc "
+             "with inline (either way the gRPC threads and the model never share a GIL)")
     opt("--tensor-parallel-size", int, 1, help="ranks for --executor tp")
     opt("--nnodes", int, 1, help="machines sharing the --tensor-parallel-size ranks (multi-node TP)")
     opt("--node-rank", int, 0, help="this machine's index; 0 serves gRPC, the others run headless workers")
@@ -97,10 +101,17 @@ def build_config(args):
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy, executor=args.executor,
-        tensor_parallel_size=args.tensor_parallel_size, device=args.device,
+        max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy, executor=executor_name(args),
+        tensor_parallel_size=args.tensor_parallel_size, device=args.device, engine_core=args.engine_core,
         grammar_compile_timeout_s=args.grammar_compile_timeout, grammar_cache_size=args.grammar_cache_size,
         **_multi_node(args))
+
+
+def executor_name(args) -> str:
+    """--executor with "auto" resolved: the model never shares a GIL with the gRPC threads."""
+    if args.executor != "auto":
+        return args.executor
+    return "uniproc" if args.engine_core == "process" else "multiproc"
 
 
 def _multi_node(args) -> dict:
@@ -143,12 +154,20 @@ def security_options(args) -> dict:
 
 
 async def serve(args, security: dict | None = None) -> int:
+    config = build_config(args)
+    core_start = None
+    if config.engine_core == "process":  # the core's interpreter, torch import and model load overlap ours
+        import concurrent.futures
+
+        from llmsvc.engine.llm_engine import start_engine_core
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-start")
+        core_start = pool.submit(start_engine_core, config)
+        pool.shutdown(wait=False)
     from llmsvc.server.app import LlmServer, default_engine_factory
     from llmsvc.server.metrics import parse_label_keys
-    config = build_config(args)
     security = security_options(args) if security is None else security
     metrics_port = args.metrics_port or None
-    server = LlmServer(default_engine_factory(config), host=args.host, port=args.port,
+    server = LlmServer(default_engine_factory(config, core_start), host=args.host, port=args.port,
                        max_waiting_requests=args.max_waiting_requests, metrics_port=metrics_port,
                        metrics_host=args.metrics_host,
                        metrics_label_keys=parse_label_keys(args.metrics_label_keys), **security)

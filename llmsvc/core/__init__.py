@@ -1,0 +1,1 @@
+"""The engine core behind a client: in this process (InprocClient) or its own (MPClient)."""

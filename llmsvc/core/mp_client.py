@@ -1,0 +1,255 @@
+"""MPClient: the engine core in its own process (llmsvc.core.proc), reached over ZeroMQ.
+
+Sockets (ipc:// in a private temporary directory): the front end binds a PUSH socket for
+commands and a PULL socket for output batches; the core connects to both. One message per
+command, one per core loop iteration. Threads: one thread at a time drives the client (the
+AsyncEngine's engine thread); wake() may be called from any thread.
+
+Start-up is split so the caller can overlap its own work (tokenizer load) with the core's
+model load: the constructor spawns the process and returns; wait_ready() waits for READY.
+
+Death: get_output() polls the output socket, the process sentinel and the wake pipe together,
+so a killed core is noticed at once and raises EngineCoreDeadError (an ExecutorError: the
+server answers UNAVAILABLE and exits non-zero).
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import tempfile
+import time
+
+import zmq
+
+from executors.base import ExecutorError
+from llmsvc.config import EngineConfig
+from llmsvc.core import messages as m
+from llmsvc.core.client import EngineCoreClient
+from llmsvc.core.proc import run_engine_core
+from llmsvc.engine.core_output import EngineCoreOutput
+from llmsvc.engine.request import Request
+from llmsvc.outputs import ABORT, EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+def _log_format() -> tuple[logging.Formatter | None, list]:
+    """The root handler's formatter and filters, for the core to log the same way (json or text);
+    (None, []) where they cannot cross a process boundary (e.g. a test runner's handler)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        return None, []
+    handler = root.handlers[0]
+    try:
+        pickle.dumps((handler.formatter, handler.filters))
+    except Exception:  # noqa: BLE001 - any unpicklable state: the core uses a plain format
+        return None, []
+    return handler.formatter, list(handler.filters)
+
+
+class EngineCoreDeadError(ExecutorError):
+    """The engine-core process died or reported a fatal error."""
+
+
+class MPClient(EngineCoreClient):
+    startup_timeout_s = 900.0
+    shutdown_timeout_s = 10.0
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._dir = tempfile.mkdtemp(prefix="llmsvc-core-")
+        self._ctx = zmq.Context()
+        self._cmd = self._ctx.socket(zmq.PUSH)
+        self._cmd.bind(f"ipc://{self._dir}/cmd")
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.bind(f"ipc://{self._dir}/out")
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        ctx = mp.get_context("spawn")
+        death_reader, self._death_writer = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(
+            target=run_engine_core, name="llmsvc-engine-core",
+            args=(config, f"ipc://{self._dir}/cmd", f"ipc://{self._dir}/out", death_reader,
+                  logging.getLogger().getEffectiveLevel(), *_log_format()))
+        self.proc.start()  # not a daemon: the core may start worker processes of its own
+        death_reader.close()
+        # before multiprocessing's own exit hook, which would wait forever for a core never shut down
+        atexit.register(self.shutdown)
+        self._poller = zmq.Poller()
+        self._poller.register(self._out, zmq.POLLIN)
+        self._poller.register(self.proc.sentinel, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._outstanding: set[str] = set()  # added, not yet reported finished nor aborted
+        self._aborting: set[str] = set()  # aborted, abort not yet acknowledged: drop their outputs
+        self._stats = EngineStats()
+        self._max_len = 0
+        self._call_ids = itertools.count()
+        self._replies: dict[int, object] = {}
+        self._held: list[tuple[list[EngineCoreOutput], bool]] = []  # read while waiting for a reply
+        self._dead: str | None = None
+        self._closed = False
+        self._ready = False
+
+    def wait_ready(self) -> None:
+        """Block until the core has loaded and warmed the model (raises if it failed)."""
+        if self._ready:
+            return
+        t0 = time.perf_counter()
+        msg = self._recv(self.startup_timeout_s * 1000, "start-up")
+        if msg is None:
+            self.shutdown()
+            raise EngineCoreDeadError(f"engine core did not start in {self.startup_timeout_s:.0f}s")
+        if msg[0] != m.READY:
+            self.shutdown()
+            raise EngineCoreDeadError(f"engine core failed to start:\n{msg[1]}")
+        info: m.ReadyInfo = msg[1]
+        self._max_len, self._stats, self._ready = info.max_len, info.stats, True
+        self.device = info.device
+        logger.info("engine core ready in process %d (%.1fs after the wait began)", info.pid,
+                    time.perf_counter() - t0)
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    def _send(self, msg: tuple) -> None:
+        if self._dead is not None:
+            raise EngineCoreDeadError(self._dead)
+        self._cmd.send(m.encode(msg), copy=False)
+
+    def _recv(self, timeout_ms: float | None, what: str) -> tuple | None:
+        """The next message from the core; None on timeout or wake(). Raises once the core died."""
+        if self._dead is not None:
+            raise EngineCoreDeadError(self._dead)
+        events = dict(self._poller.poll(timeout_ms))
+        if self._out in events:
+            return self._decode(self._out.recv(copy=False))
+        if self._wake_r in events:
+            self._clear_wake()
+            return None
+        if self.proc.sentinel in events:  # died; a last message may still be in the socket
+            if self._out.poll(200):
+                return self._decode(self._out.recv(copy=False))
+            self.proc.join(1.0)
+            self._dead = (f"engine-core process (pid {self.proc.pid}) died with exit code {self.proc.exitcode} "
+                          f"during {what}")
+            raise EngineCoreDeadError(self._dead)
+        return None
+
+    def _decode(self, frame) -> tuple:
+        msg = m.decode(frame.buffer)
+        if msg[0] == m.DEAD:
+            self._dead = f"engine core died: {msg[1]}: {msg[2]}"
+            raise EngineCoreDeadError(self._dead)
+        return msg
+
+    def _clear_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _apply(self, batch: m.CoreOutputBatch) -> tuple[list[EngineCoreOutput], bool]:
+        self._stats = batch.stats
+        self._aborting.difference_update(batch.aborted)
+        for call_id, result in batch.utility:
+            self._replies[call_id] = result
+        outputs = []
+        for out in batch.outputs:
+            if out.req_id in self._aborting or out.req_id not in self._outstanding:
+                continue  # computed before the core saw our abort
+            if out.finished:
+                self._outstanding.discard(out.req_id)
+            outputs.append(out)
+        return outputs, batch.executed
+
+    # ---- EngineCoreClient ---------------------------------------------------------------------
+    @property
+    def max_len(self) -> int:
+        self.wait_ready()
+        return self._max_len
+
+    def add_request(self, request: Request) -> None:
+        self._send((m.ADD, request))
+        self._outstanding.add(request.request_id)
+
+    def abort_requests(self, req_ids: list[str], reason: str = ABORT) -> None:
+        if not req_ids:
+            return
+        self._send((m.ABORT, list(req_ids), reason))
+        self._outstanding.difference_update(req_ids)
+        self._aborting.update(req_ids)
+
+    def get_output(self) -> tuple[list[EngineCoreOutput], bool]:
+        """Wait for the next batch while requests are outstanding (or until wake()), then take
+        every batch already queued; outputs of several core steps come back merged."""
+        outputs, executed = [], False
+        for outs, ran in self._held:
+            outputs += outs
+            executed |= ran
+        self._held.clear()
+        timeout = None if self._outstanding and not outputs else 0
+        while True:
+            msg = self._recv(timeout, "a step")
+            if msg is None:
+                return outputs, executed
+            outs, ran = self._apply(msg[1])
+            outputs += outs
+            executed |= ran
+            timeout = 0
+
+    def has_unfinished(self) -> bool:
+        return bool(self._outstanding) or bool(self._held)
+
+    def get_stats(self) -> EngineStats:
+        return self._stats
+
+    def reset_prefix_cache(self) -> bool:
+        call_id = next(self._call_ids)
+        self._send((m.UTILITY, call_id, "reset_prefix_cache", ()))
+        while call_id not in self._replies:
+            msg = self._recv(1000, "reset_prefix_cache")
+            if msg is not None:
+                self._held.append(self._apply(msg[1]))
+        return bool(self._replies.pop(call_id))
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineCoreDeadError(self._dead)
+        if self.proc.exitcode is not None:
+            self._dead = f"engine-core process (pid {self.proc.pid}) died with exit code {self.proc.exitcode}"
+            raise EngineCoreDeadError(self._dead)
+
+    def wake(self) -> None:
+        if self._closed:
+            return
+        try:
+            os.write(self._wake_w, b"w")
+        except (BlockingIOError, OSError):  # already signalled, or closed at shutdown
+            pass
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        if self.proc.exitcode is None and self._dead is None:
+            try:
+                self._cmd.send(m.encode((m.SHUTDOWN,)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self.proc.join(self.shutdown_timeout_s)
+        for stop in (self.proc.terminate, self.proc.kill):
+            if self.proc.exitcode is None:
+                stop()
+                self.proc.join(2.0)
+        self._death_writer.close()
+        self._cmd.close(linger=0)
+        self._out.close(linger=0)
+        self._ctx.term()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        shutil.rmtree(self._dir, ignore_errors=True)
+        logger.info("engine core stopped (exit code %s)", self.proc.exitcode)

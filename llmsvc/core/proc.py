@@ -1,0 +1,165 @@
+"""The engine-core process: EngineCore in a busy loop behind two ZeroMQ sockets.
+
+Loop, one iteration: take every command waiting on the input socket (adds, aborts, utility
+calls), run one EngineCore.step() if anything is unfinished, send one CoreOutputBatch. It never
+waits for the front end, so detokenizing step N there overlaps with computing step N+1 here.
+While idle it blocks on the input socket and health-checks the executor once a second.
+
+Lifecycle: spawned by MPClient -> builds executor + EngineCore -> ("ready", ReadyInfo) or
+("failed", traceback) -> loop -> ("shutdown",) stops the executor and exits 0. A failure in the
+loop sends ("dead", error type, message), stops the executor and exits 1. The front end's end
+of a death pipe closing (the front end died, even by SIGKILL) ends this process at once; its
+workers follow through their own death pipes.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+
+import zmq
+
+from executors.worker_proc import watch_parent
+from llmsvc.core import messages as m
+from llmsvc.engine.core_output import EngineCoreOutput
+from llmsvc.engine.errors import PromptTooLongError, QueueFullError
+from llmsvc.outputs import ABORT
+
+logger = logging.getLogger("llmsvc.core")
+
+IDLE_HEALTH_CHECK_MS = 1000
+PROCESS_NAME = "llmsvc-core"  # /proc/PID/comm: what top and `ps -o comm` show
+
+
+def _name_process(name: str) -> None:
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name)
+    except OSError:  # not Linux
+        pass
+
+
+def run_engine_core(config, in_addr: str, out_addr: str, death_reader, log_level: int,
+                    log_formatter: logging.Formatter | None, log_filters: list) -> None:
+    """Process entry point (multiprocessing spawn target). Logs to stderr like the front end:
+    its root handler's formatter and filters come pickled (json or text, same fields)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end decides
+    _name_process(PROCESS_NAME)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(log_formatter or logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for f in log_filters:
+        handler.addFilter(f)
+    logging.basicConfig(level=log_level, handlers=[handler], force=True)
+    threading.Thread(target=watch_parent, args=(death_reader,), daemon=True, name="death-pipe").start()
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(in_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.connect(out_addr)
+    try:
+        from executors import create_executor
+        from llmsvc.engine.engine_core import EngineCore
+        from llmsvc.worker.device import resolve_device_type
+
+        config = config.replace(device=resolve_device_type(config.device))
+        executor = create_executor(config)
+        try:
+            core = EngineCore(config, executor, _structured_output_manager(config))
+        except BaseException:
+            executor.shutdown()
+            raise
+    except BaseException:
+        msg = traceback.format_exc()
+        logger.error("engine core failed to start:\n%s", msg)
+        out.send(m.encode((m.FAILED, msg)))
+        _flush_and_exit(ctx, 1)
+    out.send(m.encode((m.READY, m.ReadyInfo(os.getpid(), core.max_len, core.stats, config.device))))
+    code = EngineCoreLoop(core, inp, out).run()
+    _flush_and_exit(ctx, code)
+
+
+def _structured_output_manager(config):
+    """This process' grammar manager (masks and grammar state live beside the scheduler), on the
+    model's tokenizer; None when structured output cannot be served."""
+    from llmsvc import structured
+
+    if not structured.available():
+        return None
+    from transformers import AutoTokenizer
+
+    from llmsvc.structured.build import build_structured_output_manager
+
+    return build_structured_output_manager(config, AutoTokenizer.from_pretrained(config.model_config.model_dir))
+
+
+def _flush_and_exit(ctx, code: int) -> None:
+    ctx.destroy(linger=2000)  # closes both sockets; lets the last message reach the front end
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class EngineCoreLoop:
+    def __init__(self, core, inp: zmq.Socket, out: zmq.Socket) -> None:
+        self.core = core
+        self.inp, self.out = inp, out
+
+    def run(self) -> int:
+        """Returns the exit code: 0 after a shutdown command, 1 after a failure."""
+        core = self.core
+        try:
+            while True:
+                if not core.has_unfinished() and not self.inp.poll(IDLE_HEALTH_CHECK_MS):
+                    core.executor.check_health()
+                    continue
+                aborted, utility, refused = [], [], []
+                if self._drain_inputs(aborted, utility, refused):
+                    core.shutdown()
+                    return 0
+                outputs, executed = core.step() if core.has_unfinished() else ([], False)
+                if outputs or executed or aborted or utility or refused:
+                    self.out.send(m.encode((m.OUTPUTS, m.CoreOutputBatch(
+                        refused + outputs, executed, core.stats, aborted, utility))), copy=False)
+        except BaseException as e:  # noqa: BLE001 - every failure is reported, then the process ends
+            logger.exception("engine core loop died")
+            self.out.send(m.encode((m.DEAD, type(e).__name__, f"{e}")))
+            try:
+                core.shutdown()
+            except Exception:  # noqa: BLE001
+                logger.exception("executor shutdown failed")
+            return 1
+
+    def _drain_inputs(self, aborted: list, utility: list, refused: list) -> bool:
+        """Apply every waiting command. Returns True on a shutdown command."""
+        core = self.core
+        while True:
+            try:
+                frame = self.inp.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+            msg = m.decode(frame.buffer)
+            kind = msg[0]
+            if kind == m.ADD:
+                request = msg[1]
+                try:
+                    core.add_request(request)
+                except (PromptTooLongError, QueueFullError) as e:  # the front end checked; a race at most
+                    logger.warning("request %s refused by the engine core: %s", request.request_id, e)
+                    refused.append(EngineCoreOutput(request.request_id, [], finish_reason=ABORT))
+            elif kind == m.ABORT:
+                core.abort_requests(msg[1], msg[2])
+                aborted.extend(msg[1])
+            elif kind == m.UTILITY:
+                _, call_id, method, args = msg
+                utility.append((call_id, self._utility(method, args)))
+            elif kind == m.SHUTDOWN:
+                return True
+            else:
+                raise ValueError(f"unknown engine-core command {kind!r}")
+
+    def _utility(self, method: str, args: tuple):
+        if method == "reset_prefix_cache":
+            return self.core.kv_cache_manager.pool.reset_prefix_cache()
+        raise ValueError(f"unknown engine-core utility {method!r}")
