@@ -143,7 +143,7 @@ def test_serve_and_llm_build_the_same_config(monkeypatch):
 
     served = cli.build_config(parse(["m.gguf", "--dtype", "bfloat16", "--max-model-len", "512", "--block-size", "8",
                                      "--kv-cache-memory", "1G", "--max-num-seqs", "4", "--executor", "uniproc",
-                                     "--scheduling-policy", "priority", "--device", "cpu"]))
+                                     "--scheduling-policy", "priority", "--device", "cpu", "--engine-core", "inline"]))
     seen = []
     monkeypatch.setattr(LLMEngine, "from_config", classmethod(lambda cls, config: seen.append(config)))
     llm_module.LLM("m.gguf", dtype="bfloat16", max_model_len=512, block_size=8, kv_cache_memory="1G",
