@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from llmsvc.engine.errors import InvalidRequestError
+from llmsvc.core.errors import InvalidRequestError
 from llmsvc.config import EngineConfig, ModelConfig, SchedulerConfig
 from llmsvc.outputs import ABORT, CONTEXT, LENGTH, CompletionOutput, EngineStats, RequestOutput
 from llmsvc.sampling_params import RequestOutputKind

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from llmsvc.engine.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError, OutputBacklogError
-from llmsvc.engine.errors import DuplicateRequestError, QueueFullError
+from llmsvc.core.errors import DuplicateRequestError, QueueFullError
 from llmsvc.engine.output_stream import merge_delta
 from llmsvc.outputs import ABORT, LENGTH, CompletionOutput, RequestOutput
 from llmsvc.sampling_params import SamplingParams

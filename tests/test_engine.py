@@ -9,7 +9,7 @@ import pytest
 
 from engine_fakes import VOCAB, FakeExecutor, make_config, smollm2_tokenizer
 from executors.base import ExecutorError
-from llmsvc.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
+from llmsvc.core.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from llmsvc.engine.llm_engine import LLMEngine
 from llmsvc.engine.stats import StatsLogger
 from llmsvc.outputs import EngineStats
@@ -197,7 +197,7 @@ def test_stats_logger_line(caplog):
 
 def test_engine_and_package_import_without_torch():
     code = ("import sys, llmsvc; from llmsvc import SamplingParams; import llmsvc.engine.llm_engine, "
-            "llmsvc.engine.engine_core, llmsvc.engine.scheduler, llmsvc.engine.output_processor; "
+            "llmsvc.core.engine_core, llmsvc.core.scheduler, llmsvc.engine.output_processor; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
             "assert not bad, bad; assert 'llmsvc.llm' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=__file__.rsplit("/tests/", 1)[0])

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmsvc.engine.block_pool import BlockPool, DoubleFreeError
-from llmsvc.engine.kv_cache_manager import KVCacheManager, hash_block_tokens
-from llmsvc.engine.request import Request
+from llmsvc.core.block_pool import BlockPool, DoubleFreeError
+from llmsvc.core.kv_cache_manager import KVCacheManager, hash_block_tokens
+from llmsvc.core.request import Request
 from llmsvc.sampling_params import SamplingParams
 
 

@@ -13,9 +13,6 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["entry", "server", "client", "engine", "core", "structured", "executors", "worker", "models",
           "kernels", "shared"]
 SHARED = {"llmsvc.config", "llmsvc.sampling_params", "llmsvc.wire", "llmsvc.outputs"}
-# engine-core modules that still live in llmsvc/engine/ (they belong with llmsvc/core/)
-CORE_IN_ENGINE = {f"llmsvc.engine.{m}" for m in ("engine_core", "scheduler", "kv_cache_manager", "block_pool",
-                                                 "request", "request_queue", "core_output", "errors")}
 TORCH_FREE = ["llmsvc.engine", "llmsvc.core", "llmsvc.client", "llmsvc.server", "executors", "llmsvc.v1",
               "llmsvc.structured"]
 
@@ -30,8 +27,6 @@ def layer_of(module: str) -> str | None:
         return None  # third party
     if module in SHARED or any(module.startswith(s + ".") for s in SHARED):
         return "shared"
-    if module in CORE_IN_ENGINE or any(module.startswith(c + ".") for c in CORE_IN_ENGINE):
-        return "core"
     sub = parts[1] if len(parts) > 1 else ""
     return {"server": "server", "client": "client", "v1": "client", "engine": "engine", "core": "core",
             "structured": "structured", "worker": "worker", "models": "models"}.get(sub, "entry")

@@ -119,7 +119,7 @@ def test_sharded_checkpoint_loads_the_same_weights(tmp_path, name):
 def test_engine_frees_blocks_behind_the_window_and_keeps_hf_tokens(tmp_path, monkeypatch):
     """Mistral with a 12-token window: a request holds about (window + step budget) / block_size
     blocks however long it gets, and its tokens stay transformers'."""
-    from llmsvc.engine.kv_cache_manager import KVCacheManager
+    from llmsvc.core.kv_cache_manager import KVCacheManager
 
     held: list[int] = []
     allocate = KVCacheManager.allocate_slots

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from engine_fakes import smollm2_tokenizer
-from llmsvc.engine.core_output import EngineCoreOutput
+from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.engine.output_processor import OutputProcessor, ParentRequest
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
 from llmsvc.wire import SampleLogprobs

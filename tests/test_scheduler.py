@@ -7,9 +7,9 @@ import time
 import pytest
 
 from engine_fakes import VOCAB, FakeExecutor, make_config, next_token
-from llmsvc.engine.engine_core import EngineCore
-from llmsvc.engine.errors import PromptTooLongError
-from llmsvc.engine.request import Request
+from llmsvc.core.engine_core import EngineCore
+from llmsvc.core.errors import PromptTooLongError
+from llmsvc.core.request import Request
 from llmsvc.sampling_params import SamplingParams
 
 

@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine_fakes import FakeExecutor, make_config
-from llmsvc.engine.engine_core import EngineCore
-from llmsvc.engine.errors import PromptTooLongError
-from llmsvc.engine.request import Request, RequestStatus
+from llmsvc.core.engine_core import EngineCore
+from llmsvc.core.errors import PromptTooLongError
+from llmsvc.core.request import Request, RequestStatus
 from llmsvc.sampling_params import SamplingParams
 
 # prompts drawn from a few shared prefixes so the prefix cache is exercised

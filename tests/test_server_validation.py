@@ -8,7 +8,7 @@ import pytest
 from google.rpc import status_pb2
 
 from llmsvc.engine.async_engine import EngineDeadError, OutputBacklogError
-from llmsvc.engine.errors import DuplicateRequestError, PromptTooLongError, QueueFullError
+from llmsvc.core.errors import DuplicateRequestError, PromptTooLongError, QueueFullError
 from llmsvc.server.errors import ServiceError, to_service_error
 from llmsvc.server.prompt import resolve_prompt
 from llmsvc.server.validation import ModelLimits, build_sampling_params, check_prompt_fits

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from llmsvc.engine.llm_engine import LLMEngine
-from llmsvc.engine.request import RequestStatus
+from llmsvc.core.request import RequestStatus
 from llmsvc.sampling_params import SamplingParams, StructuredOutputsParams as SO
 from llmsvc.structured import ConstraintError
 from llmsvc.structured.compiler import grammar_text

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from llmsvc.engine.core_output import EngineCoreOutput
-from llmsvc.engine.engine_core import EngineCore
-from llmsvc.engine.request import Request
+from llmsvc.core.core_output import EngineCoreOutput
+from llmsvc.core.engine_core import EngineCore
+from llmsvc.core.request import Request
 from llmsvc.outputs import ABORT, EngineStats
 
 

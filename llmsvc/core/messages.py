@@ -16,7 +16,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmsvc.engine.core_output import EngineCoreOutput
+from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.outputs import EngineStats
 
 ADD, ABORT, UTILITY, SHUTDOWN = "add", "abort", "utility", "shutdown"

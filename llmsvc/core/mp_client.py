@@ -31,8 +31,8 @@ from llmsvc.config import EngineConfig
 from llmsvc.core import messages as m
 from llmsvc.core.client import EngineCoreClient
 from llmsvc.core.proc import run_engine_core
-from llmsvc.engine.core_output import EngineCoreOutput
-from llmsvc.engine.request import Request
+from llmsvc.core.core_output import EngineCoreOutput
+from llmsvc.core.request import Request
 from llmsvc.outputs import ABORT, EngineStats
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ import zmq
 
 from executors.worker_proc import watch_parent
 from llmsvc.core import messages as m
-from llmsvc.engine.core_output import EngineCoreOutput
-from llmsvc.engine.errors import PromptTooLongError, QueueFullError
+from llmsvc.core.core_output import EngineCoreOutput
+from llmsvc.core.errors import PromptTooLongError, QueueFullError
 from llmsvc.outputs import ABORT
 
 logger = logging.getLogger("llmsvc.core")
@@ -61,7 +61,7 @@ def run_engine_core(config, in_addr: str, out_addr: str, death_reader, log_level
     out.connect(out_addr)
     try:
         from executors import create_executor
-        from llmsvc.engine.engine_core import EngineCore
+        from llmsvc.core.engine_core import EngineCore
         from llmsvc.worker.device import resolve_device_type
 
         config = config.replace(device=resolve_device_type(config.device))

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from typing import AsyncIterator
 
-from llmsvc.engine.errors import DuplicateRequestError, QueueFullError
+from llmsvc.core.errors import DuplicateRequestError, QueueFullError
 from llmsvc.engine.output_stream import RequestStream
 from llmsvc.outputs import EngineStats, RequestOutput
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
@@ -148,7 +148,7 @@ class AsyncEngine:
                        *, prompt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs (DELTA kind; coalesced when read slowly).
 
-        Raises on the first iteration: DuplicateRequestError, QueueFullError (llmsvc.engine.errors), EngineDeadError,
+        Raises on the first iteration: DuplicateRequestError, QueueFullError (llmsvc.core.errors), EngineDeadError,
         EngineStoppedError, or whatever the engine's add_request raised (validation), or
         ConstraintError when the structured-output constraint does not compile (in time): the
         request waits in the engine (WAITING_FOR_FSM) while this awaits its compile, and is

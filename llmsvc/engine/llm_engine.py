@@ -16,10 +16,10 @@ from collections.abc import Iterable
 from executors.base import Executor
 from llmsvc.config import EngineConfig
 from llmsvc.core.client import EngineCoreClient, InprocClient
-from llmsvc.engine.engine_core import EngineCore
-from llmsvc.engine.errors import DuplicateRequestError, InvalidRequestError
+from llmsvc.core.engine_core import EngineCore
+from llmsvc.core.errors import DuplicateRequestError, InvalidRequestError
 from llmsvc.engine.output_processor import OutputProcessor, ParentRequest
-from llmsvc.engine.request import Request
+from llmsvc.core.request import Request
 from llmsvc.engine.stats import StatsLogger
 from llmsvc.engine.validation import RequestLimits, check_request
 from llmsvc.outputs import ABORT, STOP, EngineStats, RequestOutput

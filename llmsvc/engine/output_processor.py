@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from llmsvc.engine.core_output import EngineCoreOutput
+from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.engine.request_state import RequestState
 from llmsvc.outputs import ABORT, RequestMetrics, RequestOutput
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams

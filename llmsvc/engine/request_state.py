@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from llmsvc.engine.core_output import EngineCoreOutput
+from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.engine.detokenizer import IncrementalDetokenizer
 from llmsvc.engine.stop_strings import StopStringChecker
 from llmsvc.outputs import STOP, CompletionOutput, Logprob

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmsvc.engine.errors import InvalidRequestError, PromptTooLongError
+from llmsvc.core.errors import InvalidRequestError, PromptTooLongError
 from llmsvc.sampling_params import SamplingParams
 
 MAX_SEED = 2 ** 63  # seeds are drawn and hashed as signed 64-bit integers

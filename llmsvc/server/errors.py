@@ -14,7 +14,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from llmsvc.engine.async_engine import EngineDeadError, EngineStepError, EngineStoppedError, OutputBacklogError
-from llmsvc.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, QueueFullError
+from llmsvc.core.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, QueueFullError
 from llmsvc.structured.errors import ConstraintError
 
 logger = logging.getLogger(__name__)

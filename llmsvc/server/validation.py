@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from llmsvc.engine import validation as rules
-from llmsvc.engine.errors import InvalidRequestError
+from llmsvc.core.errors import InvalidRequestError
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
 from llmsvc.server.constraints import served_constraints, structured_outputs_from_proto
 from llmsvc.server.errors import invalid, to_service_error

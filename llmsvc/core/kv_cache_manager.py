@@ -20,8 +20,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from llmsvc.engine.block_pool import BlockPool
-from llmsvc.engine.request import Request
+from llmsvc.core.block_pool import BlockPool
+from llmsvc.core.request import Request
 
 NONE_HASH = b"\x00" * 32
 

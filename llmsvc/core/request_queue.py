@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
 
-from llmsvc.engine.request import Request
+from llmsvc.core.request import Request
 
 
 class RequestQueue(ABC):

@@ -6,11 +6,11 @@ from collections.abc import Iterable
 
 from llmsvc import outputs
 from llmsvc.config import CacheConfig, SchedulerConfig
-from llmsvc.engine.core_output import EngineCoreOutput
-from llmsvc.engine.errors import PromptTooLongError
-from llmsvc.engine.kv_cache_manager import KVCacheManager, cdiv
-from llmsvc.engine.request import Request, RequestStatus
-from llmsvc.engine.request_queue import create_request_queue
+from llmsvc.core.core_output import EngineCoreOutput
+from llmsvc.core.errors import PromptTooLongError
+from llmsvc.core.kv_cache_manager import KVCacheManager, cdiv
+from llmsvc.core.request import Request, RequestStatus
+from llmsvc.core.request_queue import create_request_queue
 from llmsvc.structured.errors import ConstraintError
 from llmsvc.wire import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 

@@ -10,10 +10,10 @@ from concurrent.futures import FIRST_COMPLETED, wait
 
 from executors.base import Executor
 from llmsvc.config import EngineConfig
-from llmsvc.engine.core_output import EngineCoreOutput
-from llmsvc.engine.kv_cache_manager import KVCacheManager
-from llmsvc.engine.request import Request
-from llmsvc.engine.scheduler import Scheduler
+from llmsvc.core.core_output import EngineCoreOutput
+from llmsvc.core.kv_cache_manager import KVCacheManager
+from llmsvc.core.request import Request
+from llmsvc.core.scheduler import Scheduler
 from llmsvc.models.loader_names import kv_release_window
 from llmsvc.outputs import ABORT, EngineStats
 from llmsvc.wire import ModelRunnerOutput
