@@ -189,13 +189,19 @@ def _resolved(config: EngineConfig) -> EngineConfig:
 
 
 def start_engine_core(config: EngineConfig) -> tuple[EngineConfig, EngineCoreClient]:
-    """Resolve the model and spawn the engine-core process; returns at once (the core loads the
-    model while the caller goes on). Returns the resolved config and the client to hand to
-    LLMEngine.from_config."""
+    """Spawn the engine-core process, then resolve the model here while the core resolves and
+    loads it there (resolving is deterministic, and a GGUF conversion is locked and atomic).
+    Returns the resolved config and the client to hand to LLMEngine.from_config."""
     from llmsvc.core.mp_client import MPClient
 
-    config = _resolved(config)
-    return config, MPClient(config)
+    if config.engine_core not in ("inline", "process"):
+        raise ValueError(f"engine_core must be 'inline' or 'process', got {config.engine_core!r}")
+    client = MPClient(config)
+    try:
+        return _resolved(config), client
+    except BaseException:
+        client.shutdown()
+        raise
 
 
 def _load_tokenizer(config: EngineConfig):
