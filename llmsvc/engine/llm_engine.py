@@ -194,8 +194,6 @@ def start_engine_core(config: EngineConfig) -> tuple[EngineConfig, EngineCoreCli
     Returns the resolved config and the client to hand to LLMEngine.from_config."""
     from llmsvc.core.mp_client import MPClient
 
-    if config.engine_core not in ("inline", "process"):
-        raise ValueError(f"engine_core must be 'inline' or 'process', got {config.engine_core!r}")
     client = MPClient(config)
     try:
         return _resolved(config), client

@@ -24,7 +24,6 @@ SAMPLING_FIELDS = {
 }
 MAX_REQUEST_ID_CHARS = 256
 MAX_LABELS = 64
-CONSTRAINTS = ("json_schema", "regex", "choice", "grammar", "json_object")
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
