@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 
 from llmsvc.config import EngineConfig
 from llmsvc.wire import ModelRunnerOutput, SchedulerOutput
@@ -15,7 +16,8 @@ class Executor(ABC):
     """Owns the workers (in this process or children). The engine owns the executor.
 
     Construction loads the model on every worker and returns only when all are ready.
-    Calls come from one thread (the engine loop), one at a time.
+    Calls come from one thread (the engine loop), one at a time; a non-blocking execute_model
+    returns before its step ran, and steps (and any later call) still run in submission order.
     """
 
     name: str = "?"
@@ -32,10 +34,17 @@ class Executor(ABC):
         """Allocate `num_blocks` KV blocks on every worker and warm the model up."""
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | Future:
         """Run one step on every worker; return rank 0's sampled tokens.
 
-        Raises ExecutorError if a worker has died or failed."""
+        non_block=True (async scheduling): submit the step and return at once a
+        concurrent.futures.Future of its ModelRunnerOutput. The caller hands scheduler_output
+        over (it must not change it afterwards; a worker may fill its placeholders in place),
+        may submit the next step before this one finished, and takes each future's result, in
+        order, from the same thread. The executor owns the step until the future is done.
+
+        Raises ExecutorError if a worker has died or failed (non_block: the future's result does)."""
 
     @abstractmethod
     def check_health(self) -> None:

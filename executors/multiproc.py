@@ -4,6 +4,10 @@ With world_size 1 this keeps model compute (and its GIL) out of the server proce
 tensor-parallel executor is the same machinery with N ranks. Lifecycle, as vLLM's:
 spawn -> READY (after the model loaded) or (FAILURE, msg) -> calls -> shutdown message ->
 join -> SIGTERM -> SIGKILL. A death pipe makes children exit when the driver dies.
+
+A non-blocking execute_model only sends the step: rank 0 reads calls in order and answers each
+in order, so the replies are read back (by whichever future's result, or later call, needs them
+first) from the pipe in submission order. No extra thread is involved.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import pickle
 import socket
 import sys
 import time
+from collections import deque
+from concurrent.futures import Future
 
 from executors.base import Executor, ExecutorError
 from executors.worker_proc import FAILURE, OK, READY, worker_main
@@ -72,6 +78,7 @@ class MultiprocExecutor(Executor):
         self.procs: list[mp.Process] = []
         self.conns = []
         self._closed = False
+        self._pending: deque[_ReplyFuture] = deque()  # non-blocking calls sent, reply not read yet
         t0 = time.perf_counter()
         for local_rank in range(local):
             parent, child = ctx.Pipe()
@@ -127,6 +134,11 @@ class MultiprocExecutor(Executor):
                 raise ExecutorError(f"timed out after {timeout:.0f}s waiting for {what}")
 
     def _call(self, method: str, *args, timeout: float | None = None):
+        self._read_pending()
+        self._send(method, args)
+        return self._reply(method, timeout)
+
+    def _send(self, method: str, args: tuple) -> None:
         if self._closed:
             raise ExecutorError("executor is shut down")
         if self.ranks[0] != 0:
@@ -138,6 +150,8 @@ class MultiprocExecutor(Executor):
             self.conns[0].send_bytes(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL))
         except (BrokenPipeError, OSError) as e:
             raise ExecutorError(f"cannot reach worker rank 0: {self._dead() or e}") from e
+
+    def _reply(self, method: str, timeout: float | None = None):
         kind, payload = self._recv(self.conns[0], timeout, method)
         if kind == FAILURE:
             raise ExecutorError(f"worker failed in {method}:\n{payload}")
@@ -151,8 +165,25 @@ class MultiprocExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._call("initialize_kv_cache", num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute_model", scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | Future:
+        if not non_block:
+            return self._call("execute_model", scheduler_output)
+        self._send("execute_model", (scheduler_output,))
+        future = _ReplyFuture(self)
+        self._pending.append(future)
+        return future
+
+    def _read_pending(self, until: Future | None = None) -> None:
+        """Read the replies of the non-blocking calls sent, oldest first, up to `until`."""
+        while self._pending:
+            future = self._pending.popleft()
+            try:
+                future.set_result(self._reply("execute_model"))
+            except ExecutorError as e:
+                future.set_exception(e)
+            if future is until:
+                return
 
     def execute_stats(self) -> dict:
         """Rank 0's {"num_steps", "execute_time_s"} (benchmarks: IPC overhead = driver time - this)."""
@@ -167,6 +198,9 @@ class MultiprocExecutor(Executor):
         if self._closed:
             return
         self._closed = True
+        for future in self._pending:  # steps still in flight: their replies are never read
+            future.cancel()
+        self._pending.clear()
         if self._dead() is None and self.conns and self.ranks[0] == 0:  # only rank 0 reads calls
             try:
                 self.conns[0].send_bytes(pickle.dumps(("shutdown", ()), protocol=pickle.HIGHEST_PROTOCOL))
@@ -186,3 +220,16 @@ class MultiprocExecutor(Executor):
             c.close()
         self._death_writer.close()
         logger.info("executor %s shut down", self.name)
+
+
+class _ReplyFuture(Future):
+    """The future of a non-blocking call: result() reads the pipe up to this call's reply."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        super().__init__()
+        self._executor = executor
+
+    def result(self, timeout: float | None = None):
+        if not self.done():
+            self._executor._read_pending(until=self)
+        return super().result(timeout)

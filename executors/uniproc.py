@@ -1,8 +1,14 @@
-"""UniprocExecutor: the worker runs in this process (no IPC)."""
+"""UniprocExecutor: the worker runs in this process (no IPC).
+
+Synchronous steps run on the caller's thread. The first non-blocking step starts one dedicated
+model thread; from then on every step runs there, in submission order, so the engine thread
+schedules the next step while torch (which releases the GIL in its kernels) computes this one.
+"""
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from executors.base import Executor
 from llmsvc.config import EngineConfig
@@ -21,6 +27,7 @@ class UniprocExecutor(Executor):
         self.worker = Worker(config)
         self.worker.init_device()
         self.worker.load_model()
+        self._model_thread: ThreadPoolExecutor | None = None
         logger.info("executor uniproc started on %s in %.1fs", self.worker.device, time.perf_counter() - t0)
 
     def determine_num_kv_blocks(self) -> int:
@@ -29,8 +36,15 @@ class UniprocExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | Future:
+        if self._model_thread is None:
+            if not non_block:
+                return self.worker.execute_model(scheduler_output)
+            self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="llmsvc-model",
+                                                    initializer=self.worker.init_thread)
+        future = self._model_thread.submit(self.worker.execute_model, scheduler_output)
+        return future if non_block else future.result()
 
     def execute_stats(self) -> dict:
         """The worker's {"num_steps", "execute_time_s"} (benchmarks: IPC overhead = driver time - this)."""
@@ -40,4 +54,6 @@ class UniprocExecutor(Executor):
         return None  # in-process: if we are running, the worker is alive
 
     def shutdown(self) -> None:
+        if self._model_thread is not None:  # let a step in flight finish before the model goes
+            self._model_thread.shutdown(wait=True, cancel_futures=True)
         self.worker.shutdown()

@@ -72,6 +72,8 @@ def worker_main(config, rank: int, world_size: int, local_rank: int, init_method
             except (EOFError, OSError):
                 os._exit(1)
             if world_size > 1:
+                if call[0] == "execute_model":  # the other ranks cannot fill async placeholders
+                    worker.fill_placeholders(call[1][0])
                 _broadcast([call], group, log)
         else:
             box = [None]

@@ -67,6 +67,8 @@ class SchedulerConfig:
     max_waiting_requests: int = 4096  # serving admission cap (AsyncEngine); past it new requests are rejected
     policy: str = "fcfs"  # fcfs | priority
     enable_chunked_prefill: bool = True
+    # schedule step N+1 while step N runs (placeholders for N's tokens; docs/engine-core.md)
+    async_scheduling: bool = False
 
 
 @dataclass

@@ -9,6 +9,11 @@ Worker-side invariant, per scheduled request r after applying the diff:
     tokens(r) = prompt_token_ids + output_token_ids (+ new_token_ids appended each step)
     the step computes tokens(r)[num_computed_tokens : num_computed_tokens + num_scheduled_tokens[r]]
     r samples a token this step iff num_computed_tokens + num_scheduled_tokens[r] == len(tokens(r))
+
+Async scheduling: step N+1 is scheduled before step N's tokens are known, so a token r samples in
+step N reaches the worker in step N+1's new_token_ids as PLACEHOLDER_TOKEN_ID. A placeholder only
+ever stands for the token the worker itself sampled for r in the step just before (it executes
+steps in order); the worker substitutes it before building the step's inputs.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmsvc.sampling_params import SamplingParams
+
+PLACEHOLDER_TOKEN_ID = -1  # "the token you sampled for this request last step" (async scheduling)
 
 
 @dataclass
@@ -44,7 +51,8 @@ class CachedRequestData:
     """Parallel lists, one entry per already-known request scheduled this step."""
 
     req_ids: list[str] = field(default_factory=list)
-    new_token_ids: list[list[int]] = field(default_factory=list)  # sampled since the worker last saw it
+    # sampled since the worker last saw it; the last one may be PLACEHOLDER_TOKEN_ID
+    new_token_ids: list[list[int]] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)  # appended to its block table
     num_computed_tokens: list[int] = field(default_factory=list)
 

@@ -12,9 +12,11 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 
+from concurrent.futures import Future
+
 from executors.base import Executor
 from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from llmsvc.wire import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from llmsvc.wire import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 
 VOCAB = 1000
 
@@ -58,6 +60,8 @@ class FakeExecutor(Executor):
         self.steps: list[StepRecord] = []
         self.initialized = None
         self.shut_down = False
+        self.prev_sampled: dict[str, int] = {}  # what an async placeholder stands for
+        self.num_placeholders = 0  # placeholders received (async scheduling)
 
     def determine_num_kv_blocks(self) -> int:
         return self.num_blocks
@@ -74,7 +78,18 @@ class FakeExecutor(Executor):
     def _slot(self, r: _WorkerReq, pos: int) -> tuple[int, int]:
         return r.block_ids[pos // self.block_size], pos % self.block_size
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False):
+        """non_block: the step runs at once all the same (in order); the future is already done."""
+        if not non_block:
+            return self._execute(so)
+        future = Future()
+        try:
+            future.set_result(self._execute(so))
+        except Exception as e:  # noqa: BLE001 - handed over through the future, as a real executor does
+            future.set_exception(e)
+        return future
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         from executors.base import ExecutorError
 
         if self.fail_after is not None and len(self.steps) >= self.fail_after:
@@ -93,6 +108,10 @@ class FakeExecutor(Executor):
         c = so.scheduled_cached_reqs
         for rid, toks, blocks, ncomp in zip(c.req_ids, c.new_token_ids, c.new_block_ids, c.num_computed_tokens):
             r = self.reqs[rid]  # KeyError = the diff referenced a request the worker never got
+            if PLACEHOLDER_TOKEN_ID in toks:  # only ever the last one, for last step's sample
+                assert toks.index(PLACEHOLDER_TOKEN_ID) == len(toks) - 1, (rid, toks)
+                toks = toks[:-1] + [self.prev_sampled[rid]]
+                self.num_placeholders += 1
             r.tokens.extend(toks)
             r.block_ids.extend(blocks)
             assert ncomp == r.num_computed, (rid, ncomp, r.num_computed)
@@ -125,6 +144,7 @@ class FakeExecutor(Executor):
                 out.logprobs.append(None if k is None else SampleLogprobs(
                     -0.5, 1, [tok, (tok + 1) % VOCAB][:max(k, 0) or 1], [-0.5, -1.5][:max(k, 0) or 1]))
         self.steps.append(rec)
+        self.prev_sampled = dict(zip(out.req_ids, out.sampled_token_ids))
         return out
 
 

@@ -17,6 +17,7 @@ PREFIXES = [list(range(10, 18)), list(range(10, 14)) + [99, 98, 97, 96], []]
 
 
 class EngineMachine(RuleBasedStateMachine):
+    async_scheduling = False
     @initialize(num_blocks=st.integers(4, 24), block_size=st.sampled_from([2, 4]),
                 budget=st.integers(1, 40), max_seqs=st.integers(1, 6),
                 policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans(),
@@ -25,6 +26,7 @@ class EngineMachine(RuleBasedStateMachine):
         cfg = make_config(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget,
                           max_num_seqs=max_seqs, policy=policy, enable_prefix_caching=caching,
                           chunked=chunked, max_model_len=64)
+        cfg.scheduler_config.async_scheduling = self.async_scheduling
         self.ex = FakeExecutor(cfg, num_blocks=num_blocks)
         self.core = EngineCore(cfg, self.ex)
         self.kv = self.core.kv_cache_manager
@@ -98,3 +100,14 @@ class EngineMachine(RuleBasedStateMachine):
 
 EngineMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 TestEngineMachine = EngineMachine.TestCase
+
+
+class AsyncEngineMachine(EngineMachine):
+    """The same, with async scheduling: placeholders in flight, work scheduled for requests that
+    finish or are aborted or preempted meanwhile."""
+
+    async_scheduling = True
+
+
+AsyncEngineMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+TestAsyncEngineMachine = AsyncEngineMachine.TestCase

@@ -2,6 +2,12 @@
 
 Single-threaded: every method is called from the engine loop's thread. Imports only the
 Executor interface; the executor object is injected (torch stays out of this process' engine).
+
+Async scheduling (SchedulerConfig.async_scheduling): a batch queue of depth 2. Each step()
+takes the step in flight (N), schedules and submits N+1 without waiting, then waits for N and
+updates from its output, so the executor finds the next step queued when it finishes one. A step
+that must see step N's tokens before the next is scheduled (see _may_schedule_ahead) leaves the
+queue empty: the next step() schedules after the update, as the synchronous core does.
 """
 from __future__ import annotations
 
@@ -10,13 +16,14 @@ from concurrent.futures import FIRST_COMPLETED, wait
 
 from executors.base import Executor
 from llmsvc.config import EngineConfig
+from llmsvc.core.async_scheduler import AsyncScheduler
 from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.core.kv_cache_manager import KVCacheManager
 from llmsvc.core.request import Request
 from llmsvc.core.scheduler import Scheduler
 from llmsvc.models.loader_names import kv_release_window
 from llmsvc.outputs import ABORT, EngineStats
-from llmsvc.wire import ModelRunnerOutput
+from llmsvc.wire import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +50,12 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                                kv_release_window(config.model_config.hf_config))
         max_model_len = config.model_config.max_model_len or _UNBOUNDED_LEN
-        self.scheduler = Scheduler(config.scheduler_config, cache, self.kv_cache_manager, max_model_len)
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(config.scheduler_config, cache, self.kv_cache_manager, max_model_len)
         self.num_steps = 0
+        # async scheduling: the step submitted and not yet updated from, with its output's future
+        self._in_flight = None
 
     @property
     def max_len(self) -> int:
@@ -68,18 +79,59 @@ class EngineCore:
         """One step. Returns the per-request outputs and whether the model ran.
 
         Raises executors.base.ExecutorError when the executor fails."""
+        if self.async_scheduling:
+            return self._step_async()
         if not self.scheduler.has_unfinished_requests():
             return [], False
+        so = self._schedule()
+        executed = so.total_num_scheduled_tokens > 0
+        runner_output = self.executor.execute_model(so) if executed else ModelRunnerOutput.make_empty()
+        self.num_steps += executed
+        return self.scheduler.update_from_output(so, runner_output), executed
+
+    def _schedule(self, idle_wait: bool = True) -> SchedulerOutput:
         so = self.scheduler.schedule()
         executed = so.total_num_scheduled_tokens > 0
         if executed and self.structured_output_manager is not None:
             self._attach_grammar_bitmask(so)
-        elif not executed and self.scheduler.waiting_for_fsm:
+        elif not executed and idle_wait and self.scheduler.waiting_for_fsm:
             # nothing runnable until a grammar compiles: sleep on the compiles, not a busy loop
             wait(self.scheduler.compiling_grammars(), timeout=_FSM_POLL_S, return_when=FIRST_COMPLETED)
-        runner_output = self.executor.execute_model(so) if executed else ModelRunnerOutput.make_empty()
-        self.num_steps += executed
-        return self.scheduler.update_from_output(so, runner_output), executed
+        if executed:
+            self.scheduler.after_schedule(so)
+        return so
+
+    def _step_async(self) -> tuple[list[EngineCoreOutput], bool]:
+        batch, self._in_flight = self._in_flight, None
+        if batch is None:
+            if not self.scheduler.has_unfinished_requests():
+                return [], False
+            so = self._schedule()
+            if so.total_num_scheduled_tokens == 0:
+                return self.scheduler.update_from_output(so, ModelRunnerOutput.make_empty()), False
+            batch = (so, self.executor.execute_model(so, non_block=True))
+        so, future = batch
+        if self._may_schedule_ahead(so):
+            ahead = self._schedule(idle_wait=False)
+            if ahead.total_num_scheduled_tokens > 0:  # else its finished ids stay for the next step
+                self._in_flight = (ahead, self.executor.execute_model(ahead, non_block=True))
+        runner_output = future.result()
+        self.num_steps += 1
+        return self.scheduler.update_from_output(so, runner_output), True
+
+    def _may_schedule_ahead(self, so: SchedulerOutput) -> bool:
+        """Whether step N+1 may be scheduled before step N's output is in. Not when N samples
+        under a grammar (N+1's bitmask needs N's token), nor when N computes prompt positions of a
+        request asking for prompt logprobs (their bookkeeping needs num_computed_tokens as of N)."""
+        if not self.scheduler.has_unfinished_requests() or so.structured_output_req_ids:
+            return False
+        reqs = self.scheduler.requests
+        for rid, n in so.num_scheduled_tokens.items():
+            req = reqs.get(rid)
+            if (req is not None and req.sampling_params.prompt_logprobs is not None
+                    and req.num_computed_tokens - n < req.num_prompt_tokens):
+                return False
+        return True
 
     def _attach_grammar_bitmask(self, so) -> None:
         """Fill the bitmask rows of the constrained requests that sample in this step (a request
@@ -97,7 +149,8 @@ class EngineCore:
             so.grammar_bitmask = self.structured_output_manager.fill_bitmask(states)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests unfinished, or a step in flight whose output is still to be taken."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     @property
     def stats(self) -> EngineStats:

@@ -78,11 +78,12 @@ class KVCacheManager:
 
     # ---- hashing ---------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request) -> None:
-        """Extend request.block_hashes to every full block of its known tokens."""
+        """Extend request.block_hashes to every full block of its known tokens (a block holding an
+        async-scheduling placeholder is hashed once that token is known)."""
         bs = self.block_size
         tokens = request.all_token_ids
         hashes = request.block_hashes
-        for i in range(len(hashes), len(tokens) // bs):
+        for i in range(len(hashes), request.num_known_tokens // bs):
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
 
     # ---- lookups and allocation ------------------------------------------------------------
@@ -153,8 +154,9 @@ class KVCacheManager:
         return len(self.req_to_blocks.get(req_id, ())) - self.num_released.get(req_id, 0)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register the request's blocks that will be full once `num_tokens` tokens are computed."""
-        num_full = num_tokens // self.block_size
+        """Register the request's blocks that will be full once `num_tokens` tokens are computed
+        and whose token ids are all known (later allocations register the rest)."""
+        num_full = min(num_tokens, request.num_known_tokens) // self.block_size
         start = self.num_cached_block.get(request.request_id, 0)
         if num_full <= start:
             return

@@ -3,6 +3,8 @@
 Token layout: all_token_ids = prompt_token_ids + output_token_ids; num_tokens = len(all_token_ids).
 Invariant while not finished: num_computed_tokens <= num_tokens; when RUNNING and not mid-prefill,
 num_computed_tokens == num_tokens - 1 (the last sampled token is computed next step).
+Async scheduling: the last num_output_placeholders output tokens are PLACEHOLDER_TOKEN_ID, tokens
+of steps still in flight (at most two); they are replaced in order as those steps' outputs come.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import time
 
 from llmsvc import outputs
 from llmsvc.sampling_params import SamplingParams
+from llmsvc.wire import PLACEHOLDER_TOKEN_ID
 
 
 class RequestStatus(enum.IntEnum):
@@ -87,6 +90,8 @@ class Request:
         self.num_prompt_logprobs_sent = 0
         # structured output: llmsvc.structured.StructuredRequest when the params carry a constraint
         self.structured = None
+        # async scheduling: trailing output tokens that are placeholders for in-flight samples
+        self.num_output_placeholders = 0
 
     # ---- tokens ---------------------------------------------------------------------------
     @property
@@ -110,6 +115,32 @@ class Request:
             token_ids = [token_ids]
         self.output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known (placeholders excluded): what may be hashed or checked."""
+        return len(self._all_token_ids) - self.num_output_placeholders
+
+    def append_placeholder(self) -> None:
+        self.append_output_token_ids(PLACEHOLDER_TOKEN_ID)
+        self.num_output_placeholders += 1
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """Replace the oldest placeholder by the token its step sampled."""
+        k = self.num_output_placeholders
+        assert k > 0, self
+        self.output_token_ids[-k] = token_id
+        self._all_token_ids[-k] = token_id
+        self.num_output_placeholders = k - 1
+
+    def discard_placeholders(self) -> None:
+        """Drop the unresolved placeholders (the request finished or was preempted first)."""
+        k = self.num_output_placeholders
+        if k:
+            del self.output_token_ids[-k:]
+            del self._all_token_ids[-k:]
+            self.num_output_placeholders = 0
+            self.num_output_tokens_sent = min(self.num_output_tokens_sent, self.num_output_tokens)
 
     # ---- status ---------------------------------------------------------------------------
     @property

@@ -111,7 +111,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = req.num_tokens - req.num_computed_tokens
-            if num_new > budget and not chunked:
+            if (num_new > budget and not chunked) or (req.num_output_placeholders and self._finishes_in_flight(req)):
                 i += 1
                 continue
             num_new = min(num_new, budget)
@@ -218,6 +218,9 @@ class Scheduler:
         return max(candidates, key=lambda r: r.arrival_time)
 
     def _preempt(self, req: Request) -> None:
+        # async scheduling: a token still in flight is dropped and sampled again after the recompute
+        # (same position, so the same token under greedy or a per-request seed)
+        req.discard_placeholders()
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -225,6 +228,30 @@ class Scheduler:
         self.num_preemptions += 1
         self.finished_req_ids.add(req.request_id)  # workers drop it; it comes back as a new request
         self.waiting.add_preempted(req)
+
+    # ---- async scheduling hooks (no-ops here; llmsvc.core.async_scheduler) -------------------
+    def after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Called once the step's grammar bitmask is attached, before the step is submitted."""
+
+    def _finishes_in_flight(self, req: Request) -> bool:
+        """A request whose in-flight tokens already reach max_tokens or max_len will finish when
+        they resolve: scheduling it again would only compute a token that is dropped."""
+        return ((req.max_tokens is not None and req.num_output_tokens >= req.max_tokens)
+                or req.num_tokens >= self.max_len)
+
+    def _advance(self, req: Request, n: int) -> None:
+        """The step computed n more tokens of req."""
+        req.num_computed_tokens += n
+        self._count_prompt_tokens(req, n)
+
+    def _count_prompt_tokens(self, req: Request, n: int) -> None:
+        """req.num_computed_tokens has just grown by n: count the prompt tokens among them."""
+        before = req.num_computed_tokens - n
+        if before < req.num_prompt_tokens:
+            self.prompt_tokens_total += min(req.num_computed_tokens, req.num_prompt_tokens) - before
+
+    def _record_token(self, req: Request, token: int) -> None:
+        req.append_output_token_ids(token)
 
     # ---- results ---------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -238,11 +265,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished meanwhile
-            was_prompt = req.num_computed_tokens < req.num_prompt_tokens
-            req.num_computed_tokens += n
-            if was_prompt:
-                self.prompt_tokens_total += min(req.num_computed_tokens, req.num_prompt_tokens) - (
-                    req.num_computed_tokens - n)
+            self._advance(req, n)
             prompt_lp = self._fresh_prompt_logprobs(req, runner_output.prompt_logprobs.get(rid))
             k = index.get(rid)
             if k is None:
@@ -253,12 +276,13 @@ class Scheduler:
             lp = None
             if runner_output.logprobs is not None and req.sampling_params.logprobs is not None:
                 lp = [runner_output.logprobs[k]]
-            req.append_output_token_ids(token)
+            self._record_token(req, token)
             self.generation_tokens_total += 1
             if self._check_stop(req, token) or self._check_grammar(req, token):
                 stopped.append(req)
             out.append(self._output(req, [token], lp, prompt_lp))
         for req in stopped:
+            req.discard_placeholders()  # async: a next step already scheduled computes in vain
             self.running.remove(req)
             self._free(req)
         out.extend(self._expire(time.monotonic()))
@@ -280,17 +304,18 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> bool:
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        num_output = req.num_output_tokens - req.num_output_placeholders  # tokens known so far
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
                 return True
             if token in params.stop_token_ids:
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
                 return True
-        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_output >= params.max_tokens:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
-        if req.num_tokens >= self.max_len:
+        if req.num_known_tokens >= self.max_len:
             req.status = RequestStatus.FINISHED_CONTEXT
             return True
         return False

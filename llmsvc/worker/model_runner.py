@@ -109,6 +109,7 @@ class ModelRunner:
         if get_tp_rank() != 0:
             return None
         if not inp.sampling_req_ids:
+            self.states.prev_sampled = {}
             return ModelRunnerOutput([], [], None, prompt_logprobs)
         states = [self.states[r] for r in inp.sampling_req_ids]
         md = SamplingMetadata.build(
@@ -120,9 +121,10 @@ class ModelRunner:
         if so.grammar_bitmask is not None:
             md.set_grammar_bitmask(inp.sampling_req_ids, so.structured_output_req_ids, so.grammar_bitmask)
         out = self.sampler.forward(logits, md)
+        sampled = out.sampled_token_ids.tolist()
+        self.states.prev_sampled = dict(zip(inp.sampling_req_ids, sampled))
         logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else None
-        return ModelRunnerOutput(inp.sampling_req_ids, out.sampled_token_ids.tolist(), logprobs,
-                                 prompt_logprobs)
+        return ModelRunnerOutput(inp.sampling_req_ids, sampled, logprobs, prompt_logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp) -> dict:
         result = {}

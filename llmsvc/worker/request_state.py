@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmsvc.sampling_params import SamplingParams
-from llmsvc.wire import CachedRequestData, NewRequestData, SchedulerOutput
+from llmsvc.wire import PLACEHOLDER_TOKEN_ID, CachedRequestData, NewRequestData, SchedulerOutput
 
 
 @dataclass
@@ -27,9 +27,25 @@ class CachedRequestState:
 
 
 class RequestStates(dict):
-    """req_id -> CachedRequestState; `apply(so)` folds one step's diff in, in wire.py's order."""
+    """req_id -> CachedRequestState; `apply(so)` folds one step's diff in, in wire.py's order.
+
+    prev_sampled: req_id -> the token this rank sampled for it in the last step it ran (rank 0
+    only; async scheduling's placeholders stand for these)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prev_sampled: dict[str, int] = {}
+
+    def fill_placeholders(self, so: SchedulerOutput) -> None:
+        """Replace, in place, each PLACEHOLDER_TOKEN_ID of the step's new tokens by the token
+        this rank sampled for that request in the previous step."""
+        c = so.scheduled_cached_reqs
+        for req_id, new_tokens in zip(c.req_ids, c.new_token_ids):
+            if new_tokens and new_tokens[-1] == PLACEHOLDER_TOKEN_ID:
+                new_tokens[-1] = self.prev_sampled[req_id]
 
     def apply(self, so: SchedulerOutput) -> None:
+        self.fill_placeholders(so)
         for req_id in so.finished_req_ids:
             self.pop(req_id, None)
         for r in so.scheduled_new_reqs:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 
 import torch
 
@@ -38,6 +39,11 @@ class Worker:
         self.cpu_group = None
         self.num_steps = 0  # execute_model calls, and the seconds spent inside them (IPC excluded)
         self.execute_time_s = 0.0
+        # host gap: seconds from the end of one execute_model to the start of the next, i.e. how
+        # long the device waits for the next SchedulerOutput (idle periods included: see median)
+        self.host_gap_s = 0.0
+        self._recent_gaps: deque[float] = deque(maxlen=4096)
+        self._last_end: float | None = None
 
     def init_device(self) -> None:
         if self.device.type == "cuda":
@@ -107,16 +113,35 @@ class Worker:
             host_malloc.keep_activations_mapped()
         self.runner.warmup()
 
+    def init_thread(self) -> None:
+        """Bind the calling thread (the uniproc executor's model thread) to this worker's device."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def fill_placeholders(self, so: SchedulerOutput) -> None:
+        """Rank 0, before it broadcasts a step: put in the tokens async placeholders stand for
+        (only rank 0 samples, so only it knows them)."""
+        self.runner.states.fill_placeholders(so)
+
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         t0 = time.perf_counter()
+        if self._last_end is not None:
+            gap = t0 - self._last_end
+            self.host_gap_s += gap
+            self._recent_gaps.append(gap)
         out = self.runner.execute_model(so)
-        self.execute_time_s += time.perf_counter() - t0
+        self._last_end = time.perf_counter()
+        self.execute_time_s += self._last_end - t0
         self.num_steps += 1
         return out
 
     def execute_stats(self) -> dict:
-        """{"num_steps", "execute_time_s"} since start: the worker's own share of each step."""
-        return {"num_steps": self.num_steps, "execute_time_s": self.execute_time_s}
+        """Since start: {"num_steps", "execute_time_s"} (the worker's own share of each step),
+        "host_gap_s" (summed waits between consecutive steps) and "host_gap_median_s" (median of
+        the last 4096 waits: the per-step gap of a busy stretch, idle periods aside)."""
+        gaps = sorted(self._recent_gaps)
+        return {"num_steps": self.num_steps, "execute_time_s": self.execute_time_s,
+                "host_gap_s": self.host_gap_s, "host_gap_median_s": gaps[len(gaps) // 2] if gaps else 0.0}
 
     def shutdown(self) -> None:
         """Drops the model, the KV cache and the CUDA graphs: an engine in a process that goes
