@@ -147,3 +147,30 @@ def test_executor_failure_surfaces_from_the_step():
     with pytest.raises(ExecutorError):
         for _ in range(10):
             core.step()
+
+
+def test_flag_env_and_llm_keyword(monkeypatch):
+    import argparse
+
+    from llmsvc import llm as llm_module
+    from llmsvc.bench import cli as bench_cli
+    from llmsvc.engine.llm_engine import LLMEngine
+    from llmsvc.server import cli
+
+    def serve_config(argv):
+        p = argparse.ArgumentParser()
+        cli.add_arguments(p)
+        return cli.build_config(p.parse_args(argv))
+
+    assert not serve_config([]).scheduler_config.async_scheduling
+    assert serve_config(["--async-scheduling"]).scheduler_config.async_scheduling
+    monkeypatch.setenv("LLMSVC_ASYNC_SCHEDULING", "1")
+    assert serve_config([]).scheduler_config.async_scheduling
+    seen = []
+    monkeypatch.setattr(LLMEngine, "from_config", classmethod(lambda cls, config: seen.append(config)))
+    llm_module.LLM(async_scheduling=True)
+    assert seen[0].scheduler_config.async_scheduling
+    a = argparse.Namespace(model=None, dtype="bfloat16", executor="auto", engine_core="process",
+                           tensor_parallel_size=1, max_num_seqs=None, max_num_batched_tokens=None,
+                           kv_cache_memory=None, async_scheduling=True)
+    assert "--async-scheduling" in bench_cli._serve_args(a)

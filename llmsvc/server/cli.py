@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="fcfs: first come, first served; priority: waiting requests by (GenerateRequest.priority, "
              "arrival), lower first, and a more urgent arrival may preempt a running less urgent request")
     opt("--device", str, "auto", choices=["auto", "cpu", "cuda"], help="device")
+    opt("--async-scheduling", bool, help="schedule the next step while the model computes this one "
+        "(pays on a GPU, where the host's scheduling otherwise leaves it idle between steps; see "
+        "docs/engine-core.md)")
     opt("--grammar-compile-timeout", float, 10.0,
         help="seconds a structured-output constraint may take to compile; longer fails with INVALID_ARGUMENT")
     opt("--grammar-cache-size", int, 256, help="compiled structured-output grammars kept (LRU)")
@@ -104,7 +107,7 @@ def build_config(args):
         max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy, executor=executor_name(args),
         tensor_parallel_size=args.tensor_parallel_size, device=args.device, engine_core=args.engine_core,
         grammar_compile_timeout_s=args.grammar_compile_timeout, grammar_cache_size=args.grammar_cache_size,
-        **_multi_node(args))
+        async_scheduling=args.async_scheduling, **_multi_node(args))
 
 
 def executor_name(args) -> str:
