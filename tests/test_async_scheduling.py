@@ -174,3 +174,41 @@ def test_flag_env_and_llm_keyword(monkeypatch):
                            tensor_parallel_size=1, max_num_seqs=None, max_num_batched_tokens=None,
                            kv_cache_memory=None, async_scheduling=True)
     assert "--async-scheduling" in bench_cli._serve_args(a)
+
+
+@pytest.mark.parametrize("num_blocks", [256, 24])
+def test_structured_output_and_prompt_logprobs_fall_back_and_match(num_blocks):
+    """Steps that sample under a grammar, or compute prompt positions of a request asking for
+    prompt logprobs, are not overlapped; outputs equal synchronous scheduling, also when
+    constrained requests are preempted (24 blocks) and beside unconstrained ones."""
+    from llmsvc.engine.llm_engine import LLMEngine
+    from llmsvc.sampling_params import StructuredOutputsParams as SO
+    from tests.server_harness import EOS, TINY_VOCAB, letters, tiny_tokenizer
+    from tests.test_structured_engine import SCHEMA, params
+    from tests.test_structured_engine import run as run_engine
+
+    tok = tiny_tokenizer()
+    reqs = {f"s{i}": (f"prompt {i} " * 3, params(SO(json=SCHEMA))) for i in range(4)}
+    reqs |= {f"f{i}": (f"free {i} " * 4, SamplingParams(temperature=0.0, max_tokens=30)) for i in range(3)}
+    reqs["lp"] = ("with prompt logprobs " * 2, SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1))
+    got = {}
+    for mode in (False, True):
+        config = make_config(num_blocks=num_blocks, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
+        config.model_config.vocab_size = TINY_VOCAB
+        config.model_config.eos_token_ids = [EOS]
+        config.scheduler_config.async_scheduling = mode
+        engine = LLMEngine(config, FakeExecutor(config, num_blocks=num_blocks, token_fn=letters), tok)
+        try:
+            done = run_engine(engine, reqs)
+            got[mode] = {rid: (o.outputs[0].token_ids, o.outputs[0].finish_reason,
+                               [None if e is None else sorted(e) for e in o.prompt_logprobs or []])
+                         for rid, o in done.items()}
+            if num_blocks == 24:
+                assert engine.core.scheduler.num_preemptions > 0
+            if mode:
+                assert engine.core.executor.num_placeholders > 0
+        finally:
+            engine.shutdown()
+    assert got[True] == got[False]
+    assert all(got[True][f"s{i}"][1] == "stop" for i in range(4))
+    assert len(got[True]["lp"][2]) > 30  # the prompt's positions, reported once each
