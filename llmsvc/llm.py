@@ -16,7 +16,8 @@ class LLM:
     """An engine in this process, driven to completion by `generate`.
 
     Extra keyword arguments go to the config sections that have such a field
-    (e.g. block_size, num_kv_blocks_override, policy, enable_chunked_prefill, device)."""
+    (e.g. block_size, num_kv_blocks_override, policy, enable_chunked_prefill, device,
+    async_scheduling=True: schedule the next step while the model runs this one)."""
 
     def __init__(self, model: str | None = None, dtype: str = "float32", executor: str = "uniproc",
                  tensor_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int = 128,

@@ -3,6 +3,8 @@
 Loop, one iteration: take every command waiting on the input socket (adds, aborts, utility
 calls), run one EngineCore.step() if anything is unfinished, send one CoreOutputBatch. It never
 waits for the front end, so detokenizing step N there overlaps with computing step N+1 here.
+With async scheduling, step() returns with the next step already submitted, so the model also
+computes while this loop sends the batch and takes the next commands.
 While idle it blocks on the input socket and health-checks the executor once a second.
 
 Lifecycle: spawned by MPClient -> builds executor + EngineCore -> ("ready", ReadyInfo) or
