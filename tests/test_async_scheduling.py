@@ -212,3 +212,31 @@ def test_structured_output_and_prompt_logprobs_fall_back_and_match(num_blocks):
     assert got[True] == got[False]
     assert all(got[True][f"s{i}"][1] == "stop" for i in range(4))
     assert len(got[True]["lp"][2]) > 30  # the prompt's positions, reported once each
+
+
+def test_preempted_in_flight_and_admitted_again_drops_the_stale_sample():
+    # the priority policy can preempt a request and admit it again in the same schedule, before
+    # the output of its step in flight comes; emulated here by preempting between two steps
+    prompt = list(range(100, 110))
+    core, ex = make_core(True, block_size=4)
+    core.add_request(Request("r", prompt, SamplingParams(max_tokens=8)))
+    got = [t for o in core.step()[0] for t in o.new_token_ids]
+    s = core.scheduler
+    r = s.requests["r"]
+    assert r.num_output_placeholders == 1  # its second token is in flight
+    s.running.remove(r)
+    s._preempt(r)
+    res = run(core)
+    assert got + res["r"]["tokens"] == reference_tokens(prompt, 8)
+    assert ex.steps[2].new_req_ids == ["r"]  # admitted again before the stale output came
+
+
+def test_request_id_reused_while_the_old_ones_step_is_in_flight():
+    prompt = list(range(100, 110))
+    core, ex = make_core(True, block_size=4)
+    core.add_request(Request("x", prompt, SamplingParams(max_tokens=8)))
+    core.step()
+    assert core._in_flight is not None and core.abort_requests(["x"]) == ["x"]
+    core.add_request(Request("x", prompt[:7], SamplingParams(max_tokens=5)))
+    res = run(core)
+    assert res["x"]["tokens"] == reference_tokens(prompt[:7], 5)

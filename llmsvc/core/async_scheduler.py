@@ -23,13 +23,29 @@ from llmsvc.wire import SchedulerOutput
 
 
 class AsyncScheduler(Scheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # id(SchedulerOutput) of each step in flight -> the Request objects it computes for: a
+        # request finished meanwhile may have been replaced by a new one with the same id
+        self._step_requests: dict[int, dict[str, Request]] = {}
+        self._updating: dict[str, Request] = {}
+
     def after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        step = self._step_requests[id(scheduler_output)] = {}
         for rid, n in scheduler_output.num_scheduled_tokens.items():
-            req = self.requests[rid]
+            req = step[rid] = self.requests[rid]
             req.num_computed_tokens += n
             self._count_prompt_tokens(req, n)
             if req.num_computed_tokens == req.num_tokens:  # samples in this step
                 req.append_placeholder()
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output):
+        self._updating = self._step_requests.pop(id(scheduler_output), {})
+        return super().update_from_output(scheduler_output, runner_output)
+
+    def _scheduled_request(self, scheduler_output: SchedulerOutput, req_id: str) -> Request | None:
+        req = self._updating.get(req_id)
+        return req if req is not None and self.requests.get(req_id) is req else None
 
     def _advance(self, req: Request, n: int) -> None:
         pass  # done in after_schedule

@@ -90,8 +90,10 @@ class Request:
         self.num_prompt_logprobs_sent = 0
         # structured output: llmsvc.structured.StructuredRequest when the params carry a constraint
         self.structured = None
-        # async scheduling: trailing output tokens that are placeholders for in-flight samples
+        # async scheduling: trailing output tokens that are placeholders for in-flight samples, and
+        # samples still in flight from before a preemption (their tokens are dropped on arrival)
         self.num_output_placeholders = 0
+        self.num_stale_samples = 0
 
     # ---- tokens ---------------------------------------------------------------------------
     @property

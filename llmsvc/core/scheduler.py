@@ -219,7 +219,9 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         # async scheduling: a token still in flight is dropped and sampled again after the recompute
-        # (same position, so the same token under greedy or a per-request seed)
+        # (same position, so the same token under greedy or a per-request seed), also when the
+        # request is admitted again before that step's output comes
+        req.num_stale_samples += req.num_output_placeholders
         req.discard_placeholders()
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -253,6 +255,10 @@ class Scheduler:
     def _record_token(self, req: Request, token: int) -> None:
         req.append_output_token_ids(token)
 
+    def _scheduled_request(self, scheduler_output: SchedulerOutput, req_id: str) -> Request | None:
+        """The unfinished request the step computed for req_id (None: finished since)."""
+        return self.requests.get(req_id)
+
     # ---- results ---------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -262,9 +268,12 @@ class Scheduler:
         out: list[EngineCoreOutput] = []
         stopped: list[Request] = []
         for rid, n in scheduler_output.num_scheduled_tokens.items():
-            req = self.requests.get(rid)
+            req = self._scheduled_request(scheduler_output, rid)
+            if req is not None and req.num_stale_samples and rid in index:
+                req.num_stale_samples -= 1  # sampled before the request was preempted
+                continue
             if req is None or req.status != RequestStatus.RUNNING:
-                continue  # finished meanwhile
+                continue  # finished or preempted meanwhile
             self._advance(req, n)
             prompt_lp = self._fresh_prompt_logprobs(req, runner_output.prompt_logprobs.get(rid))
             k = index.get(rid)
