@@ -1,13 +1,13 @@
 """Async scheduling A/B on this machine, in one command (runs alternate off/on, order flipped
-every round, so a change in the machine's load hits both alike):
+each repeat, so a change in the machine's load hits both alike):
 
-    .venv/bin/python -m benchmarks.async_scheduling [--workloads W1,W2] [--rounds 3] [--dtype bfloat16]
+    .venv/bin/python -m benchmarks.async_scheduling [--workloads W1,W2] [--repeats 3] [--dtype bfloat16]
 
 Per workload and mode: `llmsvc bench --workload W --mode both` (offline in-process engine, then a
 gRPC server it starts) without and with --async-scheduling; then, in this process, the offline
 run again on an engine whose worker reports the host gap (time from the end of one
 execute_model to the start of the next: how long the model waits for its next step) and the
-process CPU time per output token. Prints median / min / max over the rounds.
+process CPU time per output token. Prints median / min / max over the repeats.
 """
 from __future__ import annotations
 
@@ -58,20 +58,20 @@ def host_gap(workload: str, dtype: str, on: bool) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="W1,W2")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--no-cli", action="store_true", help="only the in-process host-gap runs")
     a = p.parse_args(argv)
     for workload in a.workloads.split(","):
         runs = {False: [], True: []}
-        for r in range(a.rounds):
+        for r in range(a.repeats):
             for on in ((False, True) if r % 2 == 0 else (True, False)):
                 row = {} if a.no_cli else bench_cli(workload, a.dtype, on)
                 row.update(host_gap(workload, a.dtype, on))
                 runs[on].append(row)
-                print(f"{workload} round {r} async={on}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()),
+                print(f"{workload} repeat {r} async={on}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()),
                       flush=True)
-        print(f"\n== {workload} {a.dtype}, {a.rounds} rounds: median (min - max)")
+        print(f"\n== {workload} {a.dtype}, {a.repeats} repeats: median (min - max)")
         for key in runs[False][0]:
             cells = []
             for on in (False, True):
