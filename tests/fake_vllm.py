@@ -4,7 +4,8 @@ asks of that interpreter:
   -c "import vllm; ..."                       prints a version
   .../vllm_offline.py --model M ...           the offline protocol, with made-up fixed timings
   -m vllm.entrypoints.openai.api_server ...   /health and streaming /v1/completions on loopback
-FAKE_VLLM_LOG, if set, names a file each start appends its mode to."""
+FAKE_VLLM_LOG, if set, names a file each start appends its mode and pid to; FAKE_VLLM_FIRST_DELAY
+delays the server's first chunk by that many seconds."""
 from __future__ import annotations
 
 import json
@@ -72,7 +73,7 @@ def serve(port: int, handler=CompletionsHandler) -> ThreadingHTTPServer:
 def _log(mode: str) -> None:
     if os.environ.get("FAKE_VLLM_LOG"):
         with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
-            f.write(mode + "\n")
+            f.write(f"{mode} {os.getpid()}\n")
 
 
 def main(argv: list[str]) -> int:
@@ -81,7 +82,11 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[:2] == ["-m", "vllm.entrypoints.openai.api_server"]:
         _log("server")
-        serve(int(argv[argv.index("--port") + 1])).serve_forever()
+
+        class Handler(CompletionsHandler):
+            first_delay = float(os.environ.get("FAKE_VLLM_FIRST_DELAY", "0"))
+
+        serve(int(argv[argv.index("--port") + 1]), Handler).serve_forever()
         return 0
     if argv and argv[0].endswith("vllm_offline.py"):
         _log("offline")

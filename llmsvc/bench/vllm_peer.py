@@ -175,7 +175,7 @@ class VllmPeer:
             proc, self._offline = self._offline, None
             try:
                 proc.stdin.close()  # EOF: the script returns and vLLM shuts down
-                proc.wait(60.0)
+                proc.wait(15.0)
             except (OSError, subprocess.TimeoutExpired):
                 pass
             stop_group(proc)
