@@ -246,3 +246,18 @@ def test_sigterm_to_the_bench_stops_the_peer_server(fake_python, tmp_path):
             and Path(f"/proc/{server_pid}/stat").read_text().split()[2] != "Z":
         time.sleep(0.2)
     assert not os.path.exists(f"/proc/{server_pid}") or Path(f"/proc/{server_pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_a_peer_that_dies_is_a_clear_error(tmp_path):
+    """An interpreter that imports vllm but whose offline child exits at once: exit 1 naming
+    vLLM's exit code and its log."""
+    from tests.server_harness import make_tiny_served_model_dir
+
+    exe = tmp_path / "dying-python"
+    exe.write_text('#!/bin/sh\ncase "$1" in -c) echo 9.9;; *) echo "no luck" >&2; exit 3;; esac\n')
+    exe.chmod(0o755)
+    d = make_tiny_served_model_dir(tmp_path / "m")
+    r = _bench(str(d), "--num-requests", "2", "--input-len", "8", "--output-len", "2", "--mode", "offline",
+               "--baseline", "vllm", "--vllm-python", str(exe), timeout=300)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "vLLM offline exited with code 3" in r.stderr and "no luck" in r.stderr

@@ -15,6 +15,7 @@ from llmsvc.bench.compare import (check_peer_args, parse_baselines, peer_systems
 from llmsvc.bench.metrics import fmt_ms, summarize
 from llmsvc.bench.probe import RpcProbe
 from llmsvc.bench.repeat import System, alternate
+from llmsvc.bench.vllm_peer import PeerError
 from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, get_workload, load_workloads, ordinary_vocab
 
 
@@ -278,11 +279,13 @@ def main(a) -> int:
     # SIGTERM unwinds like Ctrl-C, so that the servers and peers this run started are stopped
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with contextlib.ExitStack() as stack:  # the peers' children stop on any exit, Ctrl-C included
-        vllm = vllm_peer(a, mc.model_dir)
-        if vllm is not None:
-            stack.enter_context(vllm)
-        for w in workloads:
-            run_workload(a, w, mc.model_dir, vocab, results, vllm)
+        vllm = stack.enter_context(vllm_peer(a, mc.model_dir))
+        try:
+            for w in workloads:
+                run_workload(a, w, mc.model_dir, vocab, results, vllm)
+        except PeerError as e:  # vLLM failed to start or died: its log's tail says why
+            print(f"llmsvc bench: {e}", file=sys.stderr)
+            return 1
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=2, default=str)

@@ -3,6 +3,7 @@ and the ratios between them, printed and kept in the results."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from llmsvc.bench.metrics import summarize
 from llmsvc.bench.repeat import System, fmt_runs, median_run, ratio, summarize_runs
@@ -114,10 +115,11 @@ def check_peer_args(a) -> str | None:
 
 
 def vllm_peer(a, model_dir: str):
-    """The vLLM children for this run (started on first use), or None without --baseline vllm.
-    vLLM gets our KV cache budget: its CPU build would otherwise reserve most of the memory."""
+    """The vLLM children for this run (started on first use) as a context manager, entered as
+    None without --baseline vllm. vLLM gets our KV cache budget: its CPU build would otherwise
+    reserve most of the machine's memory."""
     if "vllm" not in a.baseline:
-        return None
+        return contextlib.nullcontext()
     from llmsvc.bench.vllm_peer import VllmPeer
     from llmsvc.config import CacheConfig, parse_memory
 
