@@ -198,7 +198,7 @@ def test_bench_with_the_fake_peer_repeats_and_prints_ratios(fake_python, tmp_pat
     assert res["ratio_vs_vllm"]["ours"] == "offline"
     assert res["ratio_vs_vllm"]["output_tok_s"] == pytest.approx(ours["output_tok_s"]["median"] / 24.0)
     assert res["ratio_vs_vllm"]["ttft_p99_s"] == pytest.approx(ours["ttft_p99_s"]["median"] / vllm["ttft_p99_s"]["median"])
-    assert "vLLM LLM.generate [2/2]" in r.stdout and "llmsvc offline / vllm: output tok/s" in r.stdout
+    assert "vLLM LLM.generate [2/2]" in r.stdout and "llmsvc offline / vllm: output tok/s" in r.stdout and "p99 " in r.stdout
     assert "vLLM LLM.generate, median of 2" in r.stdout
 
 

@@ -73,8 +73,14 @@ def _stats(res: dict, key: str) -> dict:
 def ours_for(w: Workload, res: dict, peer: str) -> str:
     """Which of our runs a peer is compared with: vLLM's server with our gRPC run on a Poisson
     workload, vLLM's LLM.generate with our offline run otherwise (falling back to the run there is)."""
-    prefer = ("serve", "offline") if (peer == "vllm" and w.arrival == "poisson") or peer == "hf" else ("offline", "serve")
+    # the HF ratio has always been taken against the gRPC run where there is one
+    serve_first = peer == "hf" or w.arrival == "poisson"
+    prefer = ("serve", "offline") if serve_first else ("offline", "serve")
     return next(k for k in prefer if k in res)
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
 
 
 def print_ratios(w: Workload, res: dict, baselines: list[str]) -> None:
@@ -88,12 +94,12 @@ def print_ratios(w: Workload, res: dict, baselines: list[str]) -> None:
         r = {"ours": ours_key, **{f: ratio(ours, theirs, f) for f in ("output_tok_s", "ttft_p50_s", "ttft_p99_s")}}
         if peer == "hf":  # the HF peer's TTFT is its batch's end: only throughput compares
             res["ratio_vs_hf"] = r["output_tok_s"]
-            print(f"  llmsvc / HF output tok/s: {r['output_tok_s']:.2f}x")
+            print(f"  llmsvc / HF output tok/s: {_x(r['output_tok_s'])}")
             continue
         res[f"ratio_vs_{peer}"] = r
         tag = "gRPC" if ours_key == "serve" else "offline"
-        ttft = "  ".join(f"TTFT {p} {r[f'ttft_{p}_s']:.2f}x" for p in ("p50", "p99") if r[f"ttft_{p}_s"] is not None)
-        print(f"  llmsvc {tag} / {peer}: output tok/s {r['output_tok_s']:.2f}x  {ttft} (medians; TTFT below 1x: "
+        print(f"  llmsvc {tag} / {peer}: output tok/s {_x(r['output_tok_s'])}  TTFT p50 {_x(r['ttft_p50_s'])}  "
+              f"p99 {_x(r['ttft_p99_s'])} (medians; TTFT below 1x: "
               "ours comes sooner)" + (f"\n  note: {res[peer]['note']}" if res[peer].get("note") else ""))
 
 
