@@ -116,7 +116,10 @@ class VllmPeer:
         self._url: str | None = None
 
     def _spawn(self, cmd: list[str], log_name: str, **kw) -> subprocess.Popen:
+        """Start cmd in its own process group with stderr (and stdout, unless kw redirects it:
+        vLLM logs to stdout) appended to log_name in the log folder."""
         log = open(os.path.join(self.log_dir, log_name), "ab")
+        kw.setdefault("stdout", log)
         try:
             return subprocess.Popen(cmd, stderr=log, env=peer_env(), start_new_session=True, **kw)
         finally:
@@ -158,7 +161,7 @@ class VllmPeer:
             self._server = self._spawn([self.python, "-m", "vllm.entrypoints.openai.api_server",
                                         "--model", self.model_dir, "--served-model-name", SERVED_NAME,
                                         *self.common, "--host", "127.0.0.1",
-                                        "--port", str(port)], "server.log", stdout=subprocess.DEVNULL)
+                                        "--port", str(port)], "server.log")
             self._url = f"http://127.0.0.1:{port}"
             wait_healthy(self._url, self.start_timeout, self._server,
                          lambda what: self._fail(what, "server.log"))
