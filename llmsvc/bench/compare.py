@@ -62,8 +62,8 @@ def record_runs(res: dict, systems: list[System], runs: dict[str, list[dict]]) -
 def print_spreads(res: dict, systems: list[System]) -> None:
     for s in systems:
         if s.key in res.get("repeat", {}):
-            n = res["repeat"][s.key]["output_tok_s"]["n"]
-            print(f"  {s.label + f', median of {n}':<28} {fmt_runs(res['repeat'][s.key])}")
+            tag = f"{s.label}, median of {res['repeat'][s.key]['output_tok_s']['n']}"
+            print(f"  {tag:<32} {fmt_runs(res['repeat'][s.key])}")
 
 
 def _stats(res: dict, key: str) -> dict:
