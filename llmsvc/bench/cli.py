@@ -6,11 +6,16 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import signal
 import sys
 import time
 
+from llmsvc.bench.compare import (check_peer_args, parse_baselines, peer_systems, print_ratios, print_spreads,
+                                   record_runs, vllm_peer)
 from llmsvc.bench.metrics import fmt_ms, summarize
 from llmsvc.bench.probe import RpcProbe
+from llmsvc.bench.repeat import System, alternate
+from llmsvc.bench.vllm_peer import PeerError
 from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, get_workload, load_workloads, ordinary_vocab
 
 
@@ -25,7 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["serve", "offline", "both"], default="serve",
                    help="serve: over gRPC; offline: in-process engine; both: and print the gRPC cost")
     p.add_argument("--server", default=None, help="HOST:PORT of a running server (else one is started)")
-    p.add_argument("--baseline", choices=["none", "hf"], default="none", help="also run HF transformers generate")
+    p.add_argument("--baseline", type=parse_baselines, default=[], metavar="{none,hf,vllm}",
+                   help="also run peers on the same prompts, comma-separated: hf (transformers generate), "
+                        "vllm (needs --vllm-python; docs/benchmarks.md)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH", help="the interpreter of a venv with vLLM")
+    p.add_argument("--repeat", type=int, default=1, help="measure ours and each peer N times, taking turns, "
+                   "and compare medians (use 3 for ratios on a shared machine)")
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--ceiling", action="store_true", help="measure GEMM FLOP/s and print the tokens/s ceiling")
     p.add_argument("--compare-prefix-caching", action="store_true", help="run again with prefix caching off")
@@ -106,7 +116,7 @@ def _cached_note(s: dict) -> str:
             "the prefix cache")
 
 
-def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict) -> None:
+def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict, vllm=None) -> None:
     from llmsvc.bench.runners import run_offline, run_serving
     from llmsvc.bench.server_proc import running_server, wait_serving
 
@@ -142,12 +152,17 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
             engine.shutdown()
         return recs, summarize(recs, wall)
 
+    systems = []
     if a.mode in ("offline", "both"):
-        _, res["offline"] = offline()
-        print(_line("llmsvc offline", res["offline"]))
+        systems.append(System("offline", "llmsvc offline", lambda: offline()[1]))
     if a.mode in ("serve", "both"):
-        _, res["serve"] = serve(probe=True)
-        print(_line("llmsvc gRPC", res["serve"]))
+        systems.append(System("serve", "llmsvc gRPC", lambda: serve(probe=True)[1]))
+    systems += peer_systems(a, w, prompts, offsets, model_dir, vllm)
+    runs = alternate(systems, a.repeat, lambda s, i, summary: print(
+        _line(s.label + (f" [{i + 1}/{a.repeat}]" if a.repeat > 1 else ""), summary)))
+    record_runs(res, systems, runs)
+    print_spreads(res, systems)
+    if a.mode in ("serve", "both"):
         if a.mode == "both":
             res["grpc_ratio"] = res["serve"]["output_tok_s"] / res["offline"]["output_tok_s"]
             res["grpc_cost"] = 1 - res["grpc_ratio"]
@@ -165,14 +180,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
         print(_line(f"llmsvc {'offline' if kind == 'offline' else 'gRPC'}, no prefix cache", off))
         print(f"  prefill throughput with / without prefix caching: {on:.0f} / {off['prefill_tok_s']:.0f} "
               f"tok/s = {res['prefix_caching_prefill_speedup']:.2f}x")
-    if a.baseline == "hf":
-        from llmsvc.bench.hf_baseline import run_hf
-
-        recs, wall = run_hf(model_dir, prompts, w.output_len, a.dtype, a.hf_batch_size)
-        res["hf"] = summarize(recs, wall)
-        res["ratio_vs_hf"] = ours["output_tok_s"] / res["hf"]["output_tok_s"]
-        print(_line("HF transformers generate", res["hf"]))
-        print(f"  llmsvc / HF output tok/s: {res['ratio_vs_hf']:.2f}x")
+    print_ratios(w, res, a.baseline)
     if a.ceiling:
         from llmsvc.bench.ceiling import (ceiling, gemm_flops, kv_bytes_per_token, memory_floor,
                                           param_counts, read_bandwidth)
@@ -258,6 +266,9 @@ def main(a) -> int:
     except ValueError as e:
         print(f"llmsvc bench: {e}", file=sys.stderr)
         return 2
+    if (why := check_peer_args(a)) is not None:
+        print(f"llmsvc bench: {why}", file=sys.stderr)
+        return 2
     from llmsvc.config import ModelConfig
     from llmsvc.models.resolve import resolve_model_config
     from transformers import AutoTokenizer
@@ -266,8 +277,18 @@ def main(a) -> int:
     vocab = ordinary_vocab(AutoTokenizer.from_pretrained(mc.model_dir))
     results = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "workloads": {},
                "args": {k: v for k, v in vars(a).items() if not k.startswith("_")}}
-    for w in workloads:
-        run_workload(a, w, mc.model_dir, vocab, results)
+    if hasattr(a, "_vllm_version"):
+        results["vllm_version"] = a._vllm_version
+    # SIGTERM unwinds like Ctrl-C, so that the servers and peers this run started are stopped
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    with contextlib.ExitStack() as stack:  # the peers' children stop on any exit, Ctrl-C included
+        vllm = stack.enter_context(vllm_peer(a, mc.model_dir))
+        try:
+            for w in workloads:
+                run_workload(a, w, mc.model_dir, vocab, results, vllm)
+        except PeerError as e:  # vLLM failed to start or died: its log's tail says why
+            print(f"llmsvc bench: {e}", file=sys.stderr)
+            return 1
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=2, default=str)
