@@ -121,3 +121,14 @@ def memory_floor(w: Workload, counts: dict, kv_token_bytes: int, dtype_bytes: in
     return {"read_gb_s": bytes_per_s / 1e9, "weight_read_gb": weights / 1e9, "kv_read_gb": kv / 1e9,
             "min_seconds": seconds, "kv_seconds": kv / bytes_per_s,
             "output_tok_s": w.total_output_tokens / seconds if seconds else float("inf")}
+
+
+def step_floor(counts: dict, kv_token_bytes: int, dtype_bytes: int, context_rows: int,
+               bytes_per_s: float, lm_head_rows: bool = True) -> dict:
+    """Fewest bytes one step must read: every weight once (the LM head too when the step
+    samples) and the K/V of `context_rows` cache rows summed over its sequences (64 decodes
+    at 192 keys: 64 * 192), and the time they take at `bytes_per_s`."""
+    params = counts["gen_flops_per_token"] // 2 if lm_head_rows else counts["prompt_flops_per_token"] // 2
+    weights, kv = params * dtype_bytes, context_rows * kv_token_bytes
+    return {"weight_mb": weights / 1e6, "kv_mb": kv / 1e6, "read_gb_s": bytes_per_s / 1e9,
+            "min_seconds": (weights + kv) / bytes_per_s}
