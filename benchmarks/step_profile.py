@@ -33,6 +33,7 @@ from llmsvc.bench import ceiling
 from llmsvc.config import EngineConfig
 from llmsvc.sampling_params import SamplingParams
 from llmsvc.wire import CachedRequestData, NewRequestData, SchedulerOutput
+from llmsvc.worker import host_malloc
 from llmsvc.worker import model_runner as mr_module
 from llmsvc.worker.model_runner import ModelRunner
 
@@ -62,6 +63,7 @@ def make_runner(dtype: str, num_blocks: int) -> ModelRunner:
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(num_blocks)
+    host_malloc.keep_activations_mapped()  # as the worker does once its caches are in place
     runner.warmup()
     return runner
 
@@ -76,7 +78,7 @@ def instrument(runner: ModelRunner, timer: PhaseTimer) -> None:
     ops.decoder_layers = timer.wrap("layers", ops.decoder_layers)
     inner.forward = timer.wrap("model", inner.forward)
     if inner._native_plan is not None:
-        inner._native_plan.profile = torch.zeros(len(decoder.PROFILE_KINDS), dtype=torch.float64)
+        inner._native_plan.profile = torch.zeros((2, len(decoder.PROFILE_KINDS)), dtype=torch.float64)
 
 
 def new_request(req_id: str, prompt: list[int], blocks: list[int], num_computed: int) -> NewRequestData:
@@ -137,11 +139,13 @@ def run_steps(runner: ModelRunner, timer: PhaseTimer, steps) -> list[dict]:
         timer.seconds.clear()
         if plan is not None and plan.profile is not None:
             plan.profile.zero_()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         runner.last_output = runner.execute_model(so)
-        row = dict(timer.seconds, step=time.perf_counter() - t0)
+        row = dict(timer.seconds, step=time.perf_counter() - t0, **{"step cpu": time.thread_time() - c0})
         if plan is not None and plan.profile is not None and row.get("layers"):
-            row.update({f"  {k}": v for k, v in zip(decoder.PROFILE_KINDS, plan.profile.tolist())})
+            wall, cpu = plan.profile.tolist()
+            row.update({f"  {k}": v for k, v in zip(decoder.PROFILE_KINDS, wall)})
+            row.update({f"  {k} cpu": v for k, v in zip(decoder.PROFILE_KINDS, cpu)})
         rows.append(row)
     return rows
 
@@ -155,8 +159,8 @@ def report(title: str, rows: list[dict], floor: dict) -> None:
     for r in rows:  # derived parts: the model's embedding + final norm, and what no part covers
         r["embed+norm"] = r.get("model", 0.0) - r.get("layers", 0.0)
         r["other"] = r["step"] - sum(r.get(k, 0.0) for k in ("inputs", "model", "lm_head", "sampler"))
-    order = ["inputs", "layers", *(f"  {k}" for k in decoder.PROFILE_KINDS), "embed+norm", "lm_head",
-             "sampler", "other", "step"]
+    order = ["inputs", "layers", *(f"  {k}{c}" for k in decoder.PROFILE_KINDS for c in ("", " cpu")),
+             "embed+norm", "lm_head", "sampler", "other", "step", "step cpu"]
     med_step = statistics.median(r["step"] for r in rows)
     for k in order:
         vals = [r[k] for r in rows if k in r]
@@ -173,7 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=192, help="keys per sequence at the first decode step")
     ap.add_argument("--prefill", type=int, default=1024, help="prompt tokens in the prefill step (0: none)")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=0, help="torch / kernel threads (0: every core)")
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     rng = random.Random(0)
     per_seq = -(-(a.context + a.repeats + 2) // 16)
     runner = make_runner(a.dtype, max(a.seqs * per_seq, a.prefill // 16 + 16))

@@ -12,9 +12,12 @@
  * lp: [L][LP_N] int64 addresses per layer, see LP_* below (qkv bias 0 = none; the o, gate_up
  * and down projections have no bias on this path). dtype 0 = fp32 (weights packed for
  * gemm.c), 1 = bf16 (packed for gemm_bf16.c). Stops at the first rejected call and returns -1.
- * prof: NULL, or [PROF_N] doubles to which each kind of call adds its wall seconds (PROF_*
- * below; benchmarks/step_profile.py reads them). Two clock reads per call, ~11 calls a layer.
+ * prof: NULL, or [2][PROF_N] doubles to which each kind of call adds its wall seconds (row 0)
+ * and the calling thread's CPU seconds (row 1: unlike wall time, not inflated while another
+ * process holds the core; the whole work with one thread). PROF_* below;
+ * benchmarks/step_profile.py reads them. Four clock reads per call, ~11 calls a layer.
  */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c11 */
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -56,17 +59,22 @@ static int gemm(int dtype, const void *a, int64_t K, int64_t packed, int64_t bia
     return llmsvc_gemm_f32(a, K, (const float *)packed, (const float *)bias, c, N, M, N, K, nt);
 }
 
-static double now(void) {
+static double seconds(clockid_t clock) {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(clock, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* runs e, adding its wall time to prof[kind] when profiling; returns -1 from the caller if e fails */
-#define CALL(kind, e) do {                                         \
-        const double t0_ = prof ? now() : 0.;                     \
-        if ((e) != 0) return -1;                                   \
-        if (prof) prof[kind] += now() - t0_;                       \
+/* runs e, adding its wall and thread CPU time to prof when profiling; returns -1 from the
+ * caller if e fails */
+#define CALL(kind, e) do {                                                                  \
+        const double w0_ = prof ? seconds(CLOCK_MONOTONIC) : 0.;                           \
+        const double c0_ = prof ? seconds(CLOCK_THREAD_CPUTIME_ID) : 0.;                   \
+        if ((e) != 0) return -1;                                                            \
+        if (prof) {                                                                         \
+            prof[PROF_N + (kind)] += seconds(CLOCK_THREAD_CPUTIME_ID) - c0_;               \
+            prof[kind] += seconds(CLOCK_MONOTONIC) - w0_;                                   \
+        }                                                                                   \
     } while (0)
 #define P(i) ((void *)(intptr_t)lp[(i)])
 

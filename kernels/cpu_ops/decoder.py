@@ -61,8 +61,8 @@ class DecoderPlan:
                                     lw.gate_up.data_ptr(), lw.down.data_ptr()])
         self._caches_key: tuple = ()
         self._fn = load().llmsvc_llama_layers
-        # None, or [len(PROFILE_KINDS)] float64 to which every `run` adds each kind of call's
-        # wall seconds (benchmarks/step_profile.py)
+        # None, or [2, len(PROFILE_KINDS)] float64 to which every `run` adds each kind of
+        # call's wall seconds (row 0) and calling-thread CPU seconds (row 1); see decoder.c
         self.profile: Optional[torch.Tensor] = None
 
     def _bind_caches(self, kv_caches: list) -> bool:
