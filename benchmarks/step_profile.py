@@ -3,7 +3,7 @@
     python -m benchmarks.step_profile [--dtype bfloat16] [--seqs 64] [--context 192]
                                       [--prefill 1024] [--repeats 10]
 
-Drives the worker's `ModelRunner` with hand-made scheduler outputs on the default model:
+Drives the worker's `ModelRunner` with hand-made scheduler outputs on the default model (or --model):
   decode   --seqs greedy requests at --context keys, one token each per step (the cache holds
            whatever the blocks hold: the bytes read, not the values, set the time)
   prefill  --prefill prompt tokens in requests of 128 from an empty cache (one sample each)
@@ -20,7 +20,6 @@ the read bandwidth measured in the same run (llmsvc/bench/ceiling.py).
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from collections import defaultdict
@@ -29,15 +28,8 @@ import torch
 
 from kernels import ops
 from kernels.cpu_ops import decoder
-from llmsvc.bench import ceiling
-from llmsvc.config import EngineConfig
-from llmsvc.sampling_params import SamplingParams
-from llmsvc.wire import CachedRequestData, NewRequestData, SchedulerOutput
-from llmsvc.worker import host_malloc
+from llmsvc.bench import ceiling, engine_steps
 from llmsvc.worker import model_runner as mr_module
-from llmsvc.worker.model_runner import ModelRunner
-
-PREFILL_PROMPT = 128  # tokens per request in the prefill step (W1's prompt length)
 
 
 class PhaseTimer:
@@ -56,19 +48,7 @@ class PhaseTimer:
         return timed
 
 
-def make_runner(dtype: str, num_blocks: int) -> ModelRunner:
-    config = EngineConfig.from_options(dtype=dtype, device="cpu")
-    from llmsvc.models.resolve import resolve_model_config
-    config.model_config = resolve_model_config(config.model_config)
-    runner = ModelRunner(config, torch.device("cpu"))
-    runner.load_model()
-    runner.initialize_kv_cache(num_blocks)
-    host_malloc.keep_activations_mapped()  # as the worker does once its caches are in place
-    runner.warmup()
-    return runner
-
-
-def instrument(runner: ModelRunner, timer: PhaseTimer) -> None:
+def instrument(runner, timer: PhaseTimer) -> None:
     """Times the parts of execute_model; the native layers' plan accumulates its kernels."""
     model = runner.model
     mr_module.build_inputs = timer.wrap("inputs", mr_module.build_inputs)
@@ -81,72 +61,28 @@ def instrument(runner: ModelRunner, timer: PhaseTimer) -> None:
         inner._native_plan.profile = torch.zeros((2, len(decoder.PROFILE_KINDS)), dtype=torch.float64)
 
 
-def new_request(req_id: str, prompt: list[int], blocks: list[int], num_computed: int) -> NewRequestData:
-    return NewRequestData(req_id, prompt, [], SamplingParams(temperature=0.0, max_tokens=1 << 20),
-                          blocks, num_computed)
-
-
-def decode_steps(runner: ModelRunner, seqs: int, context: int, repeats: int, rng: random.Random):
-    """Yields once per timed decode step, after `execute_model` returned."""
-    bs = runner.block_size
-    per_seq = -(-(context + repeats + 2) // bs)
-    blocks = list(range(seqs * per_seq))
-    rng.shuffle(blocks)  # a sequence's blocks scattered, as after a while of serving
-    so = SchedulerOutput.make_empty()
-    for i in range(seqs):
-        prompt = [rng.randrange(3, 30000) for _ in range(context)]
-        so.scheduled_new_reqs.append(new_request(f"d{i}", prompt, blocks[i * per_seq:(i + 1) * per_seq],
-                                                 context - 1))
-        so.num_scheduled_tokens[f"d{i}"] = 1
-    so.total_num_scheduled_tokens = seqs
-    out = runner.execute_model(so)
-    computed = context
-    for _ in range(repeats):
-        so = SchedulerOutput.make_empty()
-        so.scheduled_cached_reqs = CachedRequestData(
-            list(out.req_ids), [[t] for t in out.sampled_token_ids], [[] for _ in out.req_ids],
-            [computed] * len(out.req_ids))
-        so.num_scheduled_tokens = {r: 1 for r in out.req_ids}
-        so.total_num_scheduled_tokens = len(out.req_ids)
-        yield so
-        out = runner.last_output
-        computed += 1
-
-
-def prefill_steps(runner: ModelRunner, tokens: int, repeats: int, rng: random.Random):
-    bs = runner.block_size
-    n = max(1, tokens // PREFILL_PROMPT)
-    per_seq = -(-PREFILL_PROMPT // bs)
-    prev: set[str] = set()
-    for step in range(repeats):
-        so = SchedulerOutput.make_empty()
-        so.finished_req_ids = prev
-        for i in range(n):
-            prompt = [rng.randrange(3, 30000) for _ in range(PREFILL_PROMPT)]
-            rid = f"p{step}.{i}"
-            so.scheduled_new_reqs.append(new_request(rid, prompt, list(range(i * per_seq, (i + 1) * per_seq)), 0))
-            so.num_scheduled_tokens[rid] = PREFILL_PROMPT
-        so.total_num_scheduled_tokens = n * PREFILL_PROMPT
-        prev = set(so.num_scheduled_tokens)
-        yield so
-
-
-def run_steps(runner: ModelRunner, timer: PhaseTimer, steps) -> list[dict]:
-    """Per step: {part: seconds}, "step" the whole execute_model."""
+def run_steps(runner, timer: PhaseTimer, steps) -> list[dict]:
+    """Per step: {part: seconds}; "step" is the whole execute_model, "step cpu" its thread CPU."""
     plan = runner.model.model._native_plan
     rows = []
-    for so in steps:
+
+    def around():
         timer.seconds.clear()
         if plan is not None and plan.profile is not None:
             plan.profile.zero_()
-        t0, c0 = time.perf_counter(), time.thread_time()
-        runner.last_output = runner.execute_model(so)
-        row = dict(timer.seconds, step=time.perf_counter() - t0, **{"step cpu": time.thread_time() - c0})
-        if plan is not None and plan.profile is not None and row.get("layers"):
-            wall, cpu = plan.profile.tolist()
-            row.update({f"  {k}": v for k, v in zip(decoder.PROFILE_KINDS, wall)})
-            row.update({f"  {k} cpu": v for k, v in zip(decoder.PROFILE_KINDS, cpu)})
-        rows.append(row)
+        c0 = time.thread_time()
+
+        def after():
+            row = dict(timer.seconds, **{"step cpu": time.thread_time() - c0})
+            if plan is not None and plan.profile is not None and row.get("layers"):
+                wall, cpu = plan.profile.tolist()
+                row.update({f"  {k}": v for k, v in zip(decoder.PROFILE_KINDS, wall)})
+                row.update({f"  {k} cpu": v for k, v in zip(decoder.PROFILE_KINDS, cpu)})
+            rows.append(row)
+        return after
+
+    for row, seconds in zip(rows, engine_steps.run_steps(runner, steps, around)):
+        row["step"] = seconds
     return rows
 
 
@@ -178,12 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill", type=int, default=1024, help="prompt tokens in the prefill step (0: none)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0, help="torch / kernel threads (0: every core)")
+    ap.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    rng = random.Random(0)
-    per_seq = -(-(a.context + a.repeats + 2) // 16)
-    runner = make_runner(a.dtype, max(a.seqs * per_seq, a.prefill // 16 + 16))
+    runner = engine_steps.make_cpu_runner(a.dtype, max(engine_steps.decode_blocks(a.seqs, a.context, a.repeats),
+                                                         a.prefill // engine_steps.BLOCK_SIZE + 16), a.model)
     mc = runner.config.model_config
     counts = ceiling.param_counts(mc.model_dir)
     esz = torch.empty((), dtype=runner.dtype).element_size()
@@ -193,16 +129,16 @@ def main(argv: list[str] | None = None) -> None:
     instrument(runner, timer)
     native = runner.model.model._native_plan is not None
     print(f"{mc.served_model_name} {a.dtype}, {torch.get_num_threads()} threads, native layers: {native}")
-    rows = run_steps(runner, timer, decode_steps(runner, a.seqs, a.context, a.repeats, rng))
+    rows = run_steps(runner, timer, engine_steps.decode_steps(runner, a.seqs, a.context, a.repeats))
     ctx = a.context + a.repeats // 2  # the keys of the median step
     report(f"decode, {a.seqs} sequences at {a.context}-{a.context + a.repeats} keys", rows,
            ceiling.step_floor(counts, kv_tok, esz, a.seqs * ctx, bw))
     if a.prefill:
-        rows = run_steps(runner, timer, prefill_steps(runner, a.prefill, a.repeats, rng))
-        n = max(1, a.prefill // PREFILL_PROMPT)
+        rows = run_steps(runner, timer, engine_steps.prefill_steps(runner, a.prefill, a.repeats))
+        n = max(1, a.prefill // engine_steps.PREFILL_PROMPT)
         # a causal prefill reads its own new K/V back: each of n prompts, 128 rows per layer
-        report(f"prefill, {n} x {PREFILL_PROMPT} prompt tokens", rows,
-               ceiling.step_floor(counts, kv_tok, esz, n * PREFILL_PROMPT, bw))
+        report(f"prefill, {n} x {engine_steps.PREFILL_PROMPT} prompt tokens", rows,
+               ceiling.step_floor(counts, kv_tok, esz, n * engine_steps.PREFILL_PROMPT, bw))
 
 
 if __name__ == "__main__":
