@@ -9,11 +9,13 @@ Drives the worker's `ModelRunner` with hand-made scheduler outputs on the defaul
   prefill  --prefill prompt tokens in requests of 128 from an empty cache (one sample each)
 For each it prints the step's wall time (min / median of --repeats steps) split into:
   inputs   build_inputs (flattening the batch, block tables, slot mapping)
-  layers   the decoder layers; with the one-call native path (decoder.c) also split per kind
-           of kernel call: norms, the qkv / o / gate_up / down GEMMs, RoPE, the KV store,
-           attention, SiLU-and-mul, as summed over the 30 layers inside that call
-  embed+norm, lm_head, sampler, and "other" (the rest of execute_model: state updates,
-           sampling metadata, Python between the parts)
+  model    embedding, decoder layers and final norm; when the layers take the one-call
+           native path (decoder.c), also per kind of kernel call, summed over the layers: norms,
+           the qkv / o / gate_up / down GEMMs, RoPE, the KV store, attention, SiLU-and-mul, in
+           wall time and in the calling thread's CPU time ("cpu": not inflated while other
+           processes hold the core; the whole work with --threads 1)
+  lm_head, sampler, and "other" (the rest of execute_model: state updates, sampling
+           metadata, Python between the parts); "step cpu" is the calling thread's CPU time
 and the step's memory floor: its weights (+ the LM head) and its sequences' K/V read once at
 the read bandwidth measured in the same run (llmsvc/bench/ceiling.py).
 """
@@ -26,7 +28,6 @@ from collections import defaultdict
 
 import torch
 
-from kernels import ops
 from kernels.cpu_ops import decoder
 from llmsvc.bench import ceiling, engine_steps
 from llmsvc.worker import model_runner as mr_module
@@ -55,7 +56,6 @@ def instrument(runner, timer: PhaseTimer) -> None:
     model.compute_logits = timer.wrap("lm_head", model.compute_logits)
     runner.sampler.forward = timer.wrap("sampler", runner.sampler.forward)
     inner = model.model
-    ops.decoder_layers = timer.wrap("layers", ops.decoder_layers)
     inner.forward = timer.wrap("model", inner.forward)
     if inner._native_plan is not None:
         inner._native_plan.profile = torch.zeros((2, len(decoder.PROFILE_KINDS)), dtype=torch.float64)
@@ -74,7 +74,7 @@ def run_steps(runner, timer: PhaseTimer, steps) -> list[dict]:
 
         def after():
             row = dict(timer.seconds, **{"step cpu": time.thread_time() - c0})
-            if plan is not None and plan.profile is not None and row.get("layers"):
+            if plan is not None and plan.profile is not None and plan.profile.any():  # ran natively
                 wall, cpu = plan.profile.tolist()
                 row.update({f"  {k}": v for k, v in zip(decoder.PROFILE_KINDS, wall)})
                 row.update({f"  {k} cpu": v for k, v in zip(decoder.PROFILE_KINDS, cpu)})
@@ -92,11 +92,10 @@ def report(title: str, rows: list[dict], floor: dict) -> None:
           f"{statistics.median(r['step'] for r in rows) * 1e3:.1f} ms; memory floor "
           f"{floor['min_seconds'] * 1e3:.1f} ms ({floor['weight_mb']:.0f} MB weights + {floor['kv_mb']:.0f} MB "
           f"K/V at {floor['read_gb_s']:.1f} GB/s) -> {step_min / floor['min_seconds']:.2f} x the floor")
-    for r in rows:  # derived parts: the model's embedding + final norm, and what no part covers
-        r["embed+norm"] = r.get("model", 0.0) - r.get("layers", 0.0)
+    for r in rows:  # what no part covers
         r["other"] = r["step"] - sum(r.get(k, 0.0) for k in ("inputs", "model", "lm_head", "sampler"))
-    order = ["inputs", "layers", *(f"  {k}{c}" for k in decoder.PROFILE_KINDS for c in ("", " cpu")),
-             "embed+norm", "lm_head", "sampler", "other", "step", "step cpu"]
+    order = ["inputs", "model", *(f"  {k}{c}" for k in decoder.PROFILE_KINDS for c in ("", " cpu")),
+             "lm_head", "sampler", "other", "step", "step cpu"]
     med_step = statistics.median(r["step"] for r in rows)
     for k in order:
         vals = [r[k] for r in rows if k in r]

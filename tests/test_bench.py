@@ -217,7 +217,7 @@ def test_step_floor_reads_every_weight_and_the_steps_kv(tmp_path):
     assert f["min_seconds"] == pytest.approx((f["weight_mb"] + f["kv_mb"]) / 1e3)
 
 
-def test_decode_step_and_step_profile_on_a_tiny_model(tmp_path, capsys):
+def test_decode_step_and_step_profile_on_a_tiny_model(tmp_path, capsys, monkeypatch):
     from benchmarks import step_profile
     d = str(make_tiny_model_dir(tmp_path, arch="llama", tie=True, max_position_embeddings=512))
     r = decode_step(d, "float32", bytes_per_s=1e9, seqs=3, context=20, steps=2)
@@ -227,7 +227,12 @@ def test_decode_step_and_step_profile_on_a_tiny_model(tmp_path, capsys):
                        "--prefill", "256", "--repeats", "2"])
     out = capsys.readouterr().out
     assert "decode, 3 sequences at 20-22 keys: 2 steps" in out and "prefill, 2 x 128 prompt tokens: 2 steps" in out
-    for part in ("inputs", "layers", "lm_head", "sampler", "other", "step cpu"):
+    for part in ("inputs", "model", "lm_head", "sampler", "other", "step cpu"):
         assert f"  {part} " in out
     if "native layers: True" in out:  # the one-call path splits its time per kernel
         assert "    attention cpu " in out and "    gate_up " in out
+    monkeypatch.setenv("LLMSVC_NATIVE_LAYERS", "0")  # per-op layers: no per-kernel split to show
+    step_profile.main(["--model", d, "--dtype", "float32", "--seqs", "2", "--context", "8", "--prefill", "0",
+                       "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "native layers: False" in out and "  model " in out and "attention" not in out
