@@ -26,7 +26,9 @@
  *           such vectors into the 16 scores (no per-key horizontal reduction). The next 16 K
  *           and V rows are prefetched, every cache line (block-table order defeats the
  *           hardware prefetcher), spread over this group's row loads: as one burst they
- *           stalled on full fill buffers;
+ *           stalled on full fill buffers. Items of at most QC query vectors (decodes) skip
+ *           the workspace and read each K row where it is stored (pass1_direct; bf16 with
+ *           AVX512-BF16 dot products, nothing widened);
  *   softmax over the keys each vector may see (causal limit per query row);
  *   pass 2  acc[a] = sum_s p[a, s] * v_s, 16 keys at a time with a few vectors' accumulators
  *           in registers (memory accumulators would chain every key through a store).
