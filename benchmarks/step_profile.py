@@ -58,7 +58,7 @@ def instrument(runner, timer: PhaseTimer) -> None:
     inner = model.model
     inner.forward = timer.wrap("model", inner.forward)
     if inner._native_plan is not None:
-        inner._native_plan.profile = torch.zeros((2, len(decoder.PROFILE_KINDS)), dtype=torch.float64)
+        inner._native_plan.enable_profile()
 
 
 def run_steps(runner, timer: PhaseTimer, steps) -> list[dict]:

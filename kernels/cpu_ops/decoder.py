@@ -61,9 +61,14 @@ class DecoderPlan:
                                     lw.gate_up.data_ptr(), lw.down.data_ptr()])
         self._caches_key: tuple = ()
         self._fn = load().llmsvc_llama_layers
-        # None, or [2, len(PROFILE_KINDS)] float64 to which every `run` adds each kind of
-        # call's wall seconds (row 0) and calling-thread CPU seconds (row 1); see decoder.c
-        self.profile: Optional[torch.Tensor] = None
+        self.profile: Optional[torch.Tensor] = None  # see enable_profile
+
+    def enable_profile(self) -> torch.Tensor:
+        """From now on every `run` adds each kind of kernel call's wall seconds (row 0) and
+        calling-thread CPU seconds (row 1) to the returned [2, len(PROFILE_KINDS)] float64
+        tensor (decoder.c's PROF_* order); zero it to start over."""
+        self.profile = torch.zeros((2, len(PROFILE_KINDS)), dtype=torch.float64)
+        return self.profile
 
     def _bind_caches(self, kv_caches: list) -> bool:
         first, last = kv_caches[0][0], kv_caches[-1][1]
