@@ -49,16 +49,22 @@ class PhaseTimer:
         return timed
 
 
-def instrument(runner, timer: PhaseTimer) -> None:
-    """Times the parts of execute_model; the native layers' plan accumulates its kernels."""
-    model = runner.model
-    mr_module.build_inputs = timer.wrap("inputs", mr_module.build_inputs)
+def instrument(runner, timer: PhaseTimer):
+    """Times the parts of execute_model; the native layers' plan accumulates its kernels.
+    Returns what undoes the one change outside `runner` (the model runner module's
+    build_inputs)."""
+    model, build_inputs = runner.model, mr_module.build_inputs
+    mr_module.build_inputs = timer.wrap("inputs", build_inputs)
     model.compute_logits = timer.wrap("lm_head", model.compute_logits)
     runner.sampler.forward = timer.wrap("sampler", runner.sampler.forward)
     inner = model.model
     inner.forward = timer.wrap("model", inner.forward)
     if inner._native_plan is not None:
         inner._native_plan.enable_profile()
+
+    def undo():
+        mr_module.build_inputs = build_inputs
+    return undo
 
 
 def run_steps(runner, timer: PhaseTimer, steps) -> list[dict]:
@@ -125,7 +131,15 @@ def main(argv: list[str] | None = None) -> None:
     kv_tok = ceiling.kv_bytes_per_token(mc.model_dir, esz)
     bw = ceiling.read_bandwidth(device="cpu")
     timer = PhaseTimer()
-    instrument(runner, timer)
+    undo = instrument(runner, timer)
+    try:
+        _run(a, runner, timer, counts, esz, kv_tok, bw)
+    finally:
+        undo()
+
+
+def _run(a, runner, timer: PhaseTimer, counts: dict, esz: int, kv_tok: int, bw: float) -> None:
+    mc = runner.config.model_config
     native = runner.model.model._native_plan is not None
     print(f"{mc.served_model_name} {a.dtype}, {torch.get_num_threads()} threads, native layers: {native}")
     rows = run_steps(runner, timer, engine_steps.decode_steps(runner, a.seqs, a.context, a.repeats))
