@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from llmsvc.bench.ceiling import ceiling, kv_bytes_per_token, memory_floor, param_counts, read_bandwidth
+from llmsvc.bench.ceiling import (ceiling, decode_step, kv_bytes_per_token, memory_floor, param_counts,
+                                  read_bandwidth, step_floor)
 from llmsvc.bench.metrics import RequestRecord, percentiles, summarize
 from llmsvc.bench import cli as bench_cli
 from llmsvc.bench import executors as bench_executors
@@ -205,3 +206,33 @@ def test_gemm_weight_stream_bench_runs_every_implementation(capsys):
     line = next(l for l in out.splitlines() if "M =    3" in l)
     for name in ("ours", "library", "F.linear"):
         assert f"{name} " in line and "GB/s" in line
+
+
+def test_step_floor_reads_every_weight_and_the_steps_kv(tmp_path):
+    d = make_tiny_model_dir(tmp_path, arch="llama", tie=True)
+    c, kvb = param_counts(str(d)), kv_bytes_per_token(str(d), 2)
+    f = step_floor(c, kvb, 2, context_rows=4 * 30, bytes_per_s=1e9)
+    assert f["weight_mb"] == pytest.approx(c["total"] * 2 / 1e6)  # tied: every parameter once
+    assert f["kv_mb"] == pytest.approx(120 * kvb / 1e6)
+    assert f["min_seconds"] == pytest.approx((f["weight_mb"] + f["kv_mb"]) / 1e3)
+
+
+def test_decode_step_and_step_profile_on_a_tiny_model(tmp_path, capsys, monkeypatch):
+    from benchmarks import step_profile
+    d = str(make_tiny_model_dir(tmp_path, arch="llama", tie=True, max_position_embeddings=512))
+    r = decode_step(d, "float32", bytes_per_s=1e9, seqs=3, context=20, steps=2)
+    assert r["seqs"] == 3 and r["step_ms"] > 0
+    assert r["ratio"] == pytest.approx(r["step_ms"] / r["floor_ms"])
+    step_profile.main(["--model", d, "--dtype", "float32", "--seqs", "3", "--context", "20",
+                       "--prefill", "256", "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert "decode, 3 sequences at 20-22 keys: 2 steps" in out and "prefill, 2 x 128 prompt tokens: 2 steps" in out
+    for part in ("inputs", "model", "lm_head", "sampler", "other", "step cpu"):
+        assert f"  {part} " in out
+    if "native layers: True" in out:  # the one-call path splits its time per kernel
+        assert "    attention cpu " in out and "    gate_up " in out
+    monkeypatch.setenv("LLMSVC_NATIVE_LAYERS", "0")  # per-op layers: no per-kernel split to show
+    step_profile.main(["--model", d, "--dtype", "float32", "--seqs", "2", "--context", "8", "--prefill", "0",
+                       "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "native layers: False" in out and "  model " in out and "attention" not in out

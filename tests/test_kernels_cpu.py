@@ -47,6 +47,18 @@ def test_decode(dtype, hq, hkv):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 128), (16, 1, 64), (20, 1, 64), (4, 2, 48), (8, 4, 32)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_items_on_either_pass_1(dtype, hq, hkv, head_dim, threads):
+    # items of up to 16 query vectors read K where it is stored (bf16: VDPBF16PS where the CPU
+    # has it, head_dim a multiple of 32); 20 x 1 heads, bf16 head_dim 48 and the 9-row chunk
+    # take the workspace; a lone long decode is split per KV head
+    seqs = [(1, 1), (16, 1), (17, 1), (100, 1), (250, 1), (40, 9)]
+    _check(PagedBatch(seqs, hq, hkv, head_dim, dtype=dtype, seed=hq + head_dim), dtype, threads)
+    _check(PagedBatch([(300, 1)], hq, hkv, head_dim, dtype=dtype, seed=7), dtype, threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_chunks_and_mixed_batch(dtype):
     # fresh prompts, chunks after a cached prefix, and decodes in one call; q_len not a
     # multiple of the 4-row tile

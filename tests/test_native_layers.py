@@ -123,3 +123,24 @@ def test_bad_position_is_an_error_not_a_wild_read(tmp_path):
                              torch.tensor([0, 1], dtype=torch.int32), torch.tensor([4], dtype=torch.int32), 1, 4)
     with pytest.raises(ValueError, match="rejected"):
         model(torch.tensor([7]), meta_positions, meta, kv)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_profile_times_every_kind_of_call_and_changes_no_logit(tmp_path, dtype):
+    if not _native_available(dtype):
+        pytest.skip(f"no native {dtype} GEMM on this CPU")
+    d = make_tiny_model_dir(tmp_path, "llama")
+    logits, profile = [], None
+    for profiled in (False, True):
+        model = load_our_model(d, dtype=dtype)
+        if profiled:
+            model.model._native_plan, model.model._native_planned = model.model._make_native_plan(), True
+            profile = model.model._native_plan.enable_profile()
+        logits.append(_steps(PagedRunner(model, num_blocks=48, seed=3), seed=7))
+    for plain_step, profiled_step in zip(*logits):
+        for k in plain_step:
+            assert torch.equal(plain_step[k], profiled_step[k])
+    wall, cpu = profile
+    assert profile.shape == (2, len(decoder.PROFILE_KINDS))
+    assert (wall > 0).all(), dict(zip(decoder.PROFILE_KINDS, wall.tolist()))  # every kind ran and was timed
+    assert cpu.sum() > 0 and (cpu <= wall + 1e-3).all()  # the calling thread's share of each

@@ -12,12 +12,20 @@
  * lp: [L][LP_N] int64 addresses per layer, see LP_* below (qkv bias 0 = none; the o, gate_up
  * and down projections have no bias on this path). dtype 0 = fp32 (weights packed for
  * gemm.c), 1 = bf16 (packed for gemm_bf16.c). Stops at the first rejected call and returns -1.
+ * prof: NULL, or [2][PROF_N] doubles to which each kind of call adds its wall seconds (row 0)
+ * and the calling thread's CPU seconds (row 1: unlike wall time, not inflated while another
+ * process holds the core; the whole work with one thread). PROF_* below;
+ * benchmarks/step_profile.py reads them. Four clock reads per call, ~11 calls a layer.
  */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c11 */
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 enum { LP_IN_NORM, LP_POST_NORM, LP_QKV, LP_QKV_BIAS, LP_O, LP_GATE_UP, LP_DOWN, LP_K_CACHE,
        LP_V_CACHE, LP_N };
+enum { PROF_NORM, PROF_QKV, PROF_ROPE, PROF_STORE_KV, PROF_ATTENTION, PROF_O, PROF_GATE_UP,
+       PROF_SILU, PROF_DOWN, PROF_N };
 
 int llmsvc_rms_norm(int dtype, const void *x, int64_t xs, const void *w, void *out, int64_t T,
                     int64_t H, float eps, int nt);
@@ -51,7 +59,23 @@ static int gemm(int dtype, const void *a, int64_t K, int64_t packed, int64_t bia
     return llmsvc_gemm_f32(a, K, (const float *)packed, (const float *)bias, c, N, M, N, K, nt);
 }
 
-#define CALL(e) do { if ((e) != 0) return -1; } while (0)
+static double seconds(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* runs e, adding its wall and thread CPU time to prof when profiling; returns -1 from the
+ * caller if e fails */
+#define CALL(kind, e) do {                                                                  \
+        const double w0_ = prof ? seconds(CLOCK_MONOTONIC) : 0.;                           \
+        const double c0_ = prof ? seconds(CLOCK_THREAD_CPUTIME_ID) : 0.;                   \
+        if ((e) != 0) return -1;                                                            \
+        if (prof) {                                                                         \
+            prof[PROF_N + (kind)] += seconds(CLOCK_THREAD_CPUTIME_ID) - c0_;               \
+            prof[kind] += seconds(CLOCK_MONOTONIC) - w0_;                                   \
+        }                                                                                   \
+    } while (0)
 #define P(i) ((void *)(intptr_t)lp[(i)])
 
 int llmsvc_llama_layers(int dtype, int64_t L, const int64_t *lps, void *x, void *res, void *nrm,
@@ -60,7 +84,7 @@ int llmsvc_llama_layers(int dtype, int64_t L, const int64_t *lps, void *x, void 
                         int64_t num_slots, const int32_t *bt, int64_t bt_stride,
                         const int32_t *qsl, const int32_t *seq_lens, int64_t B, int64_t T,
                         int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I, int64_t BS,
-                        float eps, float scale, int64_t window, int nt) {
+                        float eps, float scale, int64_t window, int nt, double *prof) {
     if (dtype < 0 || dtype > 1 || L <= 0 || T <= 0) return -1;
     const int64_t esz = dtype ? 2 : 4, Q = Hq * D, KV = Hkv * D, NQKV = Q + 2 * KV;
     char *q = (char *)qkv, *k = q + Q * esz, *v = k + KV * esz;
@@ -68,20 +92,21 @@ int llmsvc_llama_layers(int dtype, int64_t L, const int64_t *lps, void *x, void 
         const int64_t *lp = lps + l * LP_N;
         if (l == 0) {
             memcpy(res, x, (size_t)(T * H * esz));
-            CALL(llmsvc_rms_norm(dtype, x, H, P(LP_IN_NORM), nrm, T, H, eps, nt));
+            CALL(PROF_NORM, llmsvc_rms_norm(dtype, x, H, P(LP_IN_NORM), nrm, T, H, eps, nt));
         } else {
-            CALL(llmsvc_fused_add_rms_norm(dtype, x, H, res, H, P(LP_IN_NORM), nrm, res, T, H, eps, nt));
+            CALL(PROF_NORM, llmsvc_fused_add_rms_norm(dtype, x, H, res, H, P(LP_IN_NORM), nrm, res, T, H, eps, nt));
         }
-        CALL(gemm(dtype, nrm, H, lp[LP_QKV], lp[LP_QKV_BIAS], qkv, T, NQKV, nt));
-        CALL(llmsvc_rotary_neox(dtype, pos, q, NQKV, Hq, k, NQKV, Hkv, D, cos_sin, rot, max_pos, T, nt));
-        CALL(llmsvc_store_kv(k, NQKV, v, NQKV, P(LP_K_CACHE), P(LP_V_CACHE), slots, T, KV, num_slots, esz));
-        CALL(llmsvc_paged_attention(dtype, q, NQKV, P(LP_K_CACHE), P(LP_V_CACHE), bt, bt_stride, qsl,
-                                    seq_lens, B, Hq, Hkv, D, BS, scale, window, 0.f, att, nt));
-        CALL(gemm(dtype, att, Q, lp[LP_O], 0, x, T, H, nt));
-        CALL(llmsvc_fused_add_rms_norm(dtype, x, H, res, H, P(LP_POST_NORM), nrm, res, T, H, eps, nt));
-        CALL(gemm(dtype, nrm, H, lp[LP_GATE_UP], 0, gu, T, 2 * I, nt));
-        CALL(llmsvc_silu_and_mul(dtype, gu, 2 * I, act, T, I, nt));
-        CALL(gemm(dtype, act, I, lp[LP_DOWN], 0, x, T, H, nt));
+        CALL(PROF_QKV, gemm(dtype, nrm, H, lp[LP_QKV], lp[LP_QKV_BIAS], qkv, T, NQKV, nt));
+        CALL(PROF_ROPE, llmsvc_rotary_neox(dtype, pos, q, NQKV, Hq, k, NQKV, Hkv, D, cos_sin, rot, max_pos, T, nt));
+        CALL(PROF_STORE_KV, llmsvc_store_kv(k, NQKV, v, NQKV, P(LP_K_CACHE), P(LP_V_CACHE), slots, T, KV,
+                                            num_slots, esz));
+        CALL(PROF_ATTENTION, llmsvc_paged_attention(dtype, q, NQKV, P(LP_K_CACHE), P(LP_V_CACHE), bt, bt_stride,
+                                                    qsl, seq_lens, B, Hq, Hkv, D, BS, scale, window, 0.f, att, nt));
+        CALL(PROF_O, gemm(dtype, att, Q, lp[LP_O], 0, x, T, H, nt));
+        CALL(PROF_NORM, llmsvc_fused_add_rms_norm(dtype, x, H, res, H, P(LP_POST_NORM), nrm, res, T, H, eps, nt));
+        CALL(PROF_GATE_UP, gemm(dtype, nrm, H, lp[LP_GATE_UP], 0, gu, T, 2 * I, nt));
+        CALL(PROF_SILU, llmsvc_silu_and_mul(dtype, gu, 2 * I, act, T, I, nt));
+        CALL(PROF_DOWN, gemm(dtype, act, I, lp[LP_DOWN], 0, x, T, H, nt));
     }
     return 0;
 }

@@ -22,6 +22,8 @@ from kernels.cpu_ops.build import DTYPE_CODES, as_c_array, as_c_rows, load
 logger = logging.getLogger(__name__)
 
 LP_N = 9  # decoder.c's LP_* fields per layer
+# decoder.c's PROF_* slots, in order: what `DecoderPlan.profile` accumulates seconds under
+PROFILE_KINDS = ("norm", "qkv", "rope", "store_kv", "attention", "o", "gate_up", "silu", "down")
 
 
 @dataclass
@@ -59,6 +61,14 @@ class DecoderPlan:
                                     lw.gate_up.data_ptr(), lw.down.data_ptr()])
         self._caches_key: tuple = ()
         self._fn = load().llmsvc_llama_layers
+        self.profile: Optional[torch.Tensor] = None  # see enable_profile
+
+    def enable_profile(self) -> torch.Tensor:
+        """From now on every `run` adds each kind of kernel call's wall seconds (row 0) and
+        calling-thread CPU seconds (row 1) to the returned [2, len(PROFILE_KINDS)] float64
+        tensor (decoder.c's PROF_* order); zero it to start over."""
+        self.profile = torch.zeros((2, len(PROFILE_KINDS)), dtype=torch.float64)
+        return self.profile
 
     def _bind_caches(self, kv_caches: list) -> bool:
         first, last = kv_caches[0][0], kv_caches[-1][1]
@@ -99,7 +109,8 @@ class DecoderPlan:
                       pos.data_ptr(), self.cos_sin.data_ptr(), self.cos_sin.shape[1], self.cos_sin.shape[0],
                       slots.data_ptr(), nb * bs, bt.data_ptr(), bt.stride(0), qsl.data_ptr(), sl.data_ptr(),
                       sl.shape[0], t, self.h, self.hq, self.hkv, self.d, self.i, bs, self.eps, self.scale,
-                      self.window, torch.get_num_threads())
+                      self.window, torch.get_num_threads(),
+                      None if self.profile is None else self.profile.data_ptr())
         if rc != 0:
             raise ValueError("CPU decoder layers: a kernel rejected its arguments "
                              "(position or slot out of range, or query longer than its context)")

@@ -13,7 +13,7 @@
 
 #include "bf16.h"
 
-#define PAR_MIN_ELEMS (1 << 15) /* below this, one thread: the fork costs more than the work */
+#define PAR_MIN_ELEMS (1 << 16) /* below this, one thread (docs/cpu-kernels.md): the fork costs more than the work */
 
 /* LD: storage -> fp32; ST: fp32 -> storage; RND: fp32 rounded as the storage would hold it */
 #define F32_LD(v) (v)

@@ -121,3 +121,32 @@ def memory_floor(w: Workload, counts: dict, kv_token_bytes: int, dtype_bytes: in
     return {"read_gb_s": bytes_per_s / 1e9, "weight_read_gb": weights / 1e9, "kv_read_gb": kv / 1e9,
             "min_seconds": seconds, "kv_seconds": kv / bytes_per_s,
             "output_tok_s": w.total_output_tokens / seconds if seconds else float("inf")}
+
+
+
+def step_floor(counts: dict, kv_token_bytes: int, dtype_bytes: int, context_rows: int,
+               bytes_per_s: float) -> dict:
+    """Fewest bytes one sampling step must read: every weight once, the LM head included, and
+    the K/V of `context_rows` cache rows summed over its sequences (64 decodes at 192 keys:
+    64 * 192), and the time they take at `bytes_per_s`."""
+    weights, kv = counts["gen_flops_per_token"] // 2 * dtype_bytes, context_rows * kv_token_bytes
+    return {"weight_mb": weights / 1e6, "kv_mb": kv / 1e6, "read_gb_s": bytes_per_s / 1e9,
+            "min_seconds": (weights + kv) / bytes_per_s}
+
+
+def decode_step(model_dir: str, dtype: str, bytes_per_s: float, seqs: int = 64, context: int = 192,
+                steps: int = 5) -> dict | None:
+    """The fastest of `steps` CPU decode steps of `seqs` sequences at ~`context` keys
+    (llmsvc/bench/engine_steps.py) against that step's memory floor; None where the engine
+    runs on a GPU."""
+    from llmsvc.bench import engine_steps
+
+    if bench_device()[0].type != "cpu":
+        return None
+    runner = engine_steps.make_cpu_runner(dtype, engine_steps.decode_blocks(seqs, context, steps), model_dir)
+    seconds = min(engine_steps.run_steps(runner, engine_steps.decode_steps(runner, seqs, context, steps)))
+    nb = runner.kv_caches[0][0].element_size()
+    floor = step_floor(param_counts(model_dir), kv_bytes_per_token(model_dir, nb), nb,
+                       seqs * (context + steps // 2), bytes_per_s)
+    return {"seqs": seqs, "context": context, "step_ms": seconds * 1e3,
+            "floor_ms": floor["min_seconds"] * 1e3, "ratio": seconds / floor["min_seconds"]}
