@@ -36,11 +36,16 @@ def _comm(path: str) -> str:
         return "?"
 
 
+_GRPC_THREADS = ("grpc", "event_engine", "default-executo", "resolver", "lifeguard")
+
+
 def _thread_group(pid: int, tid: int, comm: str) -> str:
     if tid == pid:
         return "main thread"
-    if comm.startswith("grpc") or comm.startswith("default-executo") or comm.startswith("resolver"):
+    if comm.startswith(_GRPC_THREADS):
         return "grpc threads"
+    if comm.startswith("ZMQbg"):
+        return "zmq threads"
     return comm if comm.startswith("llmsvc") else "other threads"
 
 
