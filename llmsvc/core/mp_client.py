@@ -39,10 +39,10 @@ from llmsvc.outputs import ABORT, EngineStats
 logger = logging.getLogger(__name__)
 
 # The core's OpenMP threads (torch's GEMMs, our kernels) share the cores with this process'
-# event loop and engine thread. libgomp's default lets a thread that waits at a barrier spin for
-# ~0.3M iterations: whenever the front end takes a core, the model thread left on the other one
-# burns it spinning instead of giving it back. PASSIVE threads sleep at once. An OMP_WAIT_POLICY
-# or GOMP_SPINCOUNT the user set wins.
+# event loop and engine thread. libgomp's default lets a waiting thread spin up to 300 000
+# iterations before it sleeps: whenever the front end takes a core, the model thread left on
+# the other burns its core spinning instead of giving it back. PASSIVE threads sleep at once.
+# An OMP_WAIT_POLICY or GOMP_SPINCOUNT the user set wins.
 CORE_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 _USER_OMP_KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
