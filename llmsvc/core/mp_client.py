@@ -15,6 +15,7 @@ server answers UNAVAILABLE and exits non-zero).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -36,6 +37,28 @@ from llmsvc.core.request import Request
 from llmsvc.outputs import ABORT, EngineStats
 
 logger = logging.getLogger(__name__)
+
+# The core's OpenMP threads (torch's GEMMs, our kernels) share the cores with this process'
+# event loop and engine thread. libgomp's default lets a waiting thread spin up to 300 000
+# iterations before it sleeps: whenever the front end takes a core, the model thread left on
+# the other burns its core spinning instead of giving it back. PASSIVE threads sleep at once.
+# An OMP_WAIT_POLICY or GOMP_SPINCOUNT the user set wins.
+CORE_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+_USER_OMP_KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+@contextlib.contextmanager
+def _spawn_env(defaults: dict[str, str]):
+    """os.environ plus `defaults` while a child process is spawned (spawn copies the environment)."""
+    if any(k in os.environ for k in _USER_OMP_KNOBS):
+        defaults = {}
+    added = {k: v for k, v in defaults.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _log_format() -> tuple[logging.Formatter | None, list]:
@@ -75,7 +98,8 @@ class MPClient(EngineCoreClient):
             target=run_engine_core, name="llmsvc-engine-core",
             args=(config, f"ipc://{self._dir}/cmd", f"ipc://{self._dir}/out", death_reader,
                   logging.getLogger().getEffectiveLevel(), *_log_format()))
-        self.proc.start()  # not a daemon: the core may start worker processes of its own
+        with _spawn_env(CORE_ENV_DEFAULTS):
+            self.proc.start()  # not a daemon: the core may start worker processes of its own
         death_reader.close()
         # before multiprocessing's own exit hook, which would wait forever for a core never shut down
         atexit.register(self.shutdown)

@@ -89,16 +89,23 @@ def run_engine_core(config, in_addr: str, out_addr: str, death_reader, log_level
 
 def _structured_output_manager(config):
     """This process' grammar manager (masks and grammar state live beside the scheduler), on the
-    model's tokenizer; None when structured output cannot be served."""
+    model's tokenizer; None when structured output cannot be served. Built on the first
+    constrained request: loading the tokenizer and its token table is start-up time that
+    unconstrained serving never needs."""
     from llmsvc import structured
 
     if not structured.available():
         return None
-    from transformers import AutoTokenizer
+    from llmsvc.structured.lazy import LazyStructuredOutputManager
 
-    from llmsvc.structured.build import build_structured_output_manager
+    def build():
+        from transformers import AutoTokenizer
 
-    return build_structured_output_manager(config, AutoTokenizer.from_pretrained(config.model_config.model_dir))
+        from llmsvc.structured.build import build_structured_output_manager
+
+        return build_structured_output_manager(config, AutoTokenizer.from_pretrained(config.model_config.model_dir))
+
+    return LazyStructuredOutputManager(build)
 
 
 def _flush_and_exit(ctx, code: int) -> None:

@@ -299,6 +299,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        _name_native_thread("llmsvc-engine")
         try:
             self._post(self._on_stats, self._safe_stats())
             while True:
@@ -354,6 +355,15 @@ class AsyncEngine:
                 engine.shutdown()
             except Exception:
                 logger.exception("engine shutdown failed")
+
+
+def _name_native_thread(name: str) -> None:
+    """Give this thread an OS name (top -H, /proc/PID/task/TID/comm): per-thread CPU accounting."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:  # not Linux
+        pass
 
 
 def _set_future(fut: asyncio.Future, exc: BaseException | None) -> None:

@@ -49,38 +49,41 @@ class ParentRequest:
 
     def make_output(self) -> RequestOutput | None:
         """The RequestOutput for what changed since the last call (None: nothing to send)."""
-        finished = self.finished
-        changed = [c for c in self.children if c.changed]
+        children = self.children
+        changed = [c for c in children if c.changed]
         if not changed:
             return None
+        finished = all(c.finished for c in children)
         if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         m = self.metrics
-        for c in self.children:
+        preemptions = 0
+        for c in children:
             m.first_scheduled_time = _min(m.first_scheduled_time, c.first_scheduled_time)
             m.first_token_time = _min(m.first_token_time, c.first_token_time)
-            m.last_token_time = max(filter(None, (m.last_token_time, c.last_token_time)), default=None)
-        m.num_preemptions = sum(c.num_preemptions for c in self.children)
+            m.last_token_time = _max(m.last_token_time, c.last_token_time)
+            preemptions += c.num_preemptions
+        m.num_preemptions = preemptions
         if finished:
             m.finished_time = time.time()
-        shown = changed if self.kind == RequestOutputKind.DELTA else self.children
-        first = self.children[0]
-        prompt_logprobs = first.take_prompt_logprobs(self.kind)
+        shown = changed if self.kind == RequestOutputKind.DELTA else children
+        first = children[0]
         return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[c.make_output(self.kind) for c in shown],
-            finished=finished,
-            num_cached_tokens=first.num_cached_tokens,
-            prompt_logprobs=prompt_logprobs,
-            metrics=dataclasses.replace(m),
+            self.request_id, self.prompt, self.prompt_token_ids, [c.make_output(self.kind) for c in shown],
+            finished, first.num_cached_tokens, first.take_prompt_logprobs(self.kind),
+            # a snapshot: this object keeps changing while the output waits in a stream
+            RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time,
+                           m.finished_time, m.num_preemptions),
             seed=self.params.seed,
         )
 
 
 def _min(a: float | None, b: float | None) -> float | None:
-    return b if a is None else a if b is None else min(a, b)
+    return b if a is None else a if b is None or a <= b else b
+
+
+def _max(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None or a >= b else b
 
 
 class OutputProcessor:
@@ -142,7 +145,9 @@ class OutputProcessor:
             ro = parent.make_output()
             if ro is not None:
                 results.append(ro)
-            if parent.finished:
+                if ro.finished:
+                    self._remove(parent)
+            elif parent.finished:
                 self._remove(parent)
         return results, stop_finished
 
