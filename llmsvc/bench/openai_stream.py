@@ -8,9 +8,8 @@ import asyncio
 import json
 import time
 
-from tqdm import tqdm
-
 from llmsvc.bench.metrics import RequestRecord
+from llmsvc.bench.runners import drive_arrivals
 
 
 def completion_body(model: str, prompt: list[int], output_len: int) -> dict:
@@ -63,30 +62,17 @@ async def _one(session, url: str, body: dict, rec: RequestRecord) -> None:
 async def _run(base_url: str, model: str, prompts, output_len: int, offsets, concurrency: int | None):
     import aiohttp
 
-    sem = asyncio.Semaphore(concurrency or len(prompts))
-    records = [RequestRecord(len(p), 0.0) for p in prompts]
     url = base_url.rstrip("/") + "/v1/completions"
-    bar = tqdm(total=len(prompts), desc=f"openai {base_url}", unit="req")
-    # no client-side cap on connections or time: the semaphore is the only limit, as for gRPC
+    # no client-side cap on connections or time: the concurrency limit is the only one, as for gRPC
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
-        t0 = time.perf_counter()
+        async def send(i: int, rec: RequestRecord) -> None:
+            try:
+                await _one(session, url, completion_body(model, prompts[i], output_len), rec)
+            except (aiohttp.ClientError, ValueError) as e:
+                rec.error = f"{type(e).__name__}: {e}"
 
-        async def one(i: int) -> None:
-            await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
-            async with sem:
-                rec = records[i]
-                rec.start = time.perf_counter()
-                try:
-                    await _one(session, url, completion_body(model, prompts[i], output_len), rec)
-                except (aiohttp.ClientError, ValueError) as e:
-                    rec.error = f"{type(e).__name__}: {e}"
-                bar.update(1)
-
-        await asyncio.gather(*(one(i) for i in range(len(prompts))))
-        wall = time.perf_counter() - t0
-    bar.close()
-    return records, wall
+        return await drive_arrivals(prompts, offsets, concurrency, f"openai {base_url}", send)
 
 
 def run_completions(base_url: str, model: str, prompts: list[list[int]], output_len: int,

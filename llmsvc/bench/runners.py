@@ -46,42 +46,54 @@ def run_offline(engine, prompts: list[list[int]], output_len: int, offsets: list
     return [records[f"bench-{i}"] for i in range(len(prompts))], time.perf_counter() - t0
 
 
+async def drive_arrivals(prompts, offsets: list[float], concurrency: int | None, desc: str,
+                         send) -> tuple[list[RequestRecord], float]:
+    """Start request i at offsets[i] after the first start, at most `concurrency` in flight;
+    `await send(i, rec)` streams it into rec (start already stamped; it records its own error).
+    Returns (records in prompt order, wall seconds). Shared by every client the bench drives, so
+    each is timed the same way."""
+    sem = asyncio.Semaphore(concurrency or len(prompts))
+    records = [RequestRecord(len(p), 0.0) for p in prompts]
+    bar = tqdm(total=len(prompts), desc=desc, unit="req")
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
+        async with sem:
+            records[i].start = time.perf_counter()
+            await send(i, records[i])
+            bar.update(1)
+
+    await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    wall = time.perf_counter() - t0
+    bar.close()
+    return records, wall
+
+
 async def _serve(target: str, prompts, output_len, offsets, concurrency: int | None, json_schema: str | None):
     import grpc
 
     from llmsvc.v1 import llmsvc_pb2 as pb
     from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
 
-    sem = asyncio.Semaphore(concurrency or len(prompts))
-    records = [RequestRecord(len(p), 0.0) for p in prompts]
-    bar = tqdm(total=len(prompts), desc=f"serve {target}", unit="req")
     async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
         stub = pb_grpc.LlmServiceStub(ch)
-        t0 = time.perf_counter()
 
-        async def one(i: int) -> None:
-            await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
-            async with sem:
-                rec = records[i]
-                rec.start = time.perf_counter()
-                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompts[i]), stream=True,
-                                         sampling=pb.SamplingParams(temperature=0.0, json_schema=json_schema),
-                                         stopping=pb.StoppingCriteria(max_tokens=output_len, ignore_eos=True))
-                try:
-                    async for msg in stub.Generate(req):
-                        now = time.perf_counter()
-                        rec.token_times += [now] * len(msg.token_ids)
-                        if msg.HasField("prompt"):
-                            rec.cached_tokens = msg.prompt.num_cached_tokens
-                    rec.end = time.perf_counter()
-                except grpc.aio.AioRpcError as e:
-                    rec.error = f"{e.code().name}: {e.details()}"
-                bar.update(1)
+        async def send(i: int, rec: RequestRecord) -> None:
+            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompts[i]), stream=True,
+                                     sampling=pb.SamplingParams(temperature=0.0, json_schema=json_schema),
+                                     stopping=pb.StoppingCriteria(max_tokens=output_len, ignore_eos=True))
+            try:
+                async for msg in stub.Generate(req):
+                    now = time.perf_counter()
+                    rec.token_times += [now] * len(msg.token_ids)
+                    if msg.HasField("prompt"):
+                        rec.cached_tokens = msg.prompt.num_cached_tokens
+                rec.end = time.perf_counter()
+            except grpc.aio.AioRpcError as e:
+                rec.error = f"{e.code().name}: {e.details()}"
 
-        await asyncio.gather(*(one(i) for i in range(len(prompts))))
-        wall = time.perf_counter() - t0
-    bar.close()
-    return records, wall
+        return await drive_arrivals(prompts, offsets, concurrency, f"serve {target}", send)
 
 
 def run_serving(target: str, prompts: list[list[int]], output_len: int, offsets: list[float],
