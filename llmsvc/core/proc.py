@@ -24,7 +24,7 @@ import traceback
 
 import zmq
 
-from executors.worker_proc import watch_parent
+from executors.worker_proc import name_os_thread, watch_parent
 from llmsvc.core import messages as m
 from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.core.errors import PromptTooLongError, QueueFullError
@@ -36,20 +36,12 @@ IDLE_HEALTH_CHECK_MS = 1000
 PROCESS_NAME = "llmsvc-core"  # /proc/PID/comm: what top and `ps -o comm` show
 
 
-def _name_process(name: str) -> None:
-    try:
-        with open("/proc/self/comm", "w") as f:
-            f.write(name)
-    except OSError:  # not Linux
-        pass
-
-
 def run_engine_core(config, in_addr: str, out_addr: str, death_reader, log_level: int,
                     log_formatter: logging.Formatter | None, log_filters: list) -> None:
     """Process entry point (multiprocessing spawn target). Logs to stderr like the front end:
     its root handler's formatter and filters come pickled (json or text, same fields)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end decides
-    _name_process(PROCESS_NAME)
+    name_os_thread(PROCESS_NAME)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(log_formatter or logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for f in log_filters:

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from typing import AsyncIterator
 
+from executors.worker_proc import name_os_thread
 from llmsvc.core.errors import DuplicateRequestError, QueueFullError
 from llmsvc.engine.output_stream import RequestStream
 from llmsvc.outputs import EngineStats, RequestOutput
@@ -299,7 +300,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
-        _name_native_thread("llmsvc-engine")
+        name_os_thread("llmsvc-engine")
         try:
             self._post(self._on_stats, self._safe_stats())
             while True:
@@ -355,15 +356,6 @@ class AsyncEngine:
                 engine.shutdown()
             except Exception:
                 logger.exception("engine shutdown failed")
-
-
-def _name_native_thread(name: str) -> None:
-    """Give this thread an OS name (top -H, /proc/PID/task/TID/comm): per-thread CPU accounting."""
-    try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
-            f.write(name[:15])
-    except OSError:  # not Linux
-        pass
 
 
 def _set_future(fut: asyncio.Future, exc: BaseException | None) -> None:
