@@ -96,6 +96,34 @@ def test_no_chunking_when_disabled():
     assert ex.steps[1].num_scheduled == {"a": 1, "b": 12}
 
 
+def test_prompt_that_fits_a_later_step_whole_is_not_split_to_fill_this_one():
+    # budget 16, block 4: "a" (10) is admitted whole; "b" (12) does not fit the 6 left, but a step
+    # with only this step's running work takes it whole, so it waits instead of being split
+    core, ex = make_core(max_num_batched_tokens=16, block_size=4)
+    core.add_request(req("a", list(range(10)), max_tokens=3))
+    core.add_request(req("b", list(range(20, 32)), max_tokens=3))
+    core.add_request(req("long", list(range(40, 80)), max_tokens=2))  # 40 > 16: chunked anyway
+    res = run(core)
+    assert ex.steps[0].num_scheduled == {"a": 10}
+    assert ex.steps[1].num_scheduled == {"a": 1, "b": 12, "long": 3}  # the head fitted; "long" fills
+    assert ex.steps[2].num_scheduled == {"a": 1, "b": 1, "long": 14}
+    assert res["b"]["tokens"] == reference_tokens(list(range(20, 32)), 3)
+    assert res["long"]["tokens"] == reference_tokens(list(range(40, 80)), 2)
+
+
+def test_head_prompt_is_split_when_running_work_leaves_it_no_whole_step():
+    # 3 running decodes leave 13 of 16: a 14-token prompt could never run whole beside them,
+    # so it is chunked rather than left waiting
+    core, ex = make_core(max_num_batched_tokens=16, block_size=4)
+    for i in range(3):
+        core.add_request(req(f"d{i}", [i + 1], max_tokens=6))
+    core.step()
+    core.add_request(req("p", list(range(50, 64)), max_tokens=2))
+    res = run(core)
+    assert ex.steps[1].num_scheduled == {"d0": 1, "d1": 1, "d2": 1, "p": 13}
+    assert res["p"]["tokens"] == reference_tokens(list(range(50, 64)), 2)
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_preemption_and_resume_give_same_tokens(policy):
     rng = random.Random(1)
