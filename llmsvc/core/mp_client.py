@@ -15,7 +15,6 @@ server answers UNAVAILABLE and exits non-zero).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -37,29 +36,6 @@ from llmsvc.core.request import Request
 from llmsvc.outputs import ABORT, EngineStats
 
 logger = logging.getLogger(__name__)
-
-# The core's OpenMP threads (torch's GEMMs, our kernels) share the cores with this process'
-# event loop and engine thread. libgomp's default lets a waiting thread spin up to 300 000
-# iterations before it sleeps: whenever the front end takes a core, the model thread left on
-# the other burns its core spinning instead of giving it back. PASSIVE threads sleep at once.
-# An OMP_WAIT_POLICY or GOMP_SPINCOUNT the user set wins.
-CORE_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
-_USER_OMP_KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-
-
-@contextlib.contextmanager
-def _spawn_env(defaults: dict[str, str]):
-    """os.environ plus `defaults` while a child process is spawned (spawn copies the environment)."""
-    if any(k in os.environ for k in _USER_OMP_KNOBS):
-        defaults = {}
-    added = {k: v for k, v in defaults.items() if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
-
 
 def _log_format() -> tuple[logging.Formatter | None, list]:
     """The root handler's formatter and filters, for the core to log the same way (json or text);
@@ -98,8 +74,11 @@ class MPClient(EngineCoreClient):
             target=run_engine_core, name="llmsvc-engine-core",
             args=(config, f"ipc://{self._dir}/cmd", f"ipc://{self._dir}/out", death_reader,
                   logging.getLogger().getEffectiveLevel(), *_log_format()))
-        with _spawn_env(CORE_ENV_DEFAULTS):
-            self.proc.start()  # not a daemon: the core may start worker processes of its own
+        # Not a daemon: the core may start worker processes of its own. The core's OpenMP
+        # threads keep libgomp's default wait (spin, then sleep), as in-process: on a dedicated
+        # machine passive waits cost 8-17% over gRPC (docs/engine-core.md); hosts shared with
+        # other CPU-heavy programs set OMP_WAIT_POLICY=PASSIVE, which the core inherits.
+        self.proc.start()
         death_reader.close()
         # before multiprocessing's own exit hook, which would wait forever for a core never shut down
         atexit.register(self.shutdown)
