@@ -109,19 +109,48 @@ static inline void row_ptrs(const char *base, const int32_t *table, int64_t bs, 
     }
 }
 
-/* The first 16 K and V rows (slices of heads [h0, h0 + nh)) of the item a thread runs next,
- * prefetched into L2 a few lines at a time while this item's softmax and pass 2 run from
- * cache, so that the next item does not start cold. Not when the next item is this one's next
- * row tile: those rows are in cache already, and the prefetches made prefill steps slower. */
+/* The item a thread runs next, prefetched into L2 while this item's softmax and pass 2 run
+ * from cache: its K rows (up to PF_BYTES of them), then its first 16 V rows, a few lines per
+ * pass-2 key, walking its block table incrementally (no division per line). Pass 1 then reads
+ * K from L2 while its own prefetches stream V, so memory stays busy through both passes
+ * instead of idling through pass 2. Not when the next item is this one's next row tile: those
+ * rows are in cache already, and the prefetches made prefill steps slower. */
+#define PF_BYTES (256 << 10)
 typedef struct {
-    const char *rows[2 * 16];
-    int64_t n, lines, line; /* rows, cache lines per row slice, next line to prefetch */
-    int64_t off;            /* byte offset of the slice within a row */
+    const char *base, *row;
+    const int32_t *table;
+    int64_t bs, row_bytes, off, lines;   /* block size, row stride, slice offset, lines per slice */
+    int64_t blk, in_blk, line, left;     /* position; left: rows still to prefetch in this segment */
+    const char *vbase; int64_t first, vrows; /* the V segment that follows */
 } pf_t;
 
+static inline void pf_seek(pf_t *pf, const char *base, int64_t first, int64_t rows) {
+    pf->base = base;
+    pf->blk = first / pf->bs;
+    pf->in_blk = first - pf->blk * pf->bs;
+    pf->row = base + ((int64_t)pf->table[pf->blk] * pf->bs + pf->in_blk) * pf->row_bytes;
+    pf->line = 0;
+    pf->left = rows;
+}
+
 static inline void pf_step(pf_t *pf, int64_t count) {
-    for (; count > 0 && pf->line < pf->n * pf->lines; count--, pf->line++)
-        __builtin_prefetch(pf->rows[pf->line / pf->lines] + pf->off + 64 * (pf->line % pf->lines), 0, 2);
+    for (; count > 0; count--) {
+        if (pf->left == 0) {
+            if (pf->vrows == 0) return;
+            pf_seek(pf, pf->vbase, pf->first, pf->vrows);
+            pf->vrows = 0;
+        }
+        __builtin_prefetch(pf->row + pf->off + 64 * pf->line, 0, 2);
+        if (++pf->line < pf->lines) continue;
+        pf->line = 0;
+        if (--pf->left == 0) continue;
+        if (++pf->in_blk < pf->bs) {
+            pf->row += pf->row_bytes;
+        } else {
+            pf->in_blk = 0;
+            pf->row = pf->base + (int64_t)pf->table[++pf->blk] * pf->bs * pf->row_bytes;
+        }
+    }
 }
 
 #define QC 16 /* query vectors (rows x heads) of the items that take pass1_direct */
@@ -268,19 +297,25 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
             }
         }
     }
-    pf_t pf = {.n = 0, .line = 0};
+    pf_t pf = {.left = 0, .vrows = 0};
+    int64_t pf_lines = 0;
     if (nx && (nx->seq != it->seq || nx->head != it->head)) { /* else: rows this item just read */
-        const int64_t nfirst = item_first_key(A, nx), nmx = item_keys(A, nx) - nfirst;
-        const int64_t rows = nmx < 16 ? nmx : 16;
-        const int32_t *nt = A->block_table + (int64_t)nx->seq * A->bt_stride;
-        row_ptrs(kbase, nt, A->BS, row_bytes, nfirst, rows, pf.rows);
-        row_ptrs(vbase, nt, A->BS, row_bytes, nfirst, rows, pf.rows + rows);
-        pf.n = 2 * rows;
+        const int64_t nfirst = item_first_key(A, nx), nkeys = item_keys(A, nx) - nfirst;
+        pf.table = A->block_table + (int64_t)nx->seq * A->bt_stride;
+        pf.bs = A->BS;
+        pf.row_bytes = row_bytes;
         pf.off = nx->head >= 0 ? nx->head * head_bytes : 0;
         pf.lines = ((nx->head >= 0 ? head_bytes : row_bytes) + 63) / 64;
+        const int64_t cap = PF_BYTES / (64 * pf.lines), krows = nkeys < cap ? nkeys : cap;
+        pf.vbase = vbase;
+        pf.first = nfirst;
+        pf.vrows = nkeys < 16 ? nkeys : 16;
+        pf_lines = (krows + pf.vrows) * pf.lines;
+        if (krows > 0) pf_seek(&pf, kbase, nfirst, krows);
     }
-    const int64_t pass2_iters = ((n_max - s_begin + 15) / 16) * nh; /* pf_step calls: one per (group, head) */
-    const int64_t pf_per = (pf.n * pf.lines + pass2_iters - 1) / pass2_iters;
+    /* pf_step calls: one per (pass-2 key, head) */
+    const int64_t pass2_iters = (n_max - s_begin) * nh > 0 ? (n_max - s_begin) * nh : 1;
+    const int64_t pf_per = (pf_lines + pass2_iters - 1) / pass2_iters;
     /* softmax over each vector's visible keys [lo, lim); the rest of [s_begin, n_max) get weight 0 */
     for (int64_t a = 0; a < nq; a++) {
         const int64_t lim = first_lim + (a % nqh) / G;
@@ -306,13 +341,13 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
         const int64_t s1 = n_max - s0 < 16 ? n_max : s0 + 16;
         row_ptrs(vbase, table, A->BS, row_bytes, s0, s1 - s0, vrow);
         for (int64_t hh = 0; hh < nh; hh++) {
-            pf_step(&pf, pf_per);
             for (int64_t a0 = hh * nqh; a0 < (hh + 1) * nqh; a0 += GA) {
                 const int64_t ga = (hh + 1) * nqh - a0 < GA ? (hh + 1) * nqh - a0 : GA;
                 v16 ac[16];
 #pragma GCC unroll 16
                 for (int64_t i = 0; i < GA * nc; i++) ac[i] = i < ga * nc ? acc[a0 * nc + i] : (v16){0};
                 for (int64_t s = s0; s < s1; s++) {
+                    pf_step(&pf, pf_per);
                     v16 v[MAX_NC];
                     load_row(vrow[s - s0] + (h0 + hh) * head_bytes, A->bf16, nc, v);
 #pragma GCC unroll 16
