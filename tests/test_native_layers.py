@@ -70,6 +70,28 @@ def test_one_native_call_equals_the_per_op_layers(tmp_path, count_native, dtype,
             assert torch.equal(native_step[k], per_op_step[k]), (k, (native_step[k] - per_op_step[k]).abs().max())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prefill_longer_than_an_mlp_chunk_equals_the_per_op_layers(tmp_path, count_native, dtype):
+    # 300 rows: the native call runs the fp32 MLP in chunks of decoder.c's MLP_ROWS (128), the last
+    # one partial; the per-op path runs it whole
+    if not _native_available(dtype):
+        pytest.skip(f"no native {dtype} GEMM on this CPU")
+    d = make_tiny_model_dir(tmp_path, "llama")
+    g = torch.Generator().manual_seed(11)
+    prompts = {i: torch.randint(3, 300, (n,), generator=g).tolist() for i, n in enumerate([150, 140, 10])}
+    logits = []
+    for native in (True, False):
+        model = load_our_model(d, dtype=dtype)
+        if not native:
+            model.model._native_plan, model.model._native_planned = None, True
+        runner = PagedRunner(model, num_blocks=48, seed=3)
+        logits.append([runner.step(prompts), runner.step({i: [20 + i] for i in range(3)})])
+    assert count_native == {"native": 2, "per_op": 0}
+    for native_step, per_op_step in zip(*logits):
+        for k in native_step:
+            assert torch.equal(native_step[k], per_op_step[k]), (k, (native_step[k] - per_op_step[k]).abs().max())
+
+
 def test_steps_beyond_the_native_gemm_rows_take_the_per_op_path(tmp_path, count_native, caplog):
     if not _native_available("float32"):
         pytest.skip("no native fp32 GEMM")
