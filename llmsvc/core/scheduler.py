@@ -8,14 +8,16 @@ from llmsvc import outputs
 from llmsvc.config import CacheConfig, SchedulerConfig
 from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.core.errors import PromptTooLongError
-from llmsvc.core.kv_cache_manager import KVCacheManager, cdiv
+from llmsvc.core.kv_cache_manager import KVCacheManager
+from llmsvc.core.preemption import PreemptionMixin
 from llmsvc.core.request import Request, RequestStatus
 from llmsvc.core.request_queue import create_request_queue
+from llmsvc.core.stop import check_grammar, check_stop, fresh_prompt_logprobs
 from llmsvc.structured.errors import ConstraintError
 from llmsvc.wire import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
-class Scheduler:
+class Scheduler(PreemptionMixin):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
         self.config = scheduler_config
@@ -175,24 +177,6 @@ class Scheduler:
             self.finished_req_ids.clear()
         return SchedulerOutput(new_reqs, cached, num_scheduled, total, finished)
 
-    def _preempt_for_waiting(self, budget: int) -> None:
-        """Priority policy: while the best waiting request cannot be admitted (no seat, or too few
-        free blocks for its first chunk) and a running request ranks strictly below it by
-        (priority, arrival_time), preempt the lowest-ranked running request (as vLLM does)."""
-        while len(self.waiting) and self.running:
-            head = self.waiting.peek()
-            victim = self._pick_victim(self.running)
-            if (victim.priority, victim.arrival_time) <= (head.priority, head.arrival_time):
-                return
-            if len(self.running) < self.config.max_num_seqs:
-                hit_blocks, num_hit = self.kv.get_computed_blocks(head)
-                num_new = min(head.num_tokens - num_hit, budget)
-                need = cdiv(num_hit + num_new, self.kv.block_size) - len(hit_blocks)
-                if need <= self.kv.num_free_blocks:
-                    return
-            self.running.remove(victim)
-            self._preempt(victim)
-
     def _promote_ready_grammars(self) -> None:
         """Queue the WAITING_FOR_FSM requests whose grammar has compiled (in arrival order);
         finish those whose compile failed or ran out of time (aborted: the front end reports
@@ -217,25 +201,6 @@ class Scheduler:
     def compiling_grammars(self) -> list:
         """Futures of the compiles that WAITING_FOR_FSM requests wait for."""
         return [r.structured.future for r in self.waiting_for_fsm]
-
-    def _pick_victim(self, candidates: list[Request]) -> Request:
-        if self.config.policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
-        return max(candidates, key=lambda r: r.arrival_time)
-
-    def _preempt(self, req: Request) -> None:
-        # async scheduling: a token still in flight is dropped and sampled again after the recompute
-        # (same position, so the same token under greedy or a per-request seed), also when the
-        # request is admitted again before that step's output comes
-        req.num_stale_samples += req.num_output_placeholders
-        req.discard_placeholders()
-        self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.finished_req_ids.add(req.request_id)  # workers drop it; it comes back as a new request
-        self.waiting.add_preempted(req)
 
     # ---- async scheduling hooks (no-ops here; llmsvc.core.async_scheduler) -------------------
     def after_schedule(self, scheduler_output: SchedulerOutput) -> None:
@@ -281,7 +246,7 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or preempted meanwhile
             self._advance(req, n)
-            prompt_lp = self._fresh_prompt_logprobs(req, runner_output.prompt_logprobs.get(rid))
+            prompt_lp = fresh_prompt_logprobs(req, runner_output.prompt_logprobs.get(rid))
             k = index.get(rid)
             if k is None:
                 if prompt_lp:
@@ -293,7 +258,7 @@ class Scheduler:
                 lp = [runner_output.logprobs[k]]
             self._record_token(req, token)
             self.generation_tokens_total += 1
-            if self._check_stop(req, token) or self._check_grammar(req, token):
+            if check_stop(req, token, self.max_len) or check_grammar(req, token):
                 stopped.append(req)
             out.append(self._output(req, [token], lp, prompt_lp))
         for req in stopped:
@@ -305,50 +270,6 @@ class Scheduler:
             out.extend(self._output(r, [], None, None) for r in self._grammar_failed)
             self._grammar_failed = []
         return out
-
-    @staticmethod
-    def _fresh_prompt_logprobs(req: Request, entries):
-        """The prompt-logprob entries of positions not reported yet. The entries of one step end at
-        the last prompt position it computed; after a preemption the prompt is recomputed from 0."""
-        if not entries:
-            return entries
-        last = min(req.num_computed_tokens, req.num_prompt_tokens - 1)  # num_computed_tokens: after this step
-        skip = req.num_prompt_logprobs_sent - (last + 1 - len(entries))
-        req.num_prompt_logprobs_sent = max(req.num_prompt_logprobs_sent, last + 1)
-        return (entries[skip:] or None) if skip > 0 else entries
-
-    def _check_stop(self, req: Request, token: int) -> bool:
-        params = req.sampling_params
-        num_output = req.num_output_tokens - req.num_output_placeholders  # tokens known so far
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and token in req.eos_token_ids:
-                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-                return True
-            if token in params.stop_token_ids:
-                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-                return True
-        if params.max_tokens is not None and num_output >= params.max_tokens:
-            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        if req.num_known_tokens >= self.max_len:
-            req.status = RequestStatus.FINISHED_CONTEXT
-            return True
-        return False
-
-    @staticmethod
-    def _check_grammar(req: Request, token: int) -> bool:
-        """Structured output: advance the grammar by the sampled token; finish "stop" as soon as
-        the grammar is complete (no further token possible), without waiting for an EOS."""
-        st = req.structured
-        if st is None:
-            return False
-        if not st.accept(token):  # cannot happen under the mask; never emit past a broken grammar
-            req.status = RequestStatus.FINISHED_ABORTED
-            return True
-        if st.terminated:
-            req.status = RequestStatus.FINISHED_STOPPED
-            return True
-        return False
 
     def _expire(self, now: float) -> list[EngineCoreOutput]:
         """Finish every unfinished request past its time_limit_ms deadline (output kept)."""
