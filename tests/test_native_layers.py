@@ -48,6 +48,26 @@ def _steps(runner: PagedRunner, seed: int) -> list[dict]:
     return out
 
 
+def _native_and_per_op(model_dir, dtype: str, steps) -> tuple[list[dict], list[dict]]:
+    """steps(runner) -> each step's logits, run on a model that takes the one-call path and on one
+    held to the per-op layers (same weights, same runner seed)."""
+    out = []
+    for native in (True, False):
+        model = load_our_model(model_dir, dtype=dtype)
+        if not native:
+            model.model._native_plan, model.model._native_planned = None, True
+        out.append(steps(PagedRunner(model, num_blocks=48, seed=3)))
+    return out[0], out[1]
+
+
+def _assert_same_logits(native: list[dict], per_op: list[dict]) -> None:
+    assert len(native) == len(per_op)
+    for native_step, per_op_step in zip(native, per_op):
+        assert native_step.keys() == per_op_step.keys()
+        for k in native_step:
+            assert torch.equal(native_step[k], per_op_step[k]), (k, (native_step[k] - per_op_step[k]).abs().max())
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "llama3-rope", "gqa4-hd128", "mistral-window",
                                   "phi3-partial-rope"])
@@ -57,17 +77,9 @@ def test_one_native_call_equals_the_per_op_layers(tmp_path, count_native, dtype,
     cfg = CONFIGS.get(name) or dict(arch="llama", tie=False, hidden_size=256, num_attention_heads=8,
                                     num_key_value_heads=2, head_dim=128, intermediate_size=160)
     d = make_tiny_model_dir(tmp_path, **cfg)
-    logits = []
-    for native in (True, False):
-        model = load_our_model(d, dtype=dtype)
-        if not native:
-            model.model._native_plan, model.model._native_planned = None, True
-        logits.append(_steps(PagedRunner(model, num_blocks=48, seed=3), seed=7))
+    native, per_op = _native_and_per_op(d, dtype, lambda runner: _steps(runner, seed=7))
     assert count_native == {"native": 5, "per_op": 0}  # every step of the first model ran natively
-    for native_step, per_op_step in zip(*logits):
-        assert native_step.keys() == per_op_step.keys()
-        for k in native_step:
-            assert torch.equal(native_step[k], per_op_step[k]), (k, (native_step[k] - per_op_step[k]).abs().max())
+    _assert_same_logits(native, per_op)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -79,17 +91,10 @@ def test_a_prefill_longer_than_an_mlp_chunk_equals_the_per_op_layers(tmp_path, c
     d = make_tiny_model_dir(tmp_path, "llama")
     g = torch.Generator().manual_seed(11)
     prompts = {i: torch.randint(3, 300, (n,), generator=g).tolist() for i, n in enumerate([150, 140, 10])}
-    logits = []
-    for native in (True, False):
-        model = load_our_model(d, dtype=dtype)
-        if not native:
-            model.model._native_plan, model.model._native_planned = None, True
-        runner = PagedRunner(model, num_blocks=48, seed=3)
-        logits.append([runner.step(prompts), runner.step({i: [20 + i] for i in range(3)})])
+    native, per_op = _native_and_per_op(
+        d, dtype, lambda runner: [runner.step(prompts), runner.step({i: [20 + i] for i in range(3)})])
     assert count_native == {"native": 2, "per_op": 0}
-    for native_step, per_op_step in zip(*logits):
-        for k in native_step:
-            assert torch.equal(native_step[k], per_op_step[k]), (k, (native_step[k] - per_op_step[k]).abs().max())
+    _assert_same_logits(native, per_op)
 
 
 def test_steps_beyond_the_native_gemm_rows_take_the_per_op_path(tmp_path, count_native, caplog):

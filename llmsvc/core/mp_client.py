@@ -37,6 +37,7 @@ from llmsvc.outputs import ABORT, EngineStats
 
 logger = logging.getLogger(__name__)
 
+
 def _log_format() -> tuple[logging.Formatter | None, list]:
     """The root handler's formatter and filters, for the core to log the same way (json or text);
     (None, []) where they cannot cross a process boundary (e.g. a test runner's handler)."""
