@@ -10,6 +10,7 @@ ServerMetrics, when set), labelled by the allow-listed label keys.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -44,7 +45,9 @@ async def off_loop_if_large(request, fn, *args):
     return fn(*args)
 
 
+@functools.lru_cache(maxsize=1)
 def _version() -> str:
+    """The installed package's version; read once, since importlib.metadata walks sys.path."""
     try:
         from importlib.metadata import version
         return version("llmsvc")
