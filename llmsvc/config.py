@@ -69,6 +69,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # schedule step N+1 while step N runs (placeholders for N's tokens; docs/engine-core.md)
     async_scheduling: bool = False
+    # streamed outputs carry this many new tokens each (the first token and the end go at once);
+    # larger values trade streaming granularity for front-end CPU (docs/engine-core.md)
+    stream_interval: int = 1
 
 
 @dataclass

@@ -109,6 +109,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     time_limit_ms: int | None = None  # graceful: finish "time_limit", output kept
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stream_interval: int | None = None  # tokens per streamed output; raised to the engine's
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -165,6 +166,8 @@ class SamplingParams:
                 bad(name, f"must be in [0, {max_logprobs}], got {v}")
         if self.seed is not None and self.seed < 0:
             bad("seed", f"must be >= 0, got {self.seed}")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
         if self.time_limit_ms is not None and self.time_limit_ms < 0:
             bad("time_limit_ms", f"must be >= 0, got {self.time_limit_ms}")
         if self.logit_bias:

@@ -1,6 +1,8 @@
 """OutputProcessor: stop strings, output kinds, n > 1, logprobs (real SmolLM2 tokenizer)."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from engine_fakes import smollm2_tokenizer
@@ -17,11 +19,11 @@ def tok():
     return smollm2_tokenizer()
 
 
-def drive(tok, text, params, *, finish="length", stop_reason=None, extra_ids=(), rid="r"):
+def drive(tok, text, params, *, finish="length", stop_reason=None, extra_ids=(), rid="r", stream_interval=1):
     """Feed the ids of `text` one per step; returns (outputs, step index where a stop string hit)."""
-    op = OutputProcessor(tok)
+    op = OutputProcessor(tok, stream_interval)
     prompt = tok.encode("Tell me:")
-    op.add_request(ParentRequest(rid, "Tell me:", prompt, params, tok, 0.0))
+    op.add_request(ParentRequest(rid, "Tell me:", prompt, params, tok, 0.0, op.stream_interval))
     ids = tok.encode(text) + list(extra_ids)
     outs, stopped_at = [], None
     for k, t in enumerate(ids):
@@ -162,3 +164,51 @@ def test_min_tokens_gates_stop_strings(tok):
     assert final.finish_reason == "stop" and final.stop_reason == ","
     assert final.text == pieces[first_allowed][:pieces[first_allowed].rfind(",")]
     assert final.text.count(",") >= 2  # the commas before min_tokens stayed in the text
+
+
+@pytest.mark.parametrize("engine_interval,request_interval,expect", [(3, None, 3), (1, 4, 4), (4, 2, 4)])
+def test_stream_interval_first_token_then_every_n_then_the_end(tok, engine_interval, request_interval, expect):
+    # the request may raise the engine's interval, never lower it
+    text = "Emoji 🎉 and 中文 in one sentence, then a few more words to stream"
+    params = SamplingParams(output_kind=DELTA, stream_interval=request_interval)
+    outs, _, ids = drive(tok, text, params, stream_interval=engine_interval)
+    sizes = [len(o.outputs[0].token_ids) for o in outs]
+    assert sizes[0] == 1  # the first token is never held
+    assert all(n == expect for n in sizes[1:-1])
+    assert 1 <= sizes[-1] <= expect and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert len(outs) == 1 + -(-(len(ids) - 1) // expect)
+    assert sum((o.outputs[0].token_ids for o in outs), []) == ids
+    assert "".join(texts(outs)) == text
+    assert [o.outputs[0].num_output_tokens for o in outs] == list(itertools.accumulate(sizes))
+
+
+def test_stream_interval_keeps_stop_strings_and_cumulative(tok):
+    text = "alpha beta gamma STOP delta epsilon"
+    outs, stopped_at, ids = drive(tok, text, SamplingParams(stop=[" STOP"], output_kind=DELTA), stream_interval=4)
+    assert stopped_at is not None and outs[-1].finished and outs[-1].outputs[0].finish_reason == "stop"
+    assert "".join(texts(outs)) == "alpha beta gamma"
+    outs, _, ids = drive(tok, text, SamplingParams(output_kind=CUMULATIVE), stream_interval=4)
+    assert [len(o.outputs[0].token_ids) for o in outs][:2] == [1, 5]  # everything so far, every 4 tokens
+    assert outs[-1].outputs[0].text == text
+
+
+def test_stream_interval_n_children_and_abort(tok):
+    op = OutputProcessor(tok, 8)
+    op.add_request(ParentRequest("p", None, [1], SamplingParams(n=2, output_kind=DELTA), tok, 0.0, 8))
+    hello = tok.encode(" hello")[0]
+    ros, _ = op.process_outputs([EngineCoreOutput("0_p", [hello]), EngineCoreOutput("1_p", [hello])])
+    assert [o.index for o in ros[0].outputs] == [0, 1]  # first tokens at once
+    for _ in range(3):
+        ros, _ = op.process_outputs([EngineCoreOutput("0_p", [hello]), EngineCoreOutput("1_p", [hello])])
+        assert ros == []
+    ros, _ = op.process_outputs([EngineCoreOutput("1_p", [hello], finish_reason="length")])
+    (ro,) = ros  # a child's end goes out at once, and every child's held tokens with it
+    assert not ro.finished
+    assert [(o.index, len(o.token_ids), o.finish_reason) for o in ro.outputs] == [(0, 3, None), (1, 4, "length")]
+    assert op.abort(["p"]) == ["0_p"]
+    (ro,), _ = op.process_outputs([])
+    assert ro.finished and [(o.index, o.token_ids, o.finish_reason) for o in ro.outputs] == [(0, [], "abort")]
+    with pytest.raises(ValueError, match="stream_interval"):
+        OutputProcessor(tok, 0)
+    with pytest.raises(ValueError, match="stream_interval"):
+        SamplingParams(stream_interval=0)

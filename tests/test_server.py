@@ -58,6 +58,28 @@ def test_stream_deltas_concatenate_to_unary_text(srv):
     assert len({m.request_id for m in msgs}) == 1 and msgs[0].request_id
 
 
+def _streamed_counts(stub, interval=None):
+    output = pb.OutputOptions(stream_interval=interval) if interval else None
+    msgs = list(stub.Generate(gen(max_tokens=19, stream=True, output=output)))
+    (final,) = list(stub.Generate(gen(max_tokens=19)))
+    assert "".join(m.text for m in msgs) == final.text and [t for m in msgs for t in m.token_ids] == list(final.token_ids)
+    assert msgs[-1].HasField("finish") and not any(m.HasField("finish") for m in msgs[:-1])
+    return [m.num_output_tokens for m in msgs]
+
+
+def test_stream_interval_per_request_and_server_floor(srv):
+    # a reader slower than the engine merges messages, so counts are checked, not message sizes:
+    # every message but the last ends on the first token or on a multiple of the interval after it
+    counts = _streamed_counts(srv.stub, interval=4)
+    assert counts[-1] == 19 and set(counts[:-1]) <= {1, 5, 9, 13, 17} and len(counts) <= 6
+    with ServerThread(fake_engine_factory(num_blocks=64, step_delay=0.003, stream_interval=3)) as s:
+        counts = _streamed_counts(s.stub)  # the server's --stream-interval
+        assert counts[-1] == 19 and set(counts[:-1]) <= {1, 4, 7, 10, 13, 16}
+        counts = _streamed_counts(s.stub, interval=2)  # a request may not go below it
+        assert set(counts[:-1]) <= {1, 4, 7, 10, 13, 16}
+        free_blocks_back(s)
+
+
 def test_n_outputs_each_finish_once(srv):
     msgs = list(srv.stub.Generate(gen(max_tokens=6, stream=True, sampling=pb.SamplingParams(n=3, seed=1))))
     for i in range(3):

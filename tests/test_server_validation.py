@@ -163,3 +163,10 @@ def test_engine_errors_map_to_status(exc, code):
     if code == grpc.StatusCode.INTERNAL:
         assert details["ErrorInfo"].metadata["request_id"] == "rid-1"
         assert "Traceback" not in err.message and "boom" not in err.message
+
+
+
+def test_stream_interval_from_output_options():
+    assert build_sampling_params(req(stream=True), LIMITS).stream_interval is None  # the server's
+    assert build_sampling_params(req(stream=True, output=O(stream_interval=0)), LIMITS).stream_interval is None
+    assert build_sampling_params(req(stream=True, output=O(stream_interval=8)), LIMITS).stream_interval == 8

@@ -100,3 +100,34 @@ def _prefixes(comps):
     for c in comps:
         acc += c.text
         yield acc
+
+
+def test_stream_interval_flag_env_and_llm_keyword(monkeypatch):
+    import argparse
+
+    import pytest
+
+    from llmsvc import llm as llm_module
+    from llmsvc.bench import cli as bench_cli
+    from llmsvc.server import cli
+
+    def serve_config(argv):
+        p = argparse.ArgumentParser()
+        cli.add_arguments(p)
+        return cli.build_config(p.parse_args(argv))
+
+    assert serve_config([]).scheduler_config.stream_interval == 1
+    assert serve_config(["--stream-interval", "8"]).scheduler_config.stream_interval == 8
+    with pytest.raises(SystemExit):
+        serve_config(["--stream-interval", "0"])
+    monkeypatch.setenv("LLMSVC_STREAM_INTERVAL", "4")
+    assert serve_config([]).scheduler_config.stream_interval == 4
+    seen = []
+    monkeypatch.setattr(LLMEngine, "from_config", classmethod(lambda cls, config: seen.append(config)))
+    llm_module.LLM(stream_interval=3)
+    assert seen[0].scheduler_config.stream_interval == 3
+    a = argparse.Namespace(model=None, dtype="bfloat16", executor="auto", engine_core="process",
+                           tensor_parallel_size=1, max_num_seqs=None, max_num_batched_tokens=None,
+                           kv_cache_memory=None, async_scheduling=False, stream_interval=8)
+    args = bench_cli._serve_args(a)
+    assert args[args.index("--stream-interval") + 1] == "8"

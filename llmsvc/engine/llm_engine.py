@@ -48,7 +48,7 @@ class LLMEngine:
             self.core_client = core
         else:
             self.core_client = InprocClient(EngineCore(config, core, self.structured_output_manager))
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, config.scheduler_config.stream_interval)
         self.stats_logger = StatsLogger(config.log_stats_interval_s)
         self._shutdown = False
 
@@ -121,7 +121,8 @@ class LLMEngine:
         arrival_time = time.time() if arrival_time is None else arrival_time
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(62))
-        parent = ParentRequest(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival_time)
+        parent = ParentRequest(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival_time,
+                               self.output_processor.stream_interval)
         added: list[str] = []
         try:
             for child in parent.children:

@@ -27,6 +27,13 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
 def _env(name: str, default, type_=str):
     v = os.environ.get("LLMSVC_" + name.upper().replace("-", "_"))
     if v is None:
@@ -78,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--async-scheduling", bool, help="schedule the next step while the model computes this one "
         "(pays on a GPU, where the host's scheduling otherwise leaves it idle between steps; see "
         "docs/engine-core.md)")
+    opt("--stream-interval", _positive_int, 1,
+        help="new tokens per streamed message (the first token and the end go at once); larger values cost "
+             "the server less CPU per token, which on a small CPU box the model gets back (a request's "
+             "OutputOptions.stream_interval may ask for more)")
     opt("--grammar-compile-timeout", float, 10.0,
         help="seconds a structured-output constraint may take to compile; longer fails with INVALID_ARGUMENT")
     opt("--grammar-cache-size", int, 256, help="compiled structured-output grammars kept (LRU)")
@@ -107,7 +118,7 @@ def build_config(args):
         max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy, executor=executor_name(args),
         tensor_parallel_size=args.tensor_parallel_size, device=args.device, engine_core=args.engine_core,
         grammar_compile_timeout_s=args.grammar_compile_timeout, grammar_cache_size=args.grammar_cache_size,
-        async_scheduling=args.async_scheduling, **_multi_node(args))
+        async_scheduling=args.async_scheduling, stream_interval=args.stream_interval, **_multi_node(args))
 
 
 def executor_name(args) -> str:

@@ -133,7 +133,7 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., time_limit_ms: _Optional[int] = ...) -> None: ...
 
 class OutputOptions(_message.Message):
-    __slots__ = ("text", "token_ids", "logprobs", "prompt_logprobs", "prompt_token_ids", "token_text", "skip_special_tokens", "spaces_between_special_tokens", "include_timing")
+    __slots__ = ("text", "token_ids", "logprobs", "prompt_logprobs", "prompt_token_ids", "token_text", "skip_special_tokens", "spaces_between_special_tokens", "include_timing", "stream_interval")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class OutputOptions(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_TIMING_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     text: bool
     token_ids: bool
     logprobs: int
@@ -152,7 +153,8 @@ class OutputOptions(_message.Message):
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     include_timing: bool
-    def __init__(self, text: _Optional[bool] = ..., token_ids: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., prompt_token_ids: _Optional[bool] = ..., token_text: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., include_timing: _Optional[bool] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, text: _Optional[bool] = ..., token_ids: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., prompt_token_ids: _Optional[bool] = ..., token_text: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., include_timing: _Optional[bool] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "text", "token_ids", "logprobs", "num_output_tokens", "prompt", "finish")
