@@ -236,3 +236,16 @@ def test_decode_step_and_step_profile_on_a_tiny_model(tmp_path, capsys, monkeypa
                        "--repeats", "1"])
     out = capsys.readouterr().out
     assert "native layers: False" in out and "  model " in out and "attention" not in out
+
+
+def test_rpc_probe_summary_merges_every_run():
+    from llmsvc.bench.probe import RpcProbe, merged_summary
+
+    a, b = RpcProbe("127.0.0.1:1"), RpcProbe("127.0.0.1:1")  # never started: latencies set by hand
+    a.latencies = {"GetServerInfo": [0.001, 0.002], "Tokenize": [0.004]}
+    b.latencies = {"GetServerInfo": [0.010], "Tokenize": []}
+    b.errors = 2
+    one, both = a.summary(), merged_summary([a, b])
+    assert one["GetServerInfo"]["n"] == 2 and one["errors"] == 0
+    assert both["GetServerInfo"]["n"] == 3 and both["Tokenize"]["n"] == 1 and both["errors"] == 2
+    assert both["GetServerInfo"]["p99"] > one["GetServerInfo"]["p99"]

@@ -56,7 +56,13 @@ class RpcProbe:
 
     def summary(self) -> dict:
         """{rpc: {"n", "mean", "p50", "p90", "p99" (seconds)}} plus "errors"."""
-        out: dict = {"errors": self.errors}
-        for name, xs in self.latencies.items():
-            out[name] = {"n": len(xs), **percentiles(xs)}
-        return out
+        return merged_summary([self])
+
+
+def merged_summary(probes: list[RpcProbe]) -> dict:
+    """RpcProbe.summary over the calls of several probes (the runs of a `--repeat`)."""
+    out: dict = {"errors": sum(p.errors for p in probes)}
+    for name in ("GetServerInfo", "Tokenize"):
+        xs = [x for p in probes for x in p.latencies[name]]
+        out[name] = {"n": len(xs), **percentiles(xs)}
+    return out
