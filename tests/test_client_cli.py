@@ -43,6 +43,10 @@ def test_generate_prints_completion_and_sends_flags(server, capsys):
 def test_generate_stream_prints_tokens(server, capsys):
     rc, out, _ = run(capsys, "generate", "streamed text", "--server", server.target, "--stream")
     assert rc == 0 and out == "streamed text\n" and server.service.requests[-1].stream
+    assert not server.service.requests[-1].output.HasField("stream_interval")
+    rc, out, _ = run(capsys, "generate", "streamed text", "--server", server.target, "--stream",
+                     "--stream-interval", "4")
+    assert rc == 0 and out == "streamed text\n" and server.service.requests[-1].output.stream_interval == 4
 
 
 def test_generate_json_outputs(server, capsys):
