@@ -255,6 +255,26 @@ def test_bf16_gemm_covers_every_panel_for_any_thread_count(entry, nt):
     torch.testing.assert_close(out, F.linear(x, w), **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("nt", [2, 3, 7])
+@pytest.mark.parametrize("m,n", [(300, 576), (300, 960), (64, 576), (300, 200), (16, 576), (61, 130)])
+def test_bf16_dp_gemm_splits_panel_rows_between_threads_without_changing_a_bit(m, n, nt):
+    # 9 panels (N = 576) or 15 on 2 threads, 5 on 3...: with row blocks enough, each panel's rows are
+    # split in nt chunks that any thread may take. Every element is written (NaN beforehand) and
+    # equals the one-thread result bit for bit: the split moves work, never changes arithmetic.
+    fn = _bf16_gemm_or_skip("llmsvc_gemm_bf16_dp")
+    g = torch.Generator().manual_seed(m + n + nt)
+    w, x = torch.randn(n, 96, generator=g).bfloat16(), torch.randn(m, 96, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    packed = linear.pack_amx(w)
+    outs = []
+    for threads in (1, nt):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        assert fn(x.data_ptr(), 96, packed.data_ptr(), b.data_ptr(), out.data_ptr(), n, m, n, 96, threads) == 0
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[1], F.linear(x, w, b), **TOL[torch.bfloat16])
+
+
 def test_bf16_dp_gemm_reads_a_with_its_row_stride():
     # A rows lda > K apart (a column slice of a wider activation), odd lda included
     fn = _bf16_gemm_or_skip("llmsvc_gemm_bf16_dp")

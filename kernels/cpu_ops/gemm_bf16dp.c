@@ -20,6 +20,7 @@
 #define NP 64 /* panel width: 4 column tiles of 16 */
 #define KB 32 /* K per packed block: 16 pairs */
 #define MR 6  /* rows per micro-kernel: 6 x 4 accumulators */
+#define CHUNK_MIN_BLOCKS 4 /* row blocks per thread before a panel's rows are split (dp_panel) */
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -82,22 +83,33 @@ static void row_block(int mr, const uint16_t *a, int64_t lda, const uint16_t *pa
 typedef struct {
     const uint16_t *a, *packed, *bias;
     uint16_t *c;
-    int64_t lda, ldc, M, N, K, nkb, nb, share;
-    int q;
+    int64_t lda, ldc, M, N, K, nkb, nb, nr;
 } dp_t;
 
-/* every row block of C against panel p; prefetches panel pf_p (-1: none) */
-static void dp_panel(void *ctx, int64_t p, int64_t pf_p) {
+/* Work unit u: panel u / nr against its row blocks' chunk u % nr (of nr). One chunk (nr = 1)
+ * unless the panels do not divide evenly between the threads and there are row blocks enough:
+ * 9 panels (N = 576: the o and down projections) on 2 threads kept one thread busy for 5 panel
+ * times while the other waited after 4 (docs/cpu-kernels.md: those GEMMs ran ~8% slower than
+ * gate_up's 48 panels). Chunking reads a panel once per chunk, so it is kept to GEMMs of
+ * CHUNK_MIN_BLOCKS row blocks a thread or more (64 rows on 2 threads), whose panels are
+ * compute-bound; a 16-row decode keeps whole panels. Prefetches the panel of unit pf_u (-1:
+ * none) unless it is this one. */
+static void dp_panel(void *ctx, int64_t u, int64_t pf_u) {
     const dp_t *g = (const dp_t *)ctx;
+    const int64_t p = u / g->nr, r = u % g->nr, pf_p = pf_u < 0 || pf_u / g->nr == p ? -1 : pf_u / g->nr;
+    const int64_t i0 = r * g->nb / g->nr, i1 = (r + 1) * g->nb / g->nr;
     const uint16_t *panel = g->packed + p * g->K * NP;
     const int nc = (int)(g->N - p * NP < NP ? g->N - p * NP : NP);
     const uint16_t *bias = g->bias ? g->bias + p * NP : 0;
-    for (int64_t i = 0; i < g->nb; i++) {
+    /* the next panel's K * 2 lines: a share per row block, q lines per K block */
+    const int64_t share = (g->K * 2 + (i1 - i0) - 1) / (i1 - i0);
+    const int q = (int)((share + g->nkb - 1) / g->nkb);
+    for (int64_t i = i0; i < i1; i++) {
         const int64_t m0 = i * MR;
         /* a prefetch never faults, so the last share may run past the packed weight's end */
-        const char *pf = pf_p >= 0 ? (const char *)(g->packed + pf_p * g->K * NP) + i * g->share * 64 : 0;
+        const char *pf = pf_p >= 0 ? (const char *)(g->packed + pf_p * g->K * NP) + (i - i0) * share * 64 : 0;
         row_block((int)(g->M - m0 < MR ? g->M - m0 : MR), g->a + m0 * g->lda, g->lda, panel, g->nkb,
-                  g->c + m0 * g->ldc + p * NP, g->ldc, nc, bias, pf, g->q);
+                  g->c + m0 * g->ldc + p * NP, g->ldc, nc, bias, pf, q);
     }
 }
 
@@ -107,17 +119,16 @@ static void dp_panel(void *ctx, int64_t p, int64_t pf_p) {
 int llmsvc_gemm_bf16_dp(const uint16_t *a, int64_t lda, const uint16_t *packed, const uint16_t *bias,
                         uint16_t *c, int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
     if (((uintptr_t)packed) % 64 || M < 0 || N <= 0 || K <= 0 || K % KB || lda < K ||
-        (N + NP - 1) / NP >= (1ll << 31))
+        (N + NP - 1) / NP * MAX_NT >= (1ll << 31))
         return -1;
     if (M == 0) return 0;
     const int64_t np = (N + NP - 1) / NP, nkb = K / KB, nb = (M + MR - 1) / MR;
-    /* the next panel's K * 2 lines: a share per row block, q lines per K block */
-    const int64_t share = (K * 2 + nb - 1) / nb;
-    const dp_t g = {a, packed, bias, c, lda, ldc, M, N, K, nkb, nb, share, (int)((share + nkb - 1) / nkb)};
     nt = nt < 1 ? 1 : nt > MAX_NT ? MAX_NT : nt;
+    const int64_t nr = np % nt && nb >= CHUNK_MIN_BLOCKS * nt ? nt : 1, nu = np * nr;
+    const dp_t g = {a, packed, bias, c, lda, ldc, M, N, K, nkb, nb, nr};
     range_t ranges[MAX_NT] __attribute__((aligned(64)));
-    split_runs(ranges, nt, np);
-    _Pragma("omp parallel num_threads(nt) if (nt > 1 && np > 1)")
+    split_runs(ranges, nt, nu);
+    _Pragma("omp parallel num_threads(nt) if (nt > 1 && nu > 1)")
     run_panels(ranges, nt, omp_get_thread_num(), omp_get_num_threads(), dp_panel, (void *)&g);
     return 0;
 }
