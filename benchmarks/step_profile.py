@@ -6,7 +6,7 @@
 Drives the worker's `ModelRunner` with hand-made scheduler outputs on the default model (or --model):
   decode   --seqs greedy requests at --context keys, one token each per step (the cache holds
            whatever the blocks hold: the bytes read, not the values, set the time)
-  prefill  --prefill prompt tokens in requests of 128 from an empty cache (one sample each)
+  prefill  --prefill prompt tokens in requests of --prompt-len (128) from an empty cache (one sample each)
 For each it prints the step's wall time (min / median of --repeats steps) split into:
   inputs   build_inputs (flattening the batch, block tables, slot mapping)
   model    embedding, decoder layers and final norm; when the layers take the one-call
@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--context", type=int, default=192, help="keys per sequence at the first decode step")
     ap.add_argument("--prefill", type=int, default=1024, help="prompt tokens in the prefill step (0: none)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt of the prefill step (S1: 256)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0, help="torch / kernel threads (0: every core)")
     ap.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
@@ -147,11 +148,12 @@ def _run(a, runner, timer: PhaseTimer, counts: dict, esz: int, kv_tok: int, bw: 
     report(f"decode, {a.seqs} sequences at {a.context}-{a.context + a.repeats} keys", rows,
            ceiling.step_floor(counts, kv_tok, esz, a.seqs * ctx, bw))
     if a.prefill:
-        rows = run_steps(runner, timer, engine_steps.prefill_steps(runner, a.prefill, a.repeats))
-        n = max(1, a.prefill // engine_steps.PREFILL_PROMPT)
-        # a causal prefill reads its own new K/V back: each of n prompts, 128 rows per layer
-        report(f"prefill, {n} x {engine_steps.PREFILL_PROMPT} prompt tokens", rows,
-               ceiling.step_floor(counts, kv_tok, esz, n * engine_steps.PREFILL_PROMPT, bw))
+        rows = run_steps(runner, timer, engine_steps.prefill_steps(runner, a.prefill, a.repeats,
+                                                                   prompt_len=a.prompt_len))
+        n = max(1, a.prefill // a.prompt_len)
+        # a causal prefill reads its own new K/V back: each of n prompts, prompt_len rows per layer
+        report(f"prefill, {n} x {a.prompt_len} prompt tokens", rows,
+               ceiling.step_floor(counts, kv_tok, esz, n * a.prompt_len, bw))
 
 
 if __name__ == "__main__":

@@ -231,6 +231,9 @@ def test_decode_step_and_step_profile_on_a_tiny_model(tmp_path, capsys, monkeypa
         assert f"  {part} " in out
     if "native layers: True" in out:  # the one-call path splits its time per kernel
         assert "    attention cpu " in out and "    gate_up " in out
+    step_profile.main(["--model", d, "--dtype", "float32", "--seqs", "1", "--context", "8", "--prefill", "256",
+                       "--prompt-len", "256", "--repeats", "1"])  # S1's shape: one 256-token prompt
+    assert "prefill, 1 x 256 prompt tokens: 1 steps" in capsys.readouterr().out
     monkeypatch.setenv("LLMSVC_NATIVE_LAYERS", "0")  # per-op layers: no per-kernel split to show
     step_profile.main(["--model", d, "--dtype", "float32", "--seqs", "2", "--context", "8", "--prefill", "0",
                        "--repeats", "1"])

@@ -84,23 +84,23 @@ def decode_steps(runner, seqs: int, context: int, steps: int, seed: int = 0) -> 
         out = yield so
 
 
-def prefill_steps(runner, tokens: int, steps: int, seed: int = 0) -> Steps:
-    """`steps` prefill steps of tokens // 128 fresh 128-token prompts each (the previous
-    step's requests finished)."""
+def prefill_steps(runner, tokens: int, steps: int, seed: int = 0, prompt_len: int = PREFILL_PROMPT) -> Steps:
+    """`steps` prefill steps of tokens // prompt_len fresh prompt_len-token prompts each (the
+    previous step's requests finished)."""
     from llmsvc.wire import SchedulerOutput
 
     rng, vocab = random.Random(seed), _vocab(runner)
-    n, per_seq = max(1, tokens // PREFILL_PROMPT), -(-PREFILL_PROMPT // BLOCK_SIZE)
+    n, per_seq = max(1, tokens // prompt_len), -(-prompt_len // BLOCK_SIZE)
     prev: set[str] = set()
     for step in range(steps):
         so = SchedulerOutput.make_empty()
         so.finished_req_ids = prev
         for i in range(n):
-            prompt = [rng.randrange(3, vocab) for _ in range(PREFILL_PROMPT)]
+            prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
             so.scheduled_new_reqs.append(_new_request(f"p{step}.{i}", prompt,
                                                       list(range(i * per_seq, (i + 1) * per_seq)), 0))
-            so.num_scheduled_tokens[f"p{step}.{i}"] = PREFILL_PROMPT
-        so.total_num_scheduled_tokens = n * PREFILL_PROMPT
+            so.num_scheduled_tokens[f"p{step}.{i}"] = prompt_len
+        so.total_num_scheduled_tokens = n * prompt_len
         prev = set(so.num_scheduled_tokens)
         yield so
 
