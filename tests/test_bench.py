@@ -252,3 +252,34 @@ def test_rpc_probe_summary_merges_every_run():
     assert one["GetServerInfo"]["n"] == 2 and one["errors"] == 0
     assert both["GetServerInfo"]["n"] == 3 and both["Tokenize"]["n"] == 1 and both["errors"] == 2
     assert both["GetServerInfo"]["p99"] > one["GetServerInfo"]["p99"]
+
+
+def test_offline_runner_times_first_tokens_from_arrival_not_from_the_next_step():
+    # a request arriving while a step runs waits for it; its TTFT includes that wait, as over gRPC
+    import time
+
+    from llmsvc.bench.runners import run_offline
+    from llmsvc.outputs import CompletionOutput, RequestOutput
+
+    class SlowEngine:  # every step 50 ms; a request gets its one token in the first step after its add
+        def __init__(self):
+            self.pending, self.added = [], {}
+
+        def add_request(self, rid, prompt, params):
+            self.pending.append(rid)
+            self.added[rid] = time.perf_counter()
+
+        def has_unfinished_requests(self):
+            return bool(self.pending)
+
+        def step(self):
+            time.sleep(0.05)
+            done, self.pending = self.pending, []
+            return [RequestOutput(rid, None, [1], [CompletionOutput(0, "x", [7], finish_reason="length")], True)
+                    for rid in done]
+
+    engine = SlowEngine()
+    recs, _ = run_offline(engine, [[1], [2]], 1, [0.0, 0.02])
+    assert recs[1].start == pytest.approx(recs[0].start + 0.02, abs=1e-3)  # its arrival, not its add
+    assert engine.added["bench-1"] - recs[1].start > 0.02  # added only after the first step ended
+    assert recs[1].token_times[0] - recs[1].start > 0.07  # the wait for that step counts

@@ -12,7 +12,8 @@ from llmsvc.bench.metrics import RequestRecord
 def run_offline(engine, prompts: list[list[int]], output_len: int, offsets: list[float],
                 json_schema: str | None = None) -> tuple[list[RequestRecord], float]:
     """Drive LLMEngine.step() directly; requests are added when their arrival offset is due.
-    json_schema: every request is constrained to it (structured output)."""
+    A request that arrives during a step is added after it, but its TTFT counts from its
+    arrival, as a client's would. json_schema: every request is constrained to it."""
     from llmsvc.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
@@ -27,7 +28,7 @@ def run_offline(engine, prompts: list[list[int]], output_len: int, offsets: list
         now = time.perf_counter()
         while nxt < len(order) and t0 + offsets[order[nxt]] <= now:
             i = order[nxt]
-            records[f"bench-{i}"] = RequestRecord(len(prompts[i]), now)
+            records[f"bench-{i}"] = RequestRecord(len(prompts[i]), t0 + offsets[i])
             engine.add_request(f"bench-{i}", prompts[i], params)
             nxt += 1
         if not engine.has_unfinished_requests():
