@@ -13,7 +13,7 @@ import time
 from llmsvc.bench.compare import (check_peer_args, parse_baselines, peer_systems, print_ratios, print_spreads,
                                    record_runs, vllm_peer)
 from llmsvc.bench.metrics import fmt_ms, summarize
-from llmsvc.bench.probe import RpcProbe, merged_summary
+from llmsvc.bench.probe import RpcProbe, merged_summary, print_latency
 from llmsvc.bench.repeat import System, alternate
 from llmsvc.bench.vllm_peer import PeerError
 from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, get_workload, load_workloads, ordinary_vocab
@@ -100,12 +100,6 @@ def _offline_engine(a, prefix_caching: bool = True):
         async_scheduling=a.async_scheduling, stream_interval=a.stream_interval))
 
 
-def _print_rpc_latency(lat: dict, runs: str = "") -> None:
-    for name in ("GetServerInfo", "Tokenize"):
-        print(f"  {name + ' alongside':<28} {fmt_ms(lat[name])} ({lat[name]['n']} calls{runs}"
-              + (f", {lat['errors']} failed)" if lat["errors"] else ")"))
-
-
 def _line(tag: str, s: dict) -> str:
     return (f"  {tag:<28} {s['output_tok_s']:8.1f} out tok/s  {s['input_tok_s']:8.1f} in tok/s  "
             f"{s['request_throughput']:6.2f} req/s  TTFT {fmt_ms(s['ttft_s'])}  TPOT {fmt_ms(s['tpot_s'])}"
@@ -149,7 +143,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
         if rpc is not None:  # small RPCs alongside the workload: how long they waited
             probes.append(rpc)
             res["rpc_latency"] = merged_summary(probes)
-            _print_rpc_latency(rpc.summary())
+            print_latency(rpc.summary())
         return recs, summarize(recs, wall)
 
     def offline(prefix_caching=True, json_schema=None):
@@ -171,7 +165,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
     record_runs(res, systems, runs)
     print_spreads(res, systems)
     if len(probes) > 1:
-        _print_rpc_latency(res["rpc_latency"], f", {len(probes)} runs")
+        print_latency(res["rpc_latency"], f", {len(probes)} runs")
     if a.mode in ("serve", "both"):
         if a.mode == "both":
             res["grpc_ratio"] = res["serve"]["output_tok_s"] / res["offline"]["output_tok_s"]

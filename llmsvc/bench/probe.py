@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
-from llmsvc.bench.metrics import percentiles
+from llmsvc.bench.metrics import fmt_ms, percentiles
 
 
 class RpcProbe:
@@ -66,3 +66,10 @@ def merged_summary(probes: list[RpcProbe]) -> dict:
         xs = [x for p in probes for x in p.latencies[name]]
         out[name] = {"n": len(xs), **percentiles(xs)}
     return out
+
+
+def print_latency(summary: dict, runs: str = "") -> None:
+    """One line per RPC of a (merged) summary; `runs`: appended inside the parenthesis."""
+    for name in ("GetServerInfo", "Tokenize"):
+        print(f"  {name + ' alongside':<28} {fmt_ms(summary[name])} ({summary[name]['n']} calls{runs}"
+              + (f", {summary['errors']} failed)" if summary["errors"] else ")"))

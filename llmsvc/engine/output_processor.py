@@ -86,7 +86,6 @@ class ParentRequest:
             seed=self.params.seed,
         )
 
-
     def _interval_due(self, changed: list[RequestState]) -> bool:
         for c in changed:
             unsent = len(c.token_ids) - c.sent_tokens
