@@ -12,13 +12,15 @@ import time
 
 from llmsvc.bench.metrics import fmt_ms, percentiles
 
+RPCS = ("GetServerInfo", "Tokenize")
+
 
 class RpcProbe:
     """`with RpcProbe(target): ...` calls each RPC every `interval_s` until the block ends."""
 
     def __init__(self, target: str, interval_s: float = 0.2) -> None:
         self.target, self.interval_s = target, interval_s
-        self.latencies: dict[str, list[float]] = {"GetServerInfo": [], "Tokenize": []}
+        self.latencies: dict[str, list[float]] = {name: [] for name in RPCS}
         self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rpc-probe", daemon=True)
@@ -62,7 +64,7 @@ class RpcProbe:
 def merged_summary(probes: list[RpcProbe]) -> dict:
     """RpcProbe.summary over the calls of several probes (the runs of a `--repeat`)."""
     out: dict = {"errors": sum(p.errors for p in probes)}
-    for name in ("GetServerInfo", "Tokenize"):
+    for name in RPCS:
         xs = [x for p in probes for x in p.latencies[name]]
         out[name] = {"n": len(xs), **percentiles(xs)}
     return out
@@ -70,6 +72,6 @@ def merged_summary(probes: list[RpcProbe]) -> dict:
 
 def print_latency(summary: dict, runs: str = "") -> None:
     """One line per RPC of a (merged) summary; `runs`: appended inside the parenthesis."""
-    for name in ("GetServerInfo", "Tokenize"):
+    for name in RPCS:
         print(f"  {name + ' alongside':<28} {fmt_ms(summary[name])} ({summary[name]['n']} calls{runs}"
               + (f", {summary['errors']} failed)" if summary["errors"] else ")"))

@@ -140,14 +140,14 @@ class Scheduler(PreemptionMixin):
             req.num_output_tokens_sent = req.num_output_tokens
             i += 1
 
-        running_tokens = self.config.max_num_batched_tokens - budget  # this step's running work
+        admission_budget = budget  # what this step's running work left
         # no admissions in a step that had to preempt: the pool is under pressure
         while (not preempted and len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
-            if num_new > budget and (not chunked or num_new + running_tokens <= self.config.max_num_batched_tokens):
+            if num_new > budget and (not chunked or num_new <= admission_budget):
                 # The second case: an earlier admission of this step took the budget this prompt
                 # needed, and a step carrying only this step's running work takes it whole. It
                 # then waits one step instead of being split: a partial chunk would lengthen this

@@ -116,7 +116,7 @@ def build_sampling_params(req, limits: ModelLimits) -> SamplingParams:
                                            if o.HasField("spaces_between_special_tokens") else True),
             time_limit_ms=st.time_limit_ms or None,
             output_kind=RequestOutputKind.DELTA,
-            stream_interval=(o.stream_interval or None) if o.HasField("stream_interval") else None,
+            stream_interval=o.stream_interval or None,  # unset or 0: the server's
             structured_outputs=structured_outputs,
             **kw)
         rules.check_sampling_params(params, limits.request_limits)
