@@ -208,6 +208,27 @@ def test_gemm_weight_stream_bench_runs_every_implementation(capsys):
         assert f"{name} " in line and "GB/s" in line
 
 
+def test_attention_ab_compares_two_builds_in_one_process(capsys):
+    import shutil
+    import subprocess
+
+    from benchmarks import attention_ab
+    from kernels.cpu_ops import attention
+    if not attention.available() or shutil.which("git") is None:
+        pytest.skip("needs the native kernels and a git checkout")
+    if subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    attention_ab.main(["--rounds", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    rows = [l for l in out.splitlines() if "bit for bit" in l]
+    assert len(rows) == len(attention_ab.SHAPES)
+    unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", attention_ab._SRC]).returncode == 0
+    for row in rows:
+        assert "HEAD: min" in row and "tree: min" in row
+        if unchanged:  # one source built twice: the same output, bit for bit (else NO)
+            assert row.endswith("bit for bit: yes"), row
+
+
 def test_step_floor_reads_every_weight_and_the_steps_kv(tmp_path):
     d = make_tiny_model_dir(tmp_path, arch="llama", tie=True)
     c, kvb = param_counts(str(d)), kv_bytes_per_token(str(d), 2)

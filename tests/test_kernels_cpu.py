@@ -61,7 +61,8 @@ def test_decode_items_on_either_pass_1(dtype, hq, hkv, head_dim, threads):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_chunks_and_mixed_batch(dtype):
     # fresh prompts, chunks after a cached prefix, and decodes in one call; q_len not a
-    # multiple of the 4-row tile
+    # multiple of the 8-row tile, so at G = 3 pass 2 takes both its six-vector groups (tiles
+    # of an even row count) and its four-vector ones (odd: 3, 15 or 21 vectors)
     seqs = [(15, 15), (16, 16), (17, 17), (100, 20), (40, 17), (33, 1), (70, 70), (1, 1)]
     _check(PagedBatch(seqs, 6, 2, 64, dtype=dtype, seed=3), dtype)
 

@@ -48,7 +48,9 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
-#define ROWS 4      /* query rows per work item (prefill tiles) */
+#define ROWS 8      /* query rows per work item (prefill tiles): 24 vectors per KV head at G = 3,
+                     * which pass 2 takes six at a time; 4 rows gave a 1 x 256 prefill ~9% more
+                     * attention time (docs/cpu-kernels.md) */
 #define MAX_NC 32   /* D / 16 bound: head_dim <= 512 */
 
 #include "reduce16.h"
@@ -170,7 +172,7 @@ static inline void pf_step(pf_t *pf, int64_t count) {
  *   stored, nothing widened. Each product of two bf16 is exact in fp32, as in the widened
  *   path; the summation order differs, the scale comes after the sum, and VDPBF16PS reads
  *   bf16 denormals as zero.
- * Prefill tiles (4 rows: 12 vectors per KV head) ran 1.6x slower in bf16 this way than with
+ * Prefill tiles (then 4 rows: 12 vectors per KV head) ran 1.6x slower in bf16 this way than with
  * the workspace, whose widened rows they share, and keep it. */
 static inline __attribute__((always_inline)) void pass1_direct(
     const args_t *A, const item_t *it, int64_t h0, int64_t nh, const int32_t *table, const v16 *qv,
@@ -224,6 +226,43 @@ static inline __attribute__((always_inline)) void pass1_direct(
         }
         for (int64_t a = 0; a < nq; a++)
             *(v16 *)(scores + a * sstride + s0) = dp ? reduce16(part[a]) * A->scale : reduce16(part[a]);
+    }
+}
+
+/* Pass 2 of an item: acc[a] += sum_s p[a, s] * v_s, 16 keys at a time (their V rows stay in
+ * L1 across heads), GA vectors of one head at a time with their accumulators in registers
+ * across the 16 keys (GA * nc <= 24). */
+static inline __attribute__((always_inline)) void pass2(
+    const args_t *A, const int32_t *table, int64_t h0, int64_t nh, int64_t nqh, int64_t s_begin,
+    int64_t n_max, const int64_t nc, const int64_t GA, const float *scores, int64_t sstride, v16 *acc,
+    pf_t *pf, int64_t pf_per, const char **vrow) {
+    const int64_t esz = A->bf16 ? 2 : 4, head_bytes = esz * 16 * nc, row_bytes = head_bytes * A->Hkv;
+    const char *vbase = (const char *)A->v_cache;
+    for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
+        const int64_t s1 = n_max - s0 < 16 ? n_max : s0 + 16;
+        row_ptrs(vbase, table, A->BS, row_bytes, s0, s1 - s0, vrow);
+        for (int64_t hh = 0; hh < nh; hh++) {
+            for (int64_t a0 = hh * nqh; a0 < (hh + 1) * nqh; a0 += GA) {
+                const int64_t ga = (hh + 1) * nqh - a0 < GA ? (hh + 1) * nqh - a0 : GA;
+                v16 ac[24];
+#pragma GCC unroll 24
+                for (int64_t i = 0; i < GA * nc; i++) ac[i] = i < ga * nc ? acc[a0 * nc + i] : (v16){0};
+                for (int64_t s = s0; s < s1; s++) {
+                    pf_step(pf, pf_per);
+                    v16 v[MAX_NC];
+                    load_row(vrow[s - s0] + (h0 + hh) * head_bytes, A->bf16, nc, v);
+#pragma GCC unroll 16
+                    for (int64_t g = 0; g < GA; g++) {
+                        const float p = g < ga ? scores[(a0 + g) * sstride + s] : 0.f;
+#pragma GCC unroll 16
+                        for (int64_t c = 0; c < nc; c++) ac[g * nc + c] += p * v[c];
+                    }
+                }
+#pragma GCC unroll 24
+                for (int64_t i = 0; i < GA * nc; i++)
+                    if (i < ga * nc) acc[a0 * nc + i] = ac[i];
+            }
+        }
     }
 }
 
@@ -334,35 +373,12 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
         for (int64_t s = lim; s < n_max; s++) sc[s] = 0.f;
         for (int64_t c = 0; c < nc; c++) acc[a * nc + c] = (v16){0};
     }
-    /* pass 2, 16 keys at a time (their V rows stay in L1 across heads); per head, up to
-     * 16 / nc vectors' accumulators are held in registers across the 16 keys */
-    const int64_t GA = 16 / nc > 0 ? 16 / nc : 1;
-    for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
-        const int64_t s1 = n_max - s0 < 16 ? n_max : s0 + 16;
-        row_ptrs(vbase, table, A->BS, row_bytes, s0, s1 - s0, vrow);
-        for (int64_t hh = 0; hh < nh; hh++) {
-            for (int64_t a0 = hh * nqh; a0 < (hh + 1) * nqh; a0 += GA) {
-                const int64_t ga = (hh + 1) * nqh - a0 < GA ? (hh + 1) * nqh - a0 : GA;
-                v16 ac[16];
-#pragma GCC unroll 16
-                for (int64_t i = 0; i < GA * nc; i++) ac[i] = i < ga * nc ? acc[a0 * nc + i] : (v16){0};
-                for (int64_t s = s0; s < s1; s++) {
-                    pf_step(&pf, pf_per);
-                    v16 v[MAX_NC];
-                    load_row(vrow[s - s0] + (h0 + hh) * head_bytes, A->bf16, nc, v);
-#pragma GCC unroll 16
-                    for (int64_t g = 0; g < GA; g++) {
-                        const float p = g < ga ? scores[(a0 + g) * sstride + s] : 0.f;
-#pragma GCC unroll 16
-                        for (int64_t c = 0; c < nc; c++) ac[g * nc + c] += p * v[c];
-                    }
-                }
-#pragma GCC unroll 16
-                for (int64_t i = 0; i < GA * nc; i++)
-                    if (i < ga * nc) acc[a0 * nc + i] = ac[i];
-            }
-        }
-    }
+    /* pass 2: GA vectors of a head at a time, their accumulators in registers: 6 (24 zmm)
+     * when a head's vectors come in sixes (prefill tiles of head_dim 64), else 16 / nc */
+    if (nc == 4 && nqh % 6 == 0)
+        pass2(A, table, h0, nh, nqh, s_begin, n_max, nc, 6, scores, sstride, acc, &pf, pf_per, vrow);
+    else
+        pass2(A, table, h0, nh, nqh, s_begin, n_max, nc, 16 / nc > 0 ? 16 / nc : 1, scores, sstride, acc, &pf, pf_per, vrow);
     for (int64_t a = 0; a < nq; a++) {
         const int64_t hh = a / nqh, r = (a % nqh) / G, g = a % G;
         const int64_t dst = ((q0 + it->row0 + r) * A->Hq + (h0 + hh) * G + g) * D;

@@ -1,0 +1,105 @@
+"""Two builds of the CPU paged attention, side by side in one process, called alternately.
+
+    python -m benchmarks.attention_ab [--base REV] [--threads 2] [--rounds 25] [--dtype bfloat16]
+
+Compiles `kernels/cpu_ops/paged_attention.c` as committed at --base (default HEAD) and as it is
+in the working tree, each into its own library with the engine's flags, loads both, and times
+30 layers of the default model's attention (9 query heads, 3 KV heads of 64, blocks of 16 in
+shuffled order, K/V from DRAM) for a few step shapes, the two builds taking turns round by
+round. A slow phase of a shared machine (its memory bandwidth swings from minute to minute)
+hits both alike, which separate runs of `benchmarks.step_profile` cannot promise. Prints the
+min and median ms of a step's 30 calls and whether the two outputs are bit for bit equal.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+
+import torch
+
+from kernels.cpu_ops import build
+
+_SRC = "kernels/cpu_ops/paged_attention.c"
+HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
+SHAPES = {  # name: [(context, query rows)] per sequence
+    "decode 64 x ~200": [(200 + i % 8, 1) for i in range(64)],
+    "decode 16 x ~200": [(200 + i % 8, 1) for i in range(16)],
+    "prefill 1 x 256": [(256, 256)],
+    "prefill 8 x 128": [(128, 128)] * 8,
+}
+_ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+             ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+
+
+def _compile(source: str, tag: str, out_dir: str):
+    """The source text compiled alone (it needs only its headers) into a library; its entry point."""
+    root = os.path.dirname(os.path.abspath(build.__file__))
+    src, so = os.path.join(out_dir, f"{tag}.c"), os.path.join(out_dir, f"{tag}.so")
+    with open(src, "w") as f:
+        f.write(source)
+    cc = os.environ.get("CC", "cc")
+    subprocess.check_call([cc, *build._CFLAGS, "-I", root, "-shared", src, "-o", so, "-lm"])
+    fn = ctypes.CDLL(so).llmsvc_paged_attention
+    fn.restype, fn.argtypes = ctypes.c_int, _ARGTYPES
+    return fn
+
+
+def _batch(seqs, dtype, gen):
+    """Per-layer caches and queries, and the shared block table / lengths."""
+    nblk = sum(-(-c // BS) for c, _ in seqs)
+    maxb = max(-(-c // BS) for c, _ in seqs)
+    perm, bt, k = torch.randperm(nblk, generator=gen).tolist(), torch.zeros(len(seqs), maxb, dtype=torch.int32), 0
+    for i, (c, _) in enumerate(seqs):
+        for j in range(-(-c // BS)):
+            bt[i, j], k = perm[k], k + 1
+    qlens = [q for _, q in seqs]
+    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
+    sl = torch.tensor([c for c, _ in seqs], dtype=torch.int32)
+    layers = [tuple(torch.randn(*shape, generator=gen).to(dtype)
+                    for shape in ((nblk, BS, HKV, D), (nblk, BS, HKV, D), (sum(qlens), HQ, D)))
+              for _ in range(LAYERS)]
+    return layers, bt, qsl, sl
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", default="HEAD", help="git revision of the other build (default HEAD)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--rounds", type=int, default=25)
+    a = ap.parse_args(argv)
+    dtype = getattr(torch, a.dtype)
+    base_src = subprocess.check_output(["git", "show", f"{a.base}:{_SRC}"], text=True)
+    with open(_SRC) as f:
+        new_src = f.read()
+    with tempfile.TemporaryDirectory() as tmp:
+        fns = {a.base: _compile(base_src, "base", tmp), "tree": _compile(new_src, "tree", tmp)}
+        print(f"{a.dtype}, {a.threads} threads, {LAYERS} layers per step, {HQ} x {HKV} heads of {D}")
+        for name, seqs in SHAPES.items():
+            layers, bt, qsl, sl = _batch(seqs, dtype, torch.Generator().manual_seed(0))
+            outs = {tag: [torch.empty_like(q) for _, _, q in layers] for tag in fns}
+            times = {tag: [] for tag in fns}
+            for _ in range(a.rounds + 1):  # round 0 warms up
+                for tag, fn in fns.items():
+                    t0 = time.perf_counter()
+                    for (kc, vc, q), out in zip(layers, outs[tag]):
+                        rc = fn(int(dtype == torch.bfloat16), q.data_ptr(), HQ * D, kc.data_ptr(), vc.data_ptr(),
+                                bt.data_ptr(), bt.shape[1], qsl.data_ptr(), sl.data_ptr(), len(seqs), HQ, HKV,
+                                D, BS, D ** -0.5, 0, 0.0, out.data_ptr(), a.threads)
+                        assert rc == 0, f"{tag}: rejected its arguments"
+                    times[tag].append(time.perf_counter() - t0)
+            same = all(torch.equal(x, y) for x, y in zip(*outs.values()))
+            cols = "   ".join(f"{tag}: min {1e3 * min(t[1:]):6.2f} median {1e3 * statistics.median(t[1:]):6.2f} ms"
+                               for tag, t in times.items())
+            print(f"  {name:<18} {cols}   bit for bit: {'yes' if same else 'NO'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
