@@ -77,6 +77,33 @@ def test_engine_core_flag_env_and_executor_auto(monkeypatch):
         parse(["--engine-core", "elsewhere"])
 
 
+def test_event_loop_flag_env_and_choice(monkeypatch, caplog):
+    import importlib.util
+
+    from llmsvc.server import event_loop
+    assert parse([]).event_loop == "auto"
+    assert parse([], monkeypatch, {"LLMSVC_EVENT_LOOP": "asyncio"}).event_loop == "asyncio"
+    with pytest.raises(SystemExit):
+        parse(["--event-loop", "trio"])
+    have_uvloop = importlib.util.find_spec("uvloop") is not None
+    assert event_loop.resolve("auto") == ("uvloop" if have_uvloop else "asyncio")
+    assert event_loop.resolve("asyncio") == "asyncio"
+
+    async def loop_module():
+        return type(asyncio.get_running_loop()).__module__
+
+    assert event_loop.run(loop_module(), "asyncio").startswith("asyncio")
+    if have_uvloop:
+        assert event_loop.run(loop_module(), "uvloop").startswith("uvloop")
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if not installed: import raises ImportError
+    assert event_loop.resolve("auto") == "asyncio"
+    with pytest.raises(ValueError, match="not installed"):
+        event_loop.resolve("uvloop")
+    monkeypatch.setattr("llmsvc.server.logging_setup.setup_logging", lambda *a, **k: None)  # keep caplog's
+    assert cli.main(parse(["--event-loop", "uvloop"])) == 2  # asked for by name: a clear error, no start
+    assert "uvloop is not installed" in caplog.text
+
+
 async def _serve_until(factory, trigger) -> tuple[int, LlmServer]:
     server = LlmServer(factory, host="127.0.0.1", port=0)
     server.shutdown_grace = 5.0
