@@ -41,11 +41,14 @@ _ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, cty
 def _compile(source: str, tag: str, out_dir: str):
     """The source text compiled alone (it needs only its headers) into a library; its entry point."""
     root = os.path.dirname(os.path.abspath(build.__file__))
-    src, so = os.path.join(out_dir, f"{tag}.c"), os.path.join(out_dir, f"{tag}.so")
+    src, obj, so = (os.path.join(out_dir, f"{tag}.{ext}") for ext in ("c", "o", "so"))
     with open(src, "w") as f:
         f.write(source)
     cc = os.environ.get("CC", "cc")
-    subprocess.check_call([cc, *build._CFLAGS, "-I", root, "-shared", src, "-o", so, "-lm"])
+    # compiled with the engine's flags, linked without -ffast-math as build.py does: linking
+    # with it would set flush-to-zero for this whole process when the library loads
+    subprocess.check_call([cc, *build._CFLAGS, "-I", root, "-c", src, "-o", obj])
+    subprocess.check_call([cc, obj, *build._LDFLAGS, "-o", so])
     fn = ctypes.CDLL(so).llmsvc_paged_attention
     fn.restype, fn.argtypes = ctypes.c_int, _ARGTYPES
     return fn

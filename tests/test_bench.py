@@ -210,6 +210,7 @@ def test_gemm_weight_stream_bench_runs_every_implementation(capsys):
 
 def test_attention_ab_compares_two_builds_in_one_process(capsys):
     import shutil
+    import struct
     import subprocess
 
     from benchmarks import attention_ab
@@ -219,6 +220,8 @@ def test_attention_ab_compares_two_builds_in_one_process(capsys):
     if subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True).returncode != 0:
         pytest.skip("not a git checkout")
     attention_ab.main(["--rounds", "1", "--threads", "1"])
+    tiny = struct.unpack("f", struct.pack("I", 1))[0]  # the smallest fp32 subnormal
+    assert tiny * 1.0 != 0.0, "a library linked with -ffast-math turned on flush-to-zero in this process"
     out = capsys.readouterr().out
     rows = [l for l in out.splitlines() if "bit for bit" in l]
     assert len(rows) == len(attention_ab.SHAPES)
