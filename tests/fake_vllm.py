@@ -3,9 +3,10 @@ measures nothing. Run as `python fake_vllm.py ARGS` it answers what llmsvc.bench
 asks of that interpreter:
   -c "import vllm; ..."                       prints a version
   .../vllm_offline.py --model M ...           the offline protocol, with made-up fixed timings
-  -m vllm.entrypoints.openai.api_server ...   /health and streaming /v1/completions on loopback
-FAKE_VLLM_LOG, if set, names a file each start appends its mode and pid to; FAKE_VLLM_FIRST_DELAY
-delays the server's first chunk by that many seconds."""
+  -m vllm.entrypoints.openai.api_server ...   /health, streaming /v1/completions and (in dev mode,
+                                              VLLM_SERVER_DEV_MODE=1) /reset_prefix_cache on loopback
+FAKE_VLLM_LOG, if set, names a file each start (and each cache reset) appends its mode and pid
+to; FAKE_VLLM_FIRST_DELAY delays the server's first chunk by that many seconds."""
 from __future__ import annotations
 
 import json
@@ -43,6 +44,13 @@ class CompletionsHandler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def do_POST(self) -> None:
+        if self.path == "/reset_prefix_cache":  # vLLM registers it in dev mode only
+            dev = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
+            if dev:
+                _log("reset")
+            self.send_response(200 if dev else 404)
+            self.end_headers()
+            return
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).bodies.append(body)
         if len(body["prompt"]) > self.max_prompt:

@@ -90,12 +90,16 @@ def test_offline_script_turns_request_outputs_into_records(monkeypatch):
         m = argparse.Namespace(first_token_latency=0.25, first_token_ts=10.0, last_token_ts=10.5)
         return [Out(p, max_tokens, m if llm == "with-metrics" else None) for p in prompts]
 
+    class Llm(str):  # each job starts from an empty prefix cache: reset after the warm-up
+        def reset_prefix_cache(self):
+            calls.append("reset")
+
     monkeypatch.setattr(vllm_offline, "_generate", generate)
     lines, sink = [json.dumps({"prompts": [[1, 2, 3], [4, 5]], "max_tokens": 6}) + "\n", "\n"], []
     out = argparse.Namespace(write=sink.append)
-    vllm_offline.serve_jobs("with-metrics", lines, out)
-    vllm_offline.serve_jobs("no-metrics", lines[:1], out)
-    assert calls == [(1, 2), (2, 6), (1, 2), (2, 6)]
+    vllm_offline.serve_jobs(Llm("with-metrics"), lines, out)
+    vllm_offline.serve_jobs("no-metrics", lines[:1], out)  # an LLM without the method: no reset
+    assert calls == [(1, 2), "reset", (2, 6), (1, 2), (2, 6)]
     got, bare = json.loads(sink[0]), json.loads(sink[1])
     assert got["ttft_source"] == "RequestOutput.metrics" and got["wall_s"] >= 0
     assert got["records"] == [{"prompt_len": 3, "output_len": 6, "ttft_s": 0.25, "decode_s": 0.5},
@@ -178,6 +182,28 @@ def test_peer_children_start_once_and_stop(fake_python, tmp_path, monkeypatch):
         server = peer._server
     assert server.poll() is not None
     assert [line.split()[0] for line in (tmp_path / "starts").read_text().splitlines()] == ["offline", "server"]
+
+
+@pytest.mark.parametrize("dev_mode", [True, False])
+def test_each_serving_run_starts_from_an_empty_prefix_cache(fake_python, tmp_path, monkeypatch, dev_mode):
+    """The same prompts again must not be served from the cache the run before left: the
+    server's cache is reset between runs, or, without the dev-mode endpoint, the server restarts."""
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "starts"))
+    if not dev_mode:  # the endpoint answers 404, as a vLLM without it
+        monkeypatch.setattr(VllmPeer, "_spawn", _spawn_without_dev_mode)
+    with VllmPeer(str(fake_python), "/model", "float32", log_dir=str(tmp_path)) as peer:
+        for _ in range(3):
+            recs, _ = peer.run_serving([[1, 2, 3]], 4, [0.0])
+            assert recs[0].output_len == 4
+    events = [line.split()[0] for line in (tmp_path / "starts").read_text().splitlines()]
+    assert events == (["server", "reset", "reset"] if dev_mode else ["server", "server", "server"])
+
+
+def _spawn_without_dev_mode(self, cmd, log_name, env=None, **kw):
+    return _ORIG_SPAWN(self, cmd, log_name, env={**(env or {}), "VLLM_SERVER_DEV_MODE": "0"}, **kw)
+
+
+_ORIG_SPAWN = VllmPeer._spawn
 
 
 def test_bench_with_the_fake_peer_repeats_and_prints_ratios(fake_python, tmp_path):

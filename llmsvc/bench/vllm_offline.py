@@ -59,6 +59,9 @@ def serve_jobs(llm, lines, out) -> None:
         job = json.loads(line)
         prompts, max_tokens = job["prompts"], int(job["max_tokens"])
         _generate(llm, prompts[:1], 2)  # warm-up, outside the clock
+        reset = getattr(llm, "reset_prefix_cache", None)
+        if reset is not None:  # every job from an empty prefix cache, as each of llmsvc's runs
+            reset()
         t0 = time.perf_counter()
         outs = _generate(llm, prompts, max_tokens)
         wall = time.perf_counter() - t0
