@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import statistics
-import subprocess
 import tempfile
 import time
 
 import torch
 
-from kernels.cpu_ops import build
+from benchmarks import ab_build
 
 _SRC = "kernels/cpu_ops/paged_attention.c"
 HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
@@ -39,19 +37,7 @@ _ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, cty
 
 
 def _compile(source: str, tag: str, out_dir: str):
-    """The source text compiled alone (it needs only its headers) into a library; its entry point."""
-    root = os.path.dirname(os.path.abspath(build.__file__))
-    src, obj, so = (os.path.join(out_dir, f"{tag}.{ext}") for ext in ("c", "o", "so"))
-    with open(src, "w") as f:
-        f.write(source)
-    cc = os.environ.get("CC", "cc")
-    # compiled with the engine's flags, linked without -ffast-math as build.py does: linking
-    # with it would set flush-to-zero for this whole process when the library loads
-    subprocess.check_call([cc, *build._CFLAGS, "-I", root, "-c", src, "-o", obj])
-    subprocess.check_call([cc, obj, *build._LDFLAGS, "-o", so])
-    fn = ctypes.CDLL(so).llmsvc_paged_attention
-    fn.restype, fn.argtypes = ctypes.c_int, _ARGTYPES
-    return fn
+    return ab_build.compile_entry(source, tag, out_dir, "llmsvc_paged_attention", _ARGTYPES)
 
 
 def _batch(seqs, dtype, gen):
@@ -79,9 +65,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=25)
     a = ap.parse_args(argv)
     dtype = getattr(torch, a.dtype)
-    base_src = subprocess.check_output(["git", "show", f"{a.base}:{_SRC}"], text=True)
-    with open(_SRC) as f:
-        new_src = f.read()
+    base_src, new_src = ab_build.sources(_SRC, a.base)
     with tempfile.TemporaryDirectory() as tmp:
         fns = {a.base: _compile(base_src, "base", tmp), "tree": _compile(new_src, "tree", tmp)}
         print(f"{a.dtype}, {a.threads} threads, {LAYERS} layers per step, {HQ} x {HKV} heads of {D}")

@@ -232,6 +232,31 @@ def test_attention_ab_compares_two_builds_in_one_process(capsys):
             assert row.endswith("bit for bit: yes"), row
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gemm_ab_compares_two_builds_in_one_process(capsys, dtype):
+    import shutil
+    import subprocess
+
+    from benchmarks import gemm_ab
+    from kernels.cpu_ops import build
+    lib = build.load()
+    supported = {"float32": "llmsvc_gemm_f32_supported", "bfloat16": "llmsvc_gemm_bf16_dp_supported"}[dtype]
+    if lib is None or getattr(lib, supported)() != 1 or shutil.which("git") is None:
+        pytest.skip(f"needs the native {dtype} panel GEMM and git")
+    if subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    gemm_ab.main(["--dtype", dtype, "--rows", "3,17", "--layers", "1", "--rounds", "1", "--threads", "2"])
+    out = capsys.readouterr().out
+    assert "1 layers + LM head" in out
+    verdicts = [l for l in out.splitlines() if "bit for bit" in l]
+    assert [v.split(":")[0].strip() for v in verdicts] == ["M = 3", "M = 17"]
+    rows = [l for l in out.splitlines() if "HEAD: min" in l and "tree: min" in l]
+    assert [r.split()[0] for r in rows] == ["qkv", "o", "gate_up", "down", "lm_head", "pass"] * 2
+    src = gemm_ab.GEMMS[dtype][0]
+    if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", src]).returncode == 0:
+        assert all(v.endswith("bit for bit yes") for v in verdicts), verdicts
+
+
 def test_step_floor_reads_every_weight_and_the_steps_kv(tmp_path):
     d = make_tiny_model_dir(tmp_path, arch="llama", tie=True)
     c, kvb = param_counts(str(d)), kv_bytes_per_token(str(d), 2)

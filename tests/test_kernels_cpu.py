@@ -276,6 +276,27 @@ def test_bf16_dp_gemm_splits_panel_rows_between_threads_without_changing_a_bit(m
     torch.testing.assert_close(outs[1], F.linear(x, w, b), **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("nt", [2, 4])
+@pytest.mark.parametrize("m", [1, 6, 16])
+@pytest.mark.parametrize("n", [64, 130, 320, 576, 960])  # 1 panel, ragged 3, 5, 9, 15
+def test_bf16_dp_gemm_splits_leftover_panels_by_columns_without_changing_a_bit(m, n, nt):
+    # too few rows to split a panel's rows: the panels left over after an even share are split
+    # into 2 or 4 column parts, one per thread (a part past N, as in the ragged 130, is empty).
+    # Every element is written and equals the one-thread result bit for bit, bias included.
+    fn = _bf16_gemm_or_skip("llmsvc_gemm_bf16_dp")
+    g = torch.Generator().manual_seed(m * 7 + n + nt)
+    w, x = torch.randn(n, 96, generator=g).bfloat16(), torch.randn(m, 96, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    packed = linear.pack_amx(w)
+    outs = []
+    for threads in (1, nt):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        assert fn(x.data_ptr(), 96, packed.data_ptr(), b.data_ptr(), out.data_ptr(), n, m, n, 96, threads) == 0
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[1], F.linear(x, w, b), **TOL[torch.bfloat16])
+
+
 def test_bf16_dp_gemm_reads_a_with_its_row_stride():
     # A rows lda > K apart (a column slice of a wider activation), odd lda included
     fn = _bf16_gemm_or_skip("llmsvc_gemm_bf16_dp")

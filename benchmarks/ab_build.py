@@ -1,0 +1,34 @@
+"""Build one C source of kernels/cpu_ops twice (a committed revision and the working tree) into
+libraries of their own, so an A/B harness can load both in one process and call them in turn.
+A slow phase of a shared machine then hits both builds alike (benchmarks.attention_ab,
+benchmarks.gemm_ab)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+
+from kernels.cpu_ops import build
+
+
+def sources(path: str, base: str) -> tuple[str, str]:
+    """(the text of `path` at git revision `base`, its text in the working tree)"""
+    base_src = subprocess.check_output(["git", "show", f"{base}:{path}"], text=True)
+    with open(path) as f:
+        return base_src, f.read()
+
+
+def compile_entry(source: str, tag: str, out_dir: str, entry: str, argtypes, restype=ctypes.c_int):
+    """The source text compiled alone (it needs only its headers) into a library; its `entry`."""
+    root = os.path.dirname(os.path.abspath(build.__file__))
+    src, obj, so = (os.path.join(out_dir, f"{tag}.{ext}") for ext in ("c", "o", "so"))
+    with open(src, "w") as f:
+        f.write(source)
+    cc = os.environ.get("CC", "cc")
+    # compiled with the engine's flags, linked without -ffast-math as build.py does: linking
+    # with it would set flush-to-zero for this whole process when the library loads
+    subprocess.check_call([cc, *build._CFLAGS, "-I", root, "-c", src, "-o", obj])
+    subprocess.check_call([cc, obj, *build._LDFLAGS, "-o", so])
+    fn = getattr(ctypes.CDLL(so), entry)
+    fn.restype, fn.argtypes = restype, argtypes
+    return fn

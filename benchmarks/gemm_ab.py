@@ -1,0 +1,85 @@
+"""Two builds of a packed CPU GEMM, side by side in one process, called alternately.
+
+    python -m benchmarks.gemm_ab [--base REV] [--dtype bfloat16|float32] [--rows 1,16,64]
+                                 [--threads 2] [--rounds 25]
+
+Compiles the GEMM's source (`gemm_bf16dp.c`, AVX512-BF16 dot products, or `gemm.c`, fp32
+panels) as committed at --base (default HEAD) and as it is in the working tree, each into its
+own library with the engine's flags, and multiplies an [M, K] activation through the default
+model's 30 layers of packed weights (qkv, o, gate_up, down) and its LM head, as a decode step
+does (weights from DRAM), the two builds taking turns round by round. Prints, per M, the min
+and median ms of each projection's 30 calls and of the whole pass, and whether the two builds'
+outputs are bit for bit equal.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import tempfile
+import time
+
+import torch
+
+from benchmarks import ab_build
+from benchmarks.gemm import LM_HEAD, SHAPES
+from kernels.cpu_ops import linear
+
+_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
+GEMMS = {  # dtype: (source, entry, packing)
+    "bfloat16": ("kernels/cpu_ops/gemm_bf16dp.c", "llmsvc_gemm_bf16_dp", linear.pack_amx),
+    "float32": ("kernels/cpu_ops/gemm.c", "llmsvc_gemm_f32", linear.pack_panels),
+}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", default="HEAD", help="git revision of the other build (default HEAD)")
+    ap.add_argument("--dtype", default="bfloat16", choices=list(GEMMS))
+    ap.add_argument("--rows", default="1,16,64", help="comma-separated M values")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=25)
+    a = ap.parse_args(argv)
+    dtype = getattr(torch, a.dtype)
+    path, entry, pack = GEMMS[a.dtype]
+    g = torch.Generator().manual_seed(0)
+    # (name, weight [N, K], packed) in the order a step calls them
+    calls = [(name, w, pack(w)) for _ in range(a.layers) for name, n, k in SHAPES
+             for w in [(torch.randn(n, k, generator=g) * 0.02).to(dtype)]]
+    w = (torch.randn(*LM_HEAD, generator=g) * 0.02).to(dtype)
+    calls.append(("lm_head", w, pack(w)))
+    names = [n for n, _, _ in SHAPES] + ["lm_head"]
+    base_src, new_src = ab_build.sources(path, a.base)
+    with tempfile.TemporaryDirectory() as tmp:
+        fns = {a.base: ab_build.compile_entry(base_src, "base", tmp, entry, _ARGTYPES),
+               "tree": ab_build.compile_entry(new_src, "tree", tmp, entry, _ARGTYPES)}
+        print(f"{path}, {a.dtype}, {a.threads} threads, {a.layers} layers + LM head")
+        for m in (int(r) for r in a.rows.split(",")):
+            xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in {w.shape[1] for _, w, _ in calls}}
+            outs = {tag: [torch.empty(m, w.shape[0], dtype=dtype) for _, w, _ in calls] for tag in fns}
+            times = {tag: {n: [] for n in names + ["pass"]} for tag in fns}
+            for _ in range(a.rounds + 1):  # round 0 warms up
+                for tag, fn in fns.items():
+                    per = dict.fromkeys(names, 0.0)
+                    for (name, w, packed), out in zip(calls, outs[tag]):
+                        x, (n, k) = xs[w.shape[1]], w.shape
+                        t0 = time.perf_counter()
+                        rc = fn(x.data_ptr(), k, packed.data_ptr(), None, out.data_ptr(), n, m, n, k, a.threads)
+                        per[name] += time.perf_counter() - t0
+                        if rc != 0:
+                            raise SystemExit(f"{tag}: {entry} refused (not built for this CPU?)")
+                    for name, t in per.items():
+                        times[tag][name].append(t)
+                    times[tag]["pass"].append(sum(per.values()))
+            same = all(torch.equal(x, y) for x, y in zip(*outs.values()))
+            print(f"  M = {m}: bit for bit {'yes' if same else 'NO'}")
+            for name in names + ["pass"]:
+                cols = "   ".join(f"{tag}: min {1e3 * min(t[name][1:]):7.3f} median "
+                                   f"{1e3 * statistics.median(t[name][1:]):7.3f} ms" for tag, t in times.items())
+                print(f"    {name:<8} {cols}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
