@@ -262,8 +262,14 @@ def test_bf16_dp_gemm_splits_panel_rows_between_threads_without_changing_a_bit(m
     # 9 panels (N = 576) or 15 on 2 threads, 5 on 3...: with row blocks enough, each panel's rows are
     # split in nt chunks that any thread may take. Every element is written (NaN beforehand) and
     # equals the one-thread result bit for bit: the split moves work, never changes arithmetic.
+    _bf16_dp_matches_one_thread(m, n, nt, seed=m + n + nt)
+
+
+def _bf16_dp_matches_one_thread(m: int, n: int, nt: int, seed: int) -> None:
+    """[m, 96] @ [n, 96]^T + bias through gemm_bf16dp.c on 1 and on nt threads: every element
+    written (NaN beforehand), the two bit for bit equal, both within bf16 rounding of F.linear"""
     fn = _bf16_gemm_or_skip("llmsvc_gemm_bf16_dp")
-    g = torch.Generator().manual_seed(m + n + nt)
+    g = torch.Generator().manual_seed(seed)
     w, x = torch.randn(n, 96, generator=g).bfloat16(), torch.randn(m, 96, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
     packed = linear.pack_amx(w)
@@ -281,20 +287,8 @@ def test_bf16_dp_gemm_splits_panel_rows_between_threads_without_changing_a_bit(m
 @pytest.mark.parametrize("n", [64, 130, 320, 576, 960])  # 1 panel, ragged 3, 5, 9, 15
 def test_bf16_dp_gemm_splits_leftover_panels_by_columns_without_changing_a_bit(m, n, nt):
     # too few rows to split a panel's rows: the panels left over after an even share are split
-    # into 2 or 4 column parts, one per thread (a part past N, as in the ragged 130, is empty).
-    # Every element is written and equals the one-thread result bit for bit, bias included.
-    fn = _bf16_gemm_or_skip("llmsvc_gemm_bf16_dp")
-    g = torch.Generator().manual_seed(m * 7 + n + nt)
-    w, x = torch.randn(n, 96, generator=g).bfloat16(), torch.randn(m, 96, generator=g).bfloat16()
-    b = torch.randn(n, generator=g).bfloat16()
-    packed = linear.pack_amx(w)
-    outs = []
-    for threads in (1, nt):
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
-        assert fn(x.data_ptr(), 96, packed.data_ptr(), b.data_ptr(), out.data_ptr(), n, m, n, 96, threads) == 0
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    torch.testing.assert_close(outs[1], F.linear(x, w, b), **TOL[torch.bfloat16])
+    # into 2 or 4 column parts, one per thread (a part past N, as in the ragged 130, is empty)
+    _bf16_dp_matches_one_thread(m, n, nt, seed=m * 7 + n + nt)
 
 
 def test_bf16_dp_gemm_reads_a_with_its_row_stride():
