@@ -94,9 +94,9 @@ typedef struct {
     const uint16_t *a, *packed, *bias;
     uint16_t *c;
     int64_t lda, ldc, M, N, K, nkb, nb, nr;
-    /* column parts (tp > 0): run t of nt is its nf / nt whole panels, then part t (tiles
-     * [t tp, (t + 1) tp)) of each of the nl panels left over after nf; per = nf / nt + nl */
-    int64_t nf, nl, per, nt;
+    /* column parts (tp > 0): run t of nt is its whole = nf / nt panels, then part t (tiles
+     * [t tp, (t + 1) tp)) of each of the nl panels left over after nf; per = whole + nl */
+    int64_t nf, nl, per, whole;
     int tp;
 } dp_t;
 
@@ -107,11 +107,11 @@ static inline void unit_of(const dp_t *g, int64_t u, int64_t *p, int *t0, int *n
         *p = u / g->nr, *r = u % g->nr;
         return;
     }
-    const int64_t t = u / g->per, k = u % g->per, whole = g->nf / g->nt;
-    if (k < whole) {
-        *p = t * whole + k;
+    const int64_t t = u / g->per, k = u % g->per;
+    if (k < g->whole) {
+        *p = t * g->whole + k;
     } else {
-        *p = g->nf + k - whole, *t0 = (int)t * g->tp, *nt = g->tp;
+        *p = g->nf + k - g->whole, *t0 = (int)t * g->tp, *nt = g->tp;
     }
 }
 
@@ -124,7 +124,7 @@ static inline void unit_of(const dp_t *g, int64_t u, int64_t *p, int *t0, int *n
  * so it is kept to GEMMs of CHUNK_MIN_BLOCKS row blocks a thread or more (64 rows on 2
  * threads), whose panels are compute-bound.
  *
- * Columns: below that (decodes of up to 16-ish rows) the panels left over after an even share
+ * Columns: below that (up to 42 rows on 2 threads) the panels left over after an even share
  * are split by column tiles instead, one part per thread (2 or 4 threads: 2 or 1 tiles each),
  * so each thread reads its own quarter or half of them and none waits a whole panel time.
  *
@@ -171,10 +171,10 @@ int llmsvc_gemm_bf16_dp(const uint16_t *a, int64_t lda, const uint16_t *packed, 
     const int64_t np = (N + NP - 1) / NP, nkb = K / KB, nb = (M + MR - 1) / MR;
     nt = nt < 1 ? 1 : nt > MAX_NT ? MAX_NT : nt;
     const int64_t nr = np % nt && nb >= CHUNK_MIN_BLOCKS * nt ? nt : 1;
-    dp_t g = {a, packed, bias, c, lda, ldc, M, N, K, nkb, nb, nr, 0, 0, 0, nt, 0};
+    dp_t g = {a, packed, bias, c, lda, ldc, M, N, K, nkb, nb, nr, 0, 0, 0, 0, 0};
     int64_t nu = np * nr;
     if (nr == 1 && np % nt && (nt == 2 || nt == 4)) {
-        g.tp = 4 / nt, g.nl = np % nt, g.nf = np - g.nl, g.per = g.nf / nt + g.nl;
+        g.tp = 4 / nt, g.nl = np % nt, g.nf = np - g.nl, g.whole = g.nf / nt, g.per = g.whole + g.nl;
         nu = g.per * nt;
     }
     range_t ranges[MAX_NT] __attribute__((aligned(64)));
