@@ -73,10 +73,12 @@ def test_block_sizes(block_size):
     _check(PagedBatch(seqs, 6, 2, 64, block_size=block_size, seed=4), torch.float32)
 
 
-@pytest.mark.parametrize("head_dim", [16, 48, 128, 256])
-def test_head_dims(head_dim):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 48, 128, 256, 512])
+def test_head_dims(dtype, head_dim):
+    # prefill tiles, a decode and a 9-row chunk; 512 = the largest head_dim the kernel takes
     seqs = [(23, 23), (50, 1), (40, 9)]
-    _check(PagedBatch(seqs, 4, 2, head_dim, seed=head_dim), torch.float32)
+    _check(PagedBatch(seqs, 4, 2, head_dim, dtype=dtype, seed=head_dim), dtype)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -19,19 +19,19 @@
  * libgomp is already loaded, so both share one thread pool), claimed dynamically one item
  * ahead, so that the thread can prefetch the next item's first rows. Per item, in fp32 (bf16 is
  * widened on load, rounded RNE on store):
- *   pass 1  scores[a, s] = scale * q_a . k_s, 16 keys at a time: the 16 K rows are first
- *           copied (widened) into a workspace front to back, every head of a row in turn, so
- *           memory sees one sequential stream per block rather than nh strided ones; each
- *           key then gives a vector of 16 partial sums, and a 4-level shuffle tree turns 16
- *           such vectors into the 16 scores (no per-key horizontal reduction). The next 16 K
- *           and V rows are prefetched, every cache line (block-table order defeats the
- *           hardware prefetcher), spread over this group's row loads: as one burst they
- *           stalled on full fill buffers. Items of at most QC query vectors (decodes) skip
- *           the workspace and read each K row where it is stored (pass1_direct; bf16 with
- *           AVX512-BF16 dot products, nothing widened);
+ *   pass 1  scores[a, s] = scale * q_a . k_s, 16 keys at a time. Decodes (items of at most QC
+ *           query vectors, pass1_direct) read each K row where it is stored; prefill tiles
+ *           copy the group's rows into a workspace first, widened (pass1_workspace) or, in
+ *           bf16 on AVX512-BF16, transposed so 16 keys lie across a register for dot
+ *           products (pass1_transposed, attention_dp.h). The next 16 K and V rows are
+ *           prefetched, every cache line (block-table order defeats the hardware
+ *           prefetcher), spread over this group's row loads: as one burst they stalled on
+ *           full fill buffers;
  *   softmax over the keys each vector may see (causal limit per query row);
  *   pass 2  acc[a] = sum_s p[a, s] * v_s, 16 keys at a time with a few vectors' accumulators
- *           in registers (memory accumulators would chain every key through a store).
+ *           in registers (memory accumulators would chain every key through a store); bf16
+ *           prefill tiles on AVX512-BF16 round p to bf16, as torch's CPU flash attention
+ *           does, and take key pairs through dot products (pass2_dp, attention_dp.h).
  * Written with GCC/Clang vector extensions: 512-bit registers on AVX-512, split otherwise.
  */
 #include <math.h>
@@ -163,17 +163,16 @@ static inline void pf_step(pf_t *pf, int64_t count) {
 #endif
 
 /* Pass 1 of an item with at most QC query vectors (a decode: G per KV head), reading each K
- * row where it is stored instead of first copying the group into the workspace; per key j
- * (front to back, each head's slice in turn) every vector's partial sums, then reduce16 per
- * 16 keys, and the next group's rows prefetched while this group's are loaded, as in the
- * workspace path.
- *   fp32 (dp = 0): the workspace path's sums bit for bit (qv: the scaled q), without its copy.
+ * row where it is stored; per key j (front to back, each head's slice in turn) every vector's
+ * partial sums, then reduce16 per 16 keys, and the next group's rows prefetched while this
+ * group's are loaded.
+ *   fp32 (dp = 0): q already scaled (qv), 16-lane partial sums over the D / 16 chunks.
  *   bf16 (dp = 1, AVX512-BF16, head_dim a multiple of 32): VDPBF16PS on q and the K rows as
- *   stored, nothing widened. Each product of two bf16 is exact in fp32, as in the widened
- *   path; the summation order differs, the scale comes after the sum, and VDPBF16PS reads
- *   bf16 denormals as zero.
- * Prefill tiles (then 4 rows: 12 vectors per KV head) ran 1.6x slower in bf16 this way than with
- * the workspace, whose widened rows they share, and keep it. */
+ *   stored, nothing widened. Each product of two bf16 is exact in fp32, as widened; the scale
+ *   comes after the sum, and VDPBF16PS reads bf16 denormals as zero.
+ * With a handful of vectors per KV head the transposition of pass1_transposed does not pay
+ * for itself; prefill tiles (then 4 rows: 12 vectors per KV head) ran 1.6x slower in bf16
+ * this way than with a workspace of widened rows, and take pass1_transposed. */
 static inline __attribute__((always_inline)) void pass1_direct(
     const args_t *A, const item_t *it, int64_t h0, int64_t nh, const int32_t *table, const v16 *qv,
     float *scores, int64_t sstride, int64_t s_begin, int64_t n_max, const int64_t nc, const int dp,
@@ -229,76 +228,17 @@ static inline __attribute__((always_inline)) void pass1_direct(
     }
 }
 
-/* Pass 2 of an item: acc[a] += sum_s p[a, s] * v_s, 16 keys at a time (their V rows stay in
- * L1 across heads), GA vectors of one head at a time with their accumulators in registers
- * across the 16 keys (GA * nc <= 24). */
-static inline __attribute__((always_inline)) void pass2(
-    const args_t *A, const int32_t *table, int64_t h0, int64_t nh, int64_t nqh, int64_t s_begin,
-    int64_t n_max, const int64_t nc, const int64_t GA, const float *scores, int64_t sstride, v16 *acc,
-    pf_t *pf, int64_t pf_per, const char **vrow) {
+/* Pass 1 of a prefill item (more than QC query vectors), fp32 or bf16 without AVX512-BF16:
+ * the group's 16 K rows are copied (widened) into the workspace kb front to back, every head
+ * of a row in turn, so memory sees one sequential stream per block rather than nh strided
+ * ones; each key then gives a vector of 16 partial sums per query vector, and reduce16 turns
+ * 16 such vectors into the 16 scores. qv: q already scaled. */
+static inline __attribute__((always_inline)) void pass1_workspace(
+    const args_t *A, int64_t h0, int64_t nh, int64_t nqh, const int32_t *table, const v16 *qv, v16 *kb,
+    float *scores, int64_t sstride, int64_t s_begin, int64_t n_max, const int64_t nc, const char **krow,
+    const char **knext, const char **vnext) {
     const int64_t esz = A->bf16 ? 2 : 4, head_bytes = esz * 16 * nc, row_bytes = head_bytes * A->Hkv;
-    const char *vbase = (const char *)A->v_cache;
-    for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
-        const int64_t s1 = n_max - s0 < 16 ? n_max : s0 + 16;
-        row_ptrs(vbase, table, A->BS, row_bytes, s0, s1 - s0, vrow);
-        for (int64_t hh = 0; hh < nh; hh++) {
-            for (int64_t a0 = hh * nqh; a0 < (hh + 1) * nqh; a0 += GA) {
-                const int64_t ga = (hh + 1) * nqh - a0 < GA ? (hh + 1) * nqh - a0 : GA;
-                v16 ac[24];
-#pragma GCC unroll 24
-                for (int64_t i = 0; i < GA * nc; i++) ac[i] = i < ga * nc ? acc[a0 * nc + i] : (v16){0};
-                for (int64_t s = s0; s < s1; s++) {
-                    pf_step(pf, pf_per);
-                    v16 v[MAX_NC];
-                    load_row(vrow[s - s0] + (h0 + hh) * head_bytes, A->bf16, nc, v);
-#pragma GCC unroll 16
-                    for (int64_t g = 0; g < GA; g++) {
-                        const float p = g < ga ? scores[(a0 + g) * sstride + s] : 0.f;
-#pragma GCC unroll 16
-                        for (int64_t c = 0; c < nc; c++) ac[g * nc + c] += p * v[c];
-                    }
-                }
-#pragma GCC unroll 24
-                for (int64_t i = 0; i < GA * nc; i++)
-                    if (i < ga * nc) acc[a0 * nc + i] = ac[i];
-            }
-        }
-    }
-}
-
-/* Heads [h0, h0 + nh) of one item; nx: the item this thread runs next, or NULL. ws: per-thread
- * fp32 workspace, nh*ROWS*G * (max_keys + 16) scores + 2 * nh*ROWS*G * D + 16 * nh * D. Each
- * cache row is streamed from memory once, front to back.
- * Always inlined into run_item_<nc> below, so the common head sizes get constant trip counts. */
-static inline __attribute__((always_inline)) void run_heads(const args_t *A, const item_t *it, int64_t h0,
-                                                            int64_t nh, const item_t *nx, float *ws,
-                                                            int64_t max_keys, const int64_t nc) {
-    const int64_t G = A->Hq / A->Hkv, nqh = (int64_t)it->nrows * G, nq = nqh * nh, D = 16 * nc;
-    const int64_t esz = A->bf16 ? 2 : 4, row_stride = A->Hkv * D; /* elements between keys */
-    const int64_t q0 = A->qsl[it->seq], q_len = A->qsl[it->seq + 1] - q0;
-    const int64_t ctx = A->seq_lens[it->seq], first_lim = ctx - q_len + it->row0 + 1;
-    const int64_t n_max = item_keys(A, it); /* = first_lim + nrows - 1 */
-    const int64_t s_begin = item_first_key(A, it), sstride = max_keys + 16; /* scores by key position */
-    const int32_t *table = A->block_table + (int64_t)it->seq * A->bt_stride;
-    float *scores = ws;                              /* [nq, sstride], vector a = hh * nqh + r * G + g */
-    v16 *qv = (v16 *)(ws + nq * sstride);            /* [nq, nc] */
-    v16 *acc = qv + nq * nc;                         /* [nq, nc] */
-    v16 *kb = acc + nq * nc;                         /* [nh, 16, nc]: a group's K rows */
     const char *kbase = (const char *)A->k_cache, *vbase = (const char *)A->v_cache;
-    for (int64_t a = 0; a < nq; a++) {
-        const int64_t hh = a / nqh, r = (a % nqh) / G, g = a % G;
-        const char *src = (const char *)A->q + esz * ((q0 + it->row0 + r) * A->q_stride + ((h0 + hh) * G + g) * D);
-        load_row(src, A->bf16, nc, qv + a * nc);
-        for (int64_t c = 0; c < nc; c++) qv[a * nc + c] *= A->scale;
-    }
-    /* pass 1 */
-    const int64_t row_bytes = esz * row_stride, head_bytes = esz * D;
-    const char *krow[16], *vrow[16], *knext[16], *vnext[16];
-    if (nq <= QC && !A->bf16) {
-        pass1_direct(A, it, h0, nh, table, qv, scores, sstride, s_begin, n_max, nc, 0, krow, knext, vnext);
-    } else if (nq <= QC && HAVE_DP && nc % 2 == 0) {
-        pass1_direct(A, it, h0, nh, table, qv, scores, sstride, s_begin, n_max, nc, 1, krow, knext, vnext);
-    } else
     for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
         v16 part[16];
         const int64_t kn = n_max - s0 < 16 ? n_max - s0 : 16;
@@ -308,7 +248,6 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
             row_ptrs(kbase, table, A->BS, row_bytes, s0 + 16, nn, knext);
             row_ptrs(vbase, table, A->BS, row_bytes, s0 + 16, nn, vnext);
         }
-        /* the group's K rows, front to back (all nh slices of a row are adjacent) */
         for (int64_t j = 0; j < 16; j++) {
             for (int64_t hh = 0; hh < nh; hh++) {
                 v16 *dst = kb + (hh * 16 + j) * nc;
@@ -335,6 +274,88 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
                 *(v16 *)(scores + a * sstride + s0) = reduce16(part);
             }
         }
+    }
+}
+
+/* Pass 2 of an item: acc[a] += sum_s p[a, s] * v_s, 16 keys at a time (their V rows stay in
+ * L1 across heads), GA vectors of one head at a time with their accumulators in registers
+ * across the 16 keys (GA * nc <= 24). */
+static inline __attribute__((always_inline)) void pass2(
+    const args_t *A, const int32_t *table, int64_t h0, int64_t nh, int64_t nqh, int64_t s_begin,
+    int64_t n_max, const int64_t nc, const int64_t GA, const float *scores, int64_t sstride, v16 *acc,
+    pf_t *pf, int64_t pf_per, const char **vrow) {
+    const int64_t esz = A->bf16 ? 2 : 4, head_bytes = esz * 16 * nc, row_bytes = head_bytes * A->Hkv;
+    const char *vbase = (const char *)A->v_cache;
+    for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
+        const int64_t s1 = n_max - s0 < 16 ? n_max : s0 + 16;
+        row_ptrs(vbase, table, A->BS, row_bytes, s0, s1 - s0, vrow);
+        for (int64_t hh = 0; hh < nh; hh++) {
+            for (int64_t a0 = hh * nqh; a0 < (hh + 1) * nqh; a0 += GA) {
+                const int64_t ga = (hh + 1) * nqh - a0 < GA ? (hh + 1) * nqh - a0 : GA;
+                v16 ac[MAX_NC]; /* GA * nc <= 24, or nc alone (GA = 1) up to MAX_NC */
+#pragma GCC unroll 24
+                for (int64_t i = 0; i < GA * nc; i++) ac[i] = i < ga * nc ? acc[a0 * nc + i] : (v16){0};
+                for (int64_t s = s0; s < s1; s++) {
+                    pf_step(pf, pf_per);
+                    v16 v[MAX_NC];
+                    load_row(vrow[s - s0] + (h0 + hh) * head_bytes, A->bf16, nc, v);
+#pragma GCC unroll 16
+                    for (int64_t g = 0; g < GA; g++) {
+                        const float p = g < ga ? scores[(a0 + g) * sstride + s] : 0.f;
+#pragma GCC unroll 16
+                        for (int64_t c = 0; c < nc; c++) ac[g * nc + c] += p * v[c];
+                    }
+                }
+#pragma GCC unroll 24
+                for (int64_t i = 0; i < GA * nc; i++)
+                    if (i < ga * nc) acc[a0 * nc + i] = ac[i];
+            }
+        }
+    }
+}
+
+#include "attention_dp.h"
+
+/* Heads [h0, h0 + nh) of one item; nx: the item this thread runs next, or NULL. ws: per-thread
+ * fp32 workspace, nh*ROWS*G * (max_keys + 16) scores + 2 * nh*ROWS*G * D + 16 * nh * D. Each
+ * cache row is streamed from memory once, front to back.
+ * Always inlined into run_item_<nc> below, so the common head sizes get constant trip counts. */
+static inline __attribute__((always_inline)) void run_heads(const args_t *A, const item_t *it, int64_t h0,
+                                                            int64_t nh, const item_t *nx, float *ws,
+                                                            int64_t max_keys, const int64_t nc) {
+    const int64_t G = A->Hq / A->Hkv, nqh = (int64_t)it->nrows * G, nq = nqh * nh, D = 16 * nc;
+    const int64_t esz = A->bf16 ? 2 : 4, row_stride = A->Hkv * D; /* elements between keys */
+    const int64_t q0 = A->qsl[it->seq], q_len = A->qsl[it->seq + 1] - q0;
+    const int64_t ctx = A->seq_lens[it->seq], first_lim = ctx - q_len + it->row0 + 1;
+    const int64_t n_max = item_keys(A, it); /* = first_lim + nrows - 1 */
+    const int64_t s_begin = item_first_key(A, it), sstride = max_keys + 16; /* scores by key position */
+    const int32_t *table = A->block_table + (int64_t)it->seq * A->bt_stride;
+    float *scores = ws;                              /* [nq, sstride], vector a = hh * nqh + r * G + g */
+    v16 *qv = (v16 *)(ws + nq * sstride);            /* [nq, nc] */
+    v16 *acc = qv + nq * nc;                         /* [nq, nc] */
+    v16 *kb = acc + nq * nc;                         /* [nh, 16 nc]: a group's K rows (or V pairs) */
+    const char *kbase = (const char *)A->k_cache, *vbase = (const char *)A->v_cache;
+    for (int64_t a = 0; a < nq; a++) {
+        const int64_t hh = a / nqh, r = (a % nqh) / G, g = a % G;
+        const char *src = (const char *)A->q + esz * ((q0 + it->row0 + r) * A->q_stride + ((h0 + hh) * G + g) * D);
+        load_row(src, A->bf16, nc, qv + a * nc);
+        for (int64_t c = 0; c < nc; c++) qv[a * nc + c] *= A->scale;
+    }
+    /* pass 1 */
+    const int64_t row_bytes = esz * row_stride, head_bytes = esz * D;
+    const char *krow[16], *vrow[16], *knext[16], *vnext[16];
+    if (nq <= QC && !A->bf16) {
+        pass1_direct(A, it, h0, nh, table, qv, scores, sstride, s_begin, n_max, nc, 0, krow, knext, vnext);
+    } else if (nq <= QC && HAVE_DP && nc % 2 == 0) {
+        pass1_direct(A, it, h0, nh, table, qv, scores, sstride, s_begin, n_max, nc, 1, krow, knext, vnext);
+    }
+#if HAVE_DP
+    else if (A->bf16 && nc % 2 == 0) {
+        pass1_transposed(A, it, h0, nh, table, qv, kb, scores, sstride, s_begin, n_max, nc, krow, knext, vnext);
+    }
+#endif
+    else {
+        pass1_workspace(A, h0, nh, nqh, table, qv, kb, scores, sstride, s_begin, n_max, nc, krow, knext, vnext);
     }
     pf_t pf = {.left = 0, .vrows = 0};
     int64_t pf_lines = 0;
@@ -375,6 +396,15 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     }
     /* pass 2: GA vectors of a head at a time, their accumulators in registers: 6 (24 zmm)
      * when a head's vectors come in sixes (prefill tiles of head_dim 64), else 16 / nc */
+#if HAVE_DP
+    if (nq > QC && A->bf16) { /* prefill tiles in bf16 */
+        if (nc == 4 && nqh % 6 == 0)
+            pass2_dp(A, table, h0, nh, nqh, s_begin, n_max, nc, 6, scores, sstride, acc, (__m512i *)kb, &pf, pf_per, vrow);
+        else
+            pass2_dp(A, table, h0, nh, nqh, s_begin, n_max, nc, 16 / nc > 0 ? 16 / nc : 1, scores, sstride, acc,
+                     (__m512i *)kb, &pf, pf_per, vrow);
+    } else
+#endif
     if (nc == 4 && nqh % 6 == 0)
         pass2(A, table, h0, nh, nqh, s_begin, n_max, nc, 6, scores, sstride, acc, &pf, pf_per, vrow);
     else
