@@ -18,9 +18,23 @@ def sources(path: str, base: str) -> tuple[str, str]:
         return base_src, f.read()
 
 
-def compile_entry(source: str, tag: str, out_dir: str, entry: str, argtypes, restype=ctypes.c_int):
-    """The source text compiled alone (it needs only its headers) into a library; its `entry`."""
-    root = os.path.dirname(os.path.abspath(build.__file__))
+def headers_at(rev: str, out_dir: str) -> str:
+    """A folder of out_dir holding the kernels' headers as committed at git revision `rev`."""
+    folder = os.path.join(out_dir, "include-" + "".join(c if c.isalnum() else "_" for c in rev))
+    os.makedirs(folder, exist_ok=True)
+    listed = subprocess.check_output(["git", "ls-tree", "--name-only", rev, "kernels/cpu_ops/"], text=True)
+    for path in listed.split():
+        if path.endswith(".h"):
+            with open(os.path.join(folder, os.path.basename(path)), "w") as f:
+                f.write(subprocess.check_output(["git", "show", f"{rev}:{path}"], text=True))
+    return folder
+
+
+def compile_entry(source: str, tag: str, out_dir: str, entry: str, argtypes, restype=ctypes.c_int,
+                  rev: str | None = None):
+    """The source text compiled alone (it needs only its headers: those committed at `rev`, or
+    the working tree's) into a library; its `entry`."""
+    root = headers_at(rev, out_dir) if rev else os.path.dirname(os.path.abspath(build.__file__))
     src, obj, so = (os.path.join(out_dir, f"{tag}.{ext}") for ext in ("c", "o", "so"))
     with open(src, "w") as f:
         f.write(source)

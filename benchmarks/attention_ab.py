@@ -36,8 +36,8 @@ _ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, cty
              ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
 
 
-def _compile(source: str, tag: str, out_dir: str):
-    return ab_build.compile_entry(source, tag, out_dir, "llmsvc_paged_attention", _ARGTYPES)
+def _compile(source: str, tag: str, out_dir: str, rev: str | None = None):
+    return ab_build.compile_entry(source, tag, out_dir, "llmsvc_paged_attention", _ARGTYPES, rev=rev)
 
 
 def _batch(seqs, dtype, gen):
@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     dtype = getattr(torch, a.dtype)
     base_src, new_src = ab_build.sources(_SRC, a.base)
     with tempfile.TemporaryDirectory() as tmp:
-        fns = {a.base: _compile(base_src, "base", tmp), "tree": _compile(new_src, "tree", tmp)}
+        fns = {a.base: _compile(base_src, "base", tmp, a.base), "tree": _compile(new_src, "tree", tmp)}
         print(f"{a.dtype}, {a.threads} threads, {LAYERS} layers per step, {HQ} x {HKV} heads of {D}")
         for name, seqs in SHAPES.items():
             layers, bt, qsl, sl = _batch(seqs, dtype, torch.Generator().manual_seed(0))

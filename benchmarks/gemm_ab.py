@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     names = [n for n, _, _ in SHAPES] + ["lm_head"]
     base_src, new_src = ab_build.sources(path, a.base)
     with tempfile.TemporaryDirectory() as tmp:
-        fns = {a.base: ab_build.compile_entry(base_src, "base", tmp, entry, _ARGTYPES),
+        fns = {a.base: ab_build.compile_entry(base_src, "base", tmp, entry, _ARGTYPES, rev=a.base),
                "tree": ab_build.compile_entry(new_src, "tree", tmp, entry, _ARGTYPES)}
         print(f"{path}, {a.dtype}, {a.threads} threads, {a.layers} layers + LM head")
         for m in (int(r) for r in a.rows.split(",")):
