@@ -33,7 +33,6 @@ static inline __attribute__((always_inline)) void pass1_transposed(
     const char **krow, const char **knext, const char **vnext) {
     const int64_t G = A->Hq / A->Hkv, nqh = (int64_t)it->nrows * G;
     const int64_t head_bytes = 32 * nc, row_bytes = head_bytes * A->Hkv, nd = 8 * nc; /* kt rows per head */
-    const char *kbase = (const char *)A->k_cache, *vbase = (const char *)A->v_cache;
     const int64_t q0 = A->qsl[it->seq];
     int32_t *qb = (int32_t *)qv; /* [nq][nd] q pairs as stored (pass 2 does not read qv) */
     for (int64_t a = 0; a < nh * nqh; a++) {
@@ -43,13 +42,8 @@ static inline __attribute__((always_inline)) void pass1_transposed(
         for (int64_t d = 0; d < nd; d++) qb[a * nd + d] = src[d];
     }
     for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
-        const int64_t kn = n_max - s0 < 16 ? n_max - s0 : 16;
-        row_ptrs(kbase, table, A->BS, row_bytes, s0, kn, krow);
-        const int64_t nn = n_max - s0 - 16 < 16 ? n_max - s0 - 16 : 16; /* rows in the next group */
-        if (nn > 0) {
-            row_ptrs(kbase, table, A->BS, row_bytes, s0 + 16, nn, knext);
-            row_ptrs(vbase, table, A->BS, row_bytes, s0 + 16, nn, vnext);
-        }
+        int64_t nn;
+        const int64_t kn = group_rows(A, table, row_bytes, s0, n_max, krow, knext, vnext, &nn);
         for (int64_t j = 0; j < nn; j++) {
             const char *pk = knext[j] + h0 * head_bytes, *pv = vnext[j] + h0 * head_bytes;
             for (int64_t c = 0; c < nh * head_bytes; c += 64) {

@@ -111,6 +111,21 @@ static inline void row_ptrs(const char *base, const int32_t *table, int64_t bs, 
     }
 }
 
+/* The group of up to 16 keys at s0: its cache rows (krow, returned: how many) and those of
+ * the next group (knext, vnext: *nn of them, to prefetch while this group is loaded) */
+static inline __attribute__((always_inline)) int64_t group_rows(
+    const args_t *A, const int32_t *table, int64_t row_bytes, int64_t s0, int64_t n_max, const char **krow,
+    const char **knext, const char **vnext, int64_t *nn) {
+    const int64_t kn = n_max - s0 < 16 ? n_max - s0 : 16;
+    row_ptrs((const char *)A->k_cache, table, A->BS, row_bytes, s0, kn, krow);
+    *nn = n_max - s0 - 16 < 16 ? n_max - s0 - 16 : 16;
+    if (*nn > 0) {
+        row_ptrs((const char *)A->k_cache, table, A->BS, row_bytes, s0 + 16, *nn, knext);
+        row_ptrs((const char *)A->v_cache, table, A->BS, row_bytes, s0 + 16, *nn, vnext);
+    }
+    return kn;
+}
+
 /* The item a thread runs next, prefetched into L2 while this item's softmax and pass 2 run
  * from cache: its K rows (up to PF_BYTES of them), then its first 16 V rows, a few lines per
  * pass-2 key, walking its block table incrementally (no division per line). Pass 1 then reads
@@ -179,7 +194,6 @@ static inline __attribute__((always_inline)) void pass1_direct(
     const char **krow, const char **knext, const char **vnext) {
     const int64_t G = A->Hq / A->Hkv, nqh = (int64_t)it->nrows * G, nq = nh * nqh;
     const int64_t esz = dp ? 2 : 4, D = 16 * nc, head_bytes = esz * D, row_bytes = esz * A->Hkv * D;
-    const char *kbase = (const char *)A->k_cache, *vbase = (const char *)A->v_cache;
     int64_t koff[QC]; /* byte offset of vector a's head slice in a cache row */
     for (int64_t a = 0; a < nq; a++) koff[a] = (h0 + a / nqh) * head_bytes;
 #if HAVE_DP
@@ -192,13 +206,8 @@ static inline __attribute__((always_inline)) void pass1_direct(
     }
 #endif
     for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
-        const int64_t kn = n_max - s0 < 16 ? n_max - s0 : 16;
-        row_ptrs(kbase, table, A->BS, row_bytes, s0, kn, krow);
-        const int64_t nn = n_max - s0 - 16 < 16 ? n_max - s0 - 16 : 16;
-        if (nn > 0) {
-            row_ptrs(kbase, table, A->BS, row_bytes, s0 + 16, nn, knext);
-            row_ptrs(vbase, table, A->BS, row_bytes, s0 + 16, nn, vnext);
-        }
+        int64_t nn;
+        const int64_t kn = group_rows(A, table, row_bytes, s0, n_max, krow, knext, vnext, &nn);
         v16 part[QC][16];
         for (int64_t j = 0; j < 16; j++) {
             if (j < nn) { /* the next group's row j, all heads */
@@ -238,16 +247,10 @@ static inline __attribute__((always_inline)) void pass1_workspace(
     float *scores, int64_t sstride, int64_t s_begin, int64_t n_max, const int64_t nc, const char **krow,
     const char **knext, const char **vnext) {
     const int64_t esz = A->bf16 ? 2 : 4, head_bytes = esz * 16 * nc, row_bytes = head_bytes * A->Hkv;
-    const char *kbase = (const char *)A->k_cache, *vbase = (const char *)A->v_cache;
     for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
         v16 part[16];
-        const int64_t kn = n_max - s0 < 16 ? n_max - s0 : 16;
-        row_ptrs(kbase, table, A->BS, row_bytes, s0, kn, krow);
-        const int64_t nn = n_max - s0 - 16 < 16 ? n_max - s0 - 16 : 16; /* rows in the next group */
-        if (nn > 0) {
-            row_ptrs(kbase, table, A->BS, row_bytes, s0 + 16, nn, knext);
-            row_ptrs(vbase, table, A->BS, row_bytes, s0 + 16, nn, vnext);
-        }
+        int64_t nn;
+        const int64_t kn = group_rows(A, table, row_bytes, s0, n_max, krow, knext, vnext, &nn);
         for (int64_t j = 0; j < 16; j++) {
             for (int64_t hh = 0; hh < nh; hh++) {
                 v16 *dst = kb + (hh * 16 + j) * nc;
