@@ -67,10 +67,11 @@ def test_prefill_chunks_and_mixed_batch(dtype):
     _check(PagedBatch(seqs, 6, 2, 64, dtype=dtype, seed=3), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 8, 32])
-def test_block_sizes(block_size):
+def test_block_sizes(block_size, dtype):
     seqs = [(100, 20), (47, 1), (33, 16), (5, 5)]
-    _check(PagedBatch(seqs, 6, 2, 64, block_size=block_size, seed=4), torch.float32)
+    _check(PagedBatch(seqs, 6, 2, 64, block_size=block_size, dtype=dtype, seed=4), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -80,6 +80,24 @@ static inline __attribute__((always_inline)) void pass1_transposed(
     }
 }
 
+/* Row sc of a vector's scores after its exponentials (keys [s_begin, n_max), visible [lo, lim))
+ * -> its weights sc[s] * inv rounded to bf16, in place from the row's start: key s_begin + i at
+ * bf16 i, zero outside [lo, lim) and past n_max up to the group end. Block k's 16 floats become
+ * 16 bf16 at byte 32 k, behind its read. One pass instead of the fp32 softmax's normalisation
+ * and zero fills. */
+static inline void weights_to_bf16(float *sc, int64_t s_begin, int64_t lo, int64_t lim, int64_t n_max, float inv) {
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    uint16_t *pb = (uint16_t *)sc;
+    for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
+        const __m512i s = _mm512_add_epi32(_mm512_set1_epi32((int)s0), lane);
+        const __mmask16 vis = _mm512_cmpge_epi32_mask(s, _mm512_set1_epi32((int)lo)) &
+                              _mm512_cmplt_epi32_mask(s, _mm512_set1_epi32((int)lim));
+        const __m512 x = _mm512_maskz_mul_ps(vis, _mm512_maskz_loadu_ps(vis, sc + s0), vinv);
+        _mm256_storeu_si256((__m256i *)(pb + (s0 - s_begin)), (__m256i)_mm512_cvtneps_pbh(x));
+    }
+}
+
 /* acc[g] += sum over the group's 8 key pairs t of p pair (g, t) . vt[t] for ga of GA vectors
  * (VDPBF16PS: lanes d, each the dot of a bf16 weight pair with the pair (v_2t[d], v_2t+1[d]));
  * pp: vector 0's weight pairs of this group, a vector's every pstride int32 */
@@ -104,9 +122,8 @@ static inline __attribute__((always_inline)) void pass2_dp_block(
         if (i < ga * nc) acc[i] = ac[i];
 }
 
-/* Pass 2 of a bf16 prefill item on AVX512-BF16. The weights p are rounded to bf16, as torch's
- * CPU flash attention rounds them before its P @ V GEMM, in place: scores row a becomes its
- * bf16 weights from key s_begin on, zero past n_max. Per group of 16 keys and KV head the V
+/* Pass 2 of a bf16 prefill item on AVX512-BF16, on weights rounded to bf16 by weights_to_bf16
+ * (as torch's CPU flash attention rounds them before its P @ V GEMM). Per group of 16 keys and KV head the V
  * rows are interleaved in key pairs into vt ([8 pairs][nc][16 lanes of (v_s, v_s+1)], past
  * n_max zero, never read; ws is not 64-byte aligned here), and each vector's weight pairs go through VDPBF16PS against them:
  * half the instructions of the fp32 pass, whose FMAs took half of a prefill's attention. */
@@ -116,15 +133,6 @@ static inline __attribute__((always_inline)) void pass2_dp(
     __m512i *vt, pf_t *pf, int64_t pf_per, const char **vrow) {
     const int64_t head_bytes = 32 * nc, row_bytes = head_bytes * A->Hkv, ng = (n_max - s_begin + 15) / 16;
     const char *vbase = (const char *)A->v_cache;
-    for (int64_t a = 0; a < nh * nqh; a++) { /* block k's 16 floats -> 16 bf16 at 32 k bytes: behind its read */
-        const float *sc = scores + a * sstride + s_begin;
-        uint16_t *pb = (uint16_t *)(scores + a * sstride);
-        for (int64_t k = 0; k < ng; k++) {
-            const int64_t n = n_max - s_begin - 16 * k;
-            const __m512 x = _mm512_maskz_loadu_ps(n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1), sc + 16 * k);
-            _mm256_storeu_si256((__m256i *)(pb + 16 * k), (__m256i)_mm512_cvtneps_pbh(x));
-        }
-    }
     int16_t il_w[32]; /* word 2l <- x[l], 2l + 1 <- y[l] */
     for (int l = 0; l < 16; l++) il_w[2 * l] = (int16_t)l, il_w[2 * l + 1] = (int16_t)(32 + l);
     const __m512i il = _mm512_loadu_si512(il_w);

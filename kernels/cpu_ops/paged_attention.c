@@ -379,7 +379,11 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     /* pf_step calls: one per (pass-2 key, head) */
     const int64_t pass2_iters = (n_max - s_begin) * nh > 0 ? (n_max - s_begin) * nh : 1;
     const int64_t pf_per = (pf_lines + pass2_iters - 1) / pass2_iters;
-    /* softmax over each vector's visible keys [lo, lim); the rest of [s_begin, n_max) get weight 0 */
+    /* softmax over each vector's visible keys [lo, lim); the rest of [s_begin, n_max) get weight 0,
+     * in bf16 for the prefill tiles that take pass2_dp */
+#if HAVE_DP
+    const int p_bf16 = nq > QC && A->bf16;
+#endif
     for (int64_t a = 0; a < nq; a++) {
         const int64_t lim = first_lim + (a % nqh) / G;
         const int64_t lo = A->window > 0 && lim - A->window > 0 ? lim - A->window : 0;
@@ -392,15 +396,21 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
         for (int64_t s = lo + 1; s < lim; s++) m = sc[s] > m ? sc[s] : m;
         for (int64_t s = lo; s < lim; s++) { sc[s] = expf(sc[s] - m); sum += sc[s]; }
         const float inv = 1.f / sum;
+        for (int64_t c = 0; c < nc; c++) acc[a * nc + c] = (v16){0};
+#if HAVE_DP
+        if (p_bf16) {
+            weights_to_bf16(sc, s_begin, lo, lim, n_max, inv);
+            continue;
+        }
+#endif
         for (int64_t s = lo; s < lim; s++) sc[s] *= inv;
         for (int64_t s = s_begin; s < lo; s++) sc[s] = 0.f;
         for (int64_t s = lim; s < n_max; s++) sc[s] = 0.f;
-        for (int64_t c = 0; c < nc; c++) acc[a * nc + c] = (v16){0};
     }
     /* pass 2: GA vectors of a head at a time, their accumulators in registers: 6 (24 zmm)
      * when a head's vectors come in sixes (prefill tiles of head_dim 64), else 16 / nc */
 #if HAVE_DP
-    if (nq > QC && A->bf16) { /* prefill tiles in bf16 */
+    if (p_bf16) {
         if (nc == 4 && nqh % 6 == 0)
             pass2_dp(A, table, h0, nh, nqh, s_begin, n_max, nc, 6, scores, sstride, acc, (__m512i *)kb, &pf, pf_per, vrow);
         else
