@@ -85,7 +85,8 @@ static inline __attribute__((always_inline)) void pass1_transposed(
  * bf16 i, zero outside [lo, lim) and past n_max up to the group end. Block k's 16 floats become
  * 16 bf16 at byte 32 k, behind its read. One pass instead of the fp32 softmax's normalisation
  * and zero fills. */
-static inline void weights_to_bf16(float *sc, int64_t s_begin, int64_t lo, int64_t lim, int64_t n_max, float inv) {
+static inline void weights_to_bf16(float *sc, int64_t s_begin, int64_t lo, int64_t lim, int64_t n_max,
+                                   float inv) {
     const __m512 vinv = _mm512_set1_ps(inv);
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     uint16_t *pb = (uint16_t *)sc;
@@ -123,10 +124,11 @@ static inline __attribute__((always_inline)) void pass2_dp_block(
 }
 
 /* Pass 2 of a bf16 prefill item on AVX512-BF16, on weights rounded to bf16 by weights_to_bf16
- * (as torch's CPU flash attention rounds them before its P @ V GEMM). Per group of 16 keys and KV head the V
- * rows are interleaved in key pairs into vt ([8 pairs][nc][16 lanes of (v_s, v_s+1)], past
- * n_max zero, never read; ws is not 64-byte aligned here), and each vector's weight pairs go through VDPBF16PS against them:
- * half the instructions of the fp32 pass, whose FMAs took half of a prefill's attention. */
+ * (as torch's CPU flash attention rounds them before its P @ V GEMM). Per group of 16 keys and
+ * KV head the V rows are interleaved in key pairs into vt ([8 pairs][nc][16 lanes of (v_s,
+ * v_s+1)]; rows past n_max are zeros, not read; vt lies in ws, which is not 64-byte aligned
+ * here), and each vector's weight pairs go through VDPBF16PS against them: half the
+ * instructions of the fp32 pass, whose FMAs took half of a prefill's attention. */
 static inline __attribute__((always_inline)) void pass2_dp(
     const args_t *A, const int32_t *table, int64_t h0, int64_t nh, int64_t nqh, int64_t s_begin,
     int64_t n_max, const int64_t nc, const int64_t GA, float *scores, int64_t sstride, v16 *acc,
