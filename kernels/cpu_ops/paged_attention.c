@@ -338,7 +338,10 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     v16 *acc = qv + nq * nc;                         /* [nq, nc] */
     v16 *kb = acc + nq * nc;                         /* [nh, 16 nc]: a group's K rows (or V pairs) */
     const char *kbase = (const char *)A->k_cache, *vbase = (const char *)A->v_cache;
-    for (int64_t a = 0; a < nq; a++) {
+    /* bf16 dot products (AVX512-BF16, head_dim a multiple of 32) read q as stored; the other
+     * passes take it widened and scaled in qv */
+    const int dp = HAVE_DP && A->bf16 && nc % 2 == 0;
+    for (int64_t a = 0; !dp && a < nq; a++) {
         const int64_t hh = a / nqh, r = (a % nqh) / G, g = a % G;
         const char *src = (const char *)A->q + esz * ((q0 + it->row0 + r) * A->q_stride + ((h0 + hh) * G + g) * D);
         load_row(src, A->bf16, nc, qv + a * nc);
@@ -347,13 +350,13 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     /* pass 1 */
     const int64_t row_bytes = esz * row_stride, head_bytes = esz * D;
     const char *krow[16], *vrow[16], *knext[16], *vnext[16];
-    if (nq <= QC && !A->bf16) {
+    if (nq <= QC && !A->bf16) { /* dp a constant in each call: two specialised copies */
         pass1_direct(A, it, h0, nh, table, qv, scores, sstride, s_begin, n_max, nc, 0, krow, knext, vnext);
-    } else if (nq <= QC && HAVE_DP && nc % 2 == 0) {
+    } else if (nq <= QC && dp) {
         pass1_direct(A, it, h0, nh, table, qv, scores, sstride, s_begin, n_max, nc, 1, krow, knext, vnext);
     }
 #if HAVE_DP
-    else if (A->bf16 && nc % 2 == 0) {
+    else if (dp) {
         pass1_transposed(A, it, h0, nh, table, qv, kb, scores, sstride, s_begin, n_max, nc, krow, knext, vnext);
     }
 #endif
