@@ -126,6 +126,17 @@ static inline __attribute__((always_inline)) int64_t group_rows(
     return kn;
 }
 
+/* Row j of the next group into cache while this group is loaded: its K and V slices of heads
+ * [h0, h0 + nh), every line (block-table order defeats the hardware prefetcher) */
+static inline __attribute__((always_inline)) void prefetch_next_row(
+    const char *const *knext, const char *const *vnext, int64_t j, int64_t h0, int64_t nh, int64_t head_bytes) {
+    const char *pk = knext[j] + h0 * head_bytes, *pv = vnext[j] + h0 * head_bytes;
+    for (int64_t c = 0; c < nh * head_bytes; c += 64) {
+        __builtin_prefetch(pk + c);
+        __builtin_prefetch(pv + c, 0, 2);
+    }
+}
+
 /* The item a thread runs next, prefetched into L2 while this item's softmax and pass 2 run
  * from cache: its K rows (up to PF_BYTES of them), then its first 16 V rows, a few lines per
  * pass-2 key, walking its block table incrementally (no division per line). Pass 1 then reads
@@ -210,13 +221,7 @@ static inline __attribute__((always_inline)) void pass1_direct(
         const int64_t kn = group_rows(A, table, row_bytes, s0, n_max, krow, knext, vnext, &nn);
         v16 part[QC][16];
         for (int64_t j = 0; j < 16; j++) {
-            if (j < nn) { /* the next group's row j, all heads */
-                const char *pk = knext[j] + h0 * head_bytes, *pv = vnext[j] + h0 * head_bytes;
-                for (int64_t c = 0; c < nh * head_bytes; c += 64) {
-                    __builtin_prefetch(pk + c);
-                    __builtin_prefetch(pv + c, 0, 2);
-                }
-            }
+            if (j < nn) prefetch_next_row(knext, vnext, j, h0, nh, head_bytes); /* spread over the loads */
             for (int64_t a = 0; a < nq; a++) {
                 v16 p = (v16){0};
                 if (j < kn && !dp) {
@@ -257,13 +262,7 @@ static inline __attribute__((always_inline)) void pass1_workspace(
                 if (j < kn) load_row(krow[j] + (h0 + hh) * head_bytes, A->bf16, nc, dst);
                 else for (int64_t c = 0; c < nc; c++) dst[c] = (v16){0};
             }
-            if (j < nn) { /* the next group's row j: spread over the loads */
-                const char *pk = knext[j] + h0 * head_bytes, *pv = vnext[j] + h0 * head_bytes;
-                for (int64_t c = 0; c < nh * head_bytes; c += 64) {
-                    __builtin_prefetch(pk + c);
-                    __builtin_prefetch(pv + c, 0, 2);
-                }
-            }
+            if (j < nn) prefetch_next_row(knext, vnext, j, h0, nh, head_bytes); /* spread over the loads */
         }
         for (int64_t hh = 0; hh < nh; hh++) {
             const v16 *k = kb + hh * 16 * nc;
