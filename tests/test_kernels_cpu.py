@@ -341,6 +341,51 @@ def test_silu_and_mul(dtype, t, d):
 
 
 @pytest.mark.parametrize("dtype", EW_DTYPES)
+def test_silu_and_mul_far_gates_stay_finite(dtype):
+    """silu(g) -> 0 for g far below 0 and -> g far above it: e^-g past fp32's range once gave NaN
+    (a reciprocal estimate of an infinite divisor) and must not."""
+    gates = torch.tensor([-1e4, -1e3, -100.0, -89.0, -88.0, -87.0, -20.0, 0.0, 20.0, 88.0, 100.0, 1e3, 3e4])
+    d = 40  # two full vectors of 16 and a tail
+    x = torch.randn(3, 2 * d, generator=torch.Generator().manual_seed(6))
+    x[:, :len(gates)] = gates
+    x = x.to(dtype)
+    out = elementwise.silu_and_mul(x)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref.silu_and_mul(x), **EW_TOL[dtype])
+
+
+def test_bf16_elementwise_without_avx512_bf16(tmp_path):
+    """elementwise.c built for a CPU without AVX512-BF16 (the scalar macros, bf16.h's integer
+    rounding) against the reference: the path such CPUs run, which this machine would not."""
+    import ctypes
+
+    cc = build._compiler()
+    if cc is None or build.load() is None:
+        pytest.skip("no C compiler: the kernels are not built here")
+    src = os.path.join(os.path.dirname(build.__file__), "elementwise.c")
+    obj, so = tmp_path / "ew.o", tmp_path / "ew.so"
+    subprocess.check_call([cc, *build._CFLAGS, "-mno-avx512bf16", "-c", src, "-o", str(obj)])
+    subprocess.check_call([cc, str(obj), *build._LDFLAGS, "-o", str(so)])
+    lib = ctypes.CDLL(str(so))
+    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.llmsvc_silu_and_mul.argtypes = [I, P, I64, P, I64, I64, I]
+    lib.llmsvc_fused_add_rms_norm.argtypes = [I, P, I64, P, I64, P, P, P, I64, I64, ctypes.c_float, I]
+    bf16 = torch.bfloat16
+    x = _rows(33, 2 * 100, bf16, 7, pad=3)
+    x[0, :4] = torch.tensor([-1e3, -89.0, 88.0, 1e3], dtype=bf16)
+    out = torch.empty(33, 100, dtype=bf16)
+    assert lib.llmsvc_silu_and_mul(1, x.data_ptr(), x.stride(0), out.data_ptr(), 33, 100, 2) == 0
+    torch.testing.assert_close(out, ref.silu_and_mul(x), **EW_TOL[bf16])
+    h, res, w = _rows(9, 576, bf16, 8), _rows(9, 576, bf16, 9), _rows(1, 576, bf16, 10)[0]
+    o, s = torch.empty(9, 576, dtype=bf16), torch.empty(9, 576, dtype=bf16)
+    assert lib.llmsvc_fused_add_rms_norm(1, h.data_ptr(), h.stride(0), res.data_ptr(), res.stride(0), w.data_ptr(),
+                                         o.data_ptr(), s.data_ptr(), 9, 576, 1e-5, 2) == 0
+    o_ref, s_ref = ref.fused_add_rms_norm(h, res, w, 1e-5)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+    torch.testing.assert_close(o, o_ref, **EW_TOL[bf16])
+
+
+@pytest.mark.parametrize("dtype", EW_DTYPES)
 @pytest.mark.parametrize("hq,hkv,d,rot", [(9, 3, 64, 64), (4, 1, 128, 64), (2, 2, 32, 16)])
 def test_rotary_embedding_in_place_on_strided_views(dtype, hq, hkv, d, rot):
     t = 37

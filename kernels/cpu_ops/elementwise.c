@@ -64,7 +64,9 @@ static void NAME(const T_ *x, int64_t xs, T_ *out, int64_t T, int64_t d, int nt)
         T_ *o = out + t * d;                                                                  \
         for (int64_t i = 0; i < d; i++) {                                                     \
             const float gv = LD(g[i]);                                                        \
-            o[i] = ST(RND(gv / (1.f + expf(-gv))) * LD(u[i]));                                \
+            /* e^-g <= e^88 stays finite: -ffast-math divides by a reciprocal estimate and \
+             * a Newton step, which give NaN for an infinite divisor (silu(-89) was NaN) */    \
+            o[i] = ST(RND(gv / (1.f + expf(fminf(-gv, 88.f)))) * LD(u[i]));                    \
         }                                                                                     \
     }                                                                                         \
 }
@@ -90,9 +92,15 @@ static void NAME(const int64_t *pos, T_ *q, int64_t qs, int64_t hq, T_ *k, int64
 }
 
 DEFINE_NORM(norm_f32, float, F32_LD, F32_ST, F32_RND)
-DEFINE_NORM(norm_bf16, uint16_t, BF16_LD, BF16_ST, BF16_RND)
 DEFINE_SILU(silu_f32, float, F32_LD, F32_ST, F32_RND)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include "elementwise_bf16.h"
+#define norm_bf16 norm_bf16_cvt
+#define silu_bf16 silu_bf16_cvt
+#else
+DEFINE_NORM(norm_bf16, uint16_t, BF16_LD, BF16_ST, BF16_RND)
 DEFINE_SILU(silu_bf16, uint16_t, BF16_LD, BF16_ST, BF16_RND)
+#endif
 DEFINE_ROPE(rope_f32, float, F32_LD, F32_ST)
 DEFINE_ROPE(rope_bf16, uint16_t, BF16_LD, BF16_ST)
 
