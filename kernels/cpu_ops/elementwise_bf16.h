@@ -4,11 +4,13 @@
  * denormal (|v| < 2^-126) becomes a signed zero where bf16.h keeps it, as the GEMMs' VDPBF16PS
  * already treat such inputs. The integer rounding of bf16.h (add, shift, NaN test and blend)
  * was half the scalar-macro SiLU's time: [128, 1536] on one Zen 4 core, 149 us with it against
- * 95-100 here. exp is inlined (no libmvec call, whose ABI spills every live zmm around it).
+ * 95-100 here. exp is inlined (vexp.h).
  */
 #ifndef LLMSVC_ELEMENTWISE_BF16_H
 #define LLMSVC_ELEMENTWISE_BF16_H
 #include <immintrin.h>
+
+#include "vexp.h"
 
 /* n <= 16 bf16 -> fp32 lanes (the rest 0) */
 static inline __m512 ld_bf16x16(const uint16_t *p, __mmask16 m) {
@@ -22,27 +24,6 @@ static inline __m512 widen_bf16x16(__m256i h) {
 }
 
 static inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
-
-/* e^x within 2 ulp on [-87.3, 88.3] (Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, Cephes'
- * degree-6 polynomial, 2^n built in the exponent bits); x is clamped to that range, so the result
- * saturates at ~1.2e-38 and ~2.1e38 instead of reaching 0 or inf. Zen 4 runs a zmm FMA a cycle,
- * and these 15 operations are most of the SiLU's time. */
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
 
 /* o[0:16) = RND(silu(g)) * u under mask m (a constant 0xffff folds the masks away) */
 static inline __attribute__((always_inline)) void silu16(const uint16_t *g, const uint16_t *u, uint16_t *o,

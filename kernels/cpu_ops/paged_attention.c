@@ -41,6 +41,8 @@
 #include "bf16.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
+
+#include "vexp.h"
 #endif
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
@@ -396,7 +398,21 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
         }
         float m = sc[lo], sum = 0.f;
         for (int64_t s = lo + 1; s < lim; s++) m = sc[s] > m ? sc[s] : m;
+#ifdef __AVX512F__
+        {
+            const __m512 vm = _mm512_set1_ps(m);
+            __m512 vs = _mm512_setzero_ps();
+            for (int64_t s = lo; s < lim; s += 16) {
+                const __mmask16 k = lim - s >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (lim - s)) - 1);
+                const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + s), vm));
+                _mm512_mask_storeu_ps(sc + s, k, e);
+                vs = _mm512_mask_add_ps(vs, k, vs, e);
+            }
+            sum = _mm512_reduce_add_ps(vs);
+        }
+#else
         for (int64_t s = lo; s < lim; s++) { sc[s] = expf(sc[s] - m); sum += sc[s]; }
+#endif
         const float inv = 1.f / sum;
         for (int64_t c = 0; c < nc; c++) acc[a * nc + c] = (v16){0};
 #if HAVE_DP
