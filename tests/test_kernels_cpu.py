@@ -354,9 +354,11 @@ def test_silu_and_mul_far_gates_stay_finite(dtype):
     torch.testing.assert_close(out, ref.silu_and_mul(x), **EW_TOL[dtype])
 
 
-def test_bf16_elementwise_without_avx512_bf16(tmp_path):
-    """elementwise.c built for a CPU without AVX512-BF16 (the scalar macros, bf16.h's integer
-    rounding) against the reference: the path such CPUs run, which this machine would not."""
+@pytest.mark.parametrize("flag", ["-mno-avx512bf16", "-mno-avx512f"])
+def test_elementwise_on_cpus_without_the_vector_paths(tmp_path, flag):
+    """elementwise.c built for a CPU without AVX512-BF16 (bf16 through the scalar macros and
+    bf16.h's integer rounding) or without AVX-512 (every op through the macros), against the
+    reference: the paths such CPUs run, which this machine would not."""
     import ctypes
 
     cc = build._compiler()
@@ -364,25 +366,25 @@ def test_bf16_elementwise_without_avx512_bf16(tmp_path):
         pytest.skip("no C compiler: the kernels are not built here")
     src = os.path.join(os.path.dirname(build.__file__), "elementwise.c")
     obj, so = tmp_path / "ew.o", tmp_path / "ew.so"
-    subprocess.check_call([cc, *build._CFLAGS, "-mno-avx512bf16", "-c", src, "-o", str(obj)])
+    subprocess.check_call([cc, *build._CFLAGS, flag, "-c", src, "-o", str(obj)])
     subprocess.check_call([cc, str(obj), *build._LDFLAGS, "-o", str(so)])
     lib = ctypes.CDLL(str(so))
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.llmsvc_silu_and_mul.argtypes = [I, P, I64, P, I64, I64, I]
     lib.llmsvc_fused_add_rms_norm.argtypes = [I, P, I64, P, I64, P, P, P, I64, I64, ctypes.c_float, I]
-    bf16 = torch.bfloat16
-    x = _rows(33, 2 * 100, bf16, 7, pad=3)
-    x[0, :4] = torch.tensor([-1e3, -89.0, 88.0, 1e3], dtype=bf16)
-    out = torch.empty(33, 100, dtype=bf16)
-    assert lib.llmsvc_silu_and_mul(1, x.data_ptr(), x.stride(0), out.data_ptr(), 33, 100, 2) == 0
-    torch.testing.assert_close(out, ref.silu_and_mul(x), **EW_TOL[bf16])
-    h, res, w = _rows(9, 576, bf16, 8), _rows(9, 576, bf16, 9), _rows(1, 576, bf16, 10)[0]
-    o, s = torch.empty(9, 576, dtype=bf16), torch.empty(9, 576, dtype=bf16)
-    assert lib.llmsvc_fused_add_rms_norm(1, h.data_ptr(), h.stride(0), res.data_ptr(), res.stride(0), w.data_ptr(),
-                                         o.data_ptr(), s.data_ptr(), 9, 576, 1e-5, 2) == 0
-    o_ref, s_ref = ref.fused_add_rms_norm(h, res, w, 1e-5)
-    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
-    torch.testing.assert_close(o, o_ref, **EW_TOL[bf16])
+    for code, dtype in ((0, torch.float32), (1, torch.bfloat16)):
+        x = _rows(33, 2 * 100, dtype, 7, pad=3)
+        x[0, :4] = torch.tensor([-1e3, -89.0, 88.0, 1e3], dtype=dtype)
+        out = torch.empty(33, 100, dtype=dtype)
+        assert lib.llmsvc_silu_and_mul(code, x.data_ptr(), x.stride(0), out.data_ptr(), 33, 100, 2) == 0
+        torch.testing.assert_close(out, ref.silu_and_mul(x), **EW_TOL[dtype])
+        h, res, w = _rows(9, 576, dtype, 8), _rows(9, 576, dtype, 9), _rows(1, 576, dtype, 10)[0]
+        o, s = torch.empty(9, 576, dtype=dtype), torch.empty(9, 576, dtype=dtype)
+        assert lib.llmsvc_fused_add_rms_norm(code, h.data_ptr(), h.stride(0), res.data_ptr(), res.stride(0),
+                                             w.data_ptr(), o.data_ptr(), s.data_ptr(), 9, 576, 1e-5, 2) == 0
+        o_ref, s_ref = ref.fused_add_rms_norm(h, res, w, 1e-5)
+        torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+        torch.testing.assert_close(o, o_ref, **EW_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", EW_DTYPES)

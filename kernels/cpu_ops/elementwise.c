@@ -92,9 +92,13 @@ static void NAME(const int64_t *pos, T_ *q, int64_t qs, int64_t hq, T_ *k, int64
 }
 
 DEFINE_NORM(norm_f32, float, F32_LD, F32_ST, F32_RND)
+#ifdef __AVX512F__
+#include "elementwise_avx512.h"
+#define silu_f32 silu_f32_avx512
+#else
 DEFINE_SILU(silu_f32, float, F32_LD, F32_ST, F32_RND)
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include "elementwise_bf16.h"
 #define norm_bf16 norm_bf16_cvt
 #define silu_bf16 silu_bf16_cvt
 #else
