@@ -75,6 +75,18 @@ def test_silu_and_mul(dtype, shape):
     _close(out, ref.silu_and_mul(x.cpu()), dtype)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the interpreter's numpy
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_far_gates_stay_finite(dtype):
+    """e^-g overflows for g below about -88.7 (fp32 math): silu must go to 0, not NaN."""
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
+    x[:, :8] = torch.tensor([-1e4, -1e3, -100.0, -89.0, 88.0, 100.0, 1e3, 1e4])
+    x = guarded_rows(x.to(dtype), device=DEVICE)
+    with triton_path():
+        out = ops.silu_and_mul(x)
+    _close(out, ref.silu_and_mul(x.cpu()), dtype)
+
+
 def _cos_sin_cache(max_pos, rot, dtype=torch.float32, base=10000.0):
     inv = 1.0 / base ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot)
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
