@@ -37,6 +37,10 @@ def _worker(rank, world, port, model_dir, out_path):
         logits = _steps(model)
         torch.save({"logits": logits, "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
                     "vocab_rows": model.model.embed_tokens.weight.shape[0]}, f"{out_path}.{rank}")
+        # both ranks are done with the group before either tears it down: a rank that exits
+        # first closes its gloo pairs, and the other's reader thread then aborted the process
+        # ("terminate called without an active exception", SIGABRT) once in a CI run
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -157,4 +157,8 @@ class Worker:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                try:  # every rank done with the group before any closes its pairs: a peer's gloo
+                    dist.barrier()  # reader thread otherwise can abort its process (SIGABRT)
+                except Exception:  # noqa: BLE001 - a peer already gone: tear down all the same
+                    pass
                 dist.destroy_process_group()
