@@ -106,6 +106,10 @@ def test_summary_statistics():
     assert s["prompt_tokens"] == 20 and s["cached_prompt_tokens"] == 0
     recs[1].cached_tokens = 8
     assert summarize(recs, wall_s=4.0)["cached_prompt_tokens"] == 8
+    assert s["engine_queue_s"]["p50"] is None  # not reported: no note, no figure
+    recs[0].queue, recs[0].prefill, recs[1].queue, recs[1].prefill = 0.1, 0.5, 0.3, 0.7
+    s = summarize(recs, wall_s=4.0)
+    assert s["engine_queue_s"]["mean"] == pytest.approx(0.2) and s["engine_prefill_s"]["p50"] == pytest.approx(0.6)
 
 
 def test_ceiling_from_parameter_counts(tmp_path):
@@ -166,6 +170,11 @@ def test_bench_cli_offline_and_serve_on_a_tiny_model(tmp_path):
     for rpc in ("GetServerInfo", "Tokenize"):  # probed while the serve run streamed
         assert res["rpc_latency"][rpc]["n"] >= 1 and res["rpc_latency"][rpc]["p99"] > 0
     assert "GetServerInfo alongside" in r.stdout
+    for kind in ("offline", "serve"):  # the engine's queue and prefill times, over gRPC from FinishInfo.timing
+        q, p = res[kind]["engine_queue_s"], res[kind]["engine_prefill_s"]
+        assert 0 <= q["p50"] <= q["p99"] and 0 < p["p50"] <= p["p99"]
+        assert p["p99"] < res[kind]["ttft_s"]["p99"] + 1e-3
+    assert "TTFT inside the engine: queue p50" in r.stdout
 
 
 def test_server_mode_rejects_compare_prefix_caching_and_tolerates_no_tokens():

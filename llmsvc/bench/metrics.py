@@ -12,6 +12,10 @@ class RequestRecord:
     end: float = 0.0
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens the server took from its prefix cache
+    # as the engine timed it (None: not reported): arrival to the first step that scheduled the
+    # request, and that step to the first token (the other requests' work in those steps included)
+    queue: float | None = None
+    prefill: float | None = None
 
     @property
     def output_len(self) -> int:
@@ -74,6 +78,8 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "prefill_tok_s": _prefill_tok_s(ok),
         "prompt_tokens": in_tokens,
         "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
+        "engine_queue_s": percentiles([r.queue for r in ok if r.queue is not None]),
+        "engine_prefill_s": percentiles([r.prefill for r in ok if r.prefill is not None]),
     }
 
 

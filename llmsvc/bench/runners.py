@@ -42,9 +42,18 @@ def run_offline(engine, prompts: list[list[int]], output_len: int, offsets: list
             rec.cached_tokens = o.num_cached_tokens
             if o.finished:
                 rec.end = now
+                _engine_times(rec, o.metrics)
                 bar.update(1)
     bar.close()
     return [records[f"bench-{i}"] for i in range(len(prompts))], time.perf_counter() - t0
+
+
+def _engine_times(rec: RequestRecord, m) -> None:
+    """rec.queue / rec.prefill from a finished RequestOutput's metrics (engine clock)."""
+    if m is not None and m.first_scheduled_time is not None:
+        rec.queue = max(0.0, m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is not None:
+            rec.prefill = max(0.0, m.first_token_time - m.first_scheduled_time)
 
 
 async def drive_arrivals(prompts, offsets: list[float], concurrency: int | None, desc: str,
@@ -83,13 +92,20 @@ async def _serve(target: str, prompts, output_len, offsets, concurrency: int | N
         async def send(i: int, rec: RequestRecord) -> None:
             req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompts[i]), stream=True,
                                      sampling=pb.SamplingParams(temperature=0.0, json_schema=json_schema),
-                                     stopping=pb.StoppingCriteria(max_tokens=output_len, ignore_eos=True))
+                                     stopping=pb.StoppingCriteria(max_tokens=output_len, ignore_eos=True),
+                                     output=pb.OutputOptions(include_timing=True))
             try:
                 async for msg in stub.Generate(req):
                     now = time.perf_counter()
                     rec.token_times += [now] * len(msg.token_ids)
                     if msg.HasField("prompt"):
                         rec.cached_tokens = msg.prompt.num_cached_tokens
+                    if msg.HasField("finish"):
+                        t = msg.finish.timing
+                        if t.HasField("queue"):
+                            rec.queue = t.queue.ToTimedelta().total_seconds()
+                        if t.HasField("prefill"):
+                            rec.prefill = t.prefill.ToTimedelta().total_seconds()
                 rec.end = time.perf_counter()
             except grpc.aio.AioRpcError as e:
                 rec.error = f"{e.code().name}: {e.details()}"
