@@ -93,15 +93,11 @@ static void NAME(const int64_t *pos, T_ *q, int64_t qs, int64_t hq, T_ *k, int64
 
 DEFINE_NORM(norm_f32, float, F32_LD, F32_ST, F32_RND)
 #ifdef __AVX512F__
-#include "elementwise_avx512.h"
-#define silu_f32 silu_f32_avx512
+#include "elementwise_avx512.h" /* silu_f32; with AVX512-BF16 also silu_bf16 and norm_bf16 */
 #else
 DEFINE_SILU(silu_f32, float, F32_LD, F32_ST, F32_RND)
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define norm_bf16 norm_bf16_cvt
-#define silu_bf16 silu_bf16_cvt
-#else
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__))
 DEFINE_NORM(norm_bf16, uint16_t, BF16_LD, BF16_ST, BF16_RND)
 DEFINE_SILU(silu_bf16, uint16_t, BF16_LD, BF16_ST, BF16_RND)
 #endif

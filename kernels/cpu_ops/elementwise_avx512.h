@@ -20,7 +20,7 @@ static inline __m512 silu_ps(__m512 g) {
 }
 
 /* as DEFINE_SILU in fp32: out[t] = silu(gate) * up */
-static void silu_f32_avx512(const float *x, int64_t xs, float *out, int64_t T, int64_t d, int nt) {
+static void silu_f32(const float *x, int64_t xs, float *out, int64_t T, int64_t d, int nt) {
 #pragma omp parallel for num_threads(nt) schedule(static) if (T * d >= PAR_MIN_ELEMS && nt > 1)
     for (int64_t t = 0; t < T; t++) {
         const float *g = x + t * xs, *u = g + d;
@@ -53,7 +53,7 @@ static inline __attribute__((always_inline)) void silu16(const uint16_t *g, cons
 }
 
 /* as DEFINE_SILU: out[t] = RND(silu(gate)) * up */
-static void silu_bf16_cvt(const uint16_t *x, int64_t xs, uint16_t *out, int64_t T, int64_t d, int nt) {
+static void silu_bf16(const uint16_t *x, int64_t xs, uint16_t *out, int64_t T, int64_t d, int nt) {
 #pragma omp parallel for num_threads(nt) schedule(static) if (T * d >= PAR_MIN_ELEMS && nt > 1)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *g = x + t * xs, *u = g + d;
@@ -66,7 +66,7 @@ static void silu_bf16_cvt(const uint16_t *x, int64_t xs, uint16_t *out, int64_t 
 
 /* as DEFINE_NORM: out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w; with res, s = RND(x[t] + res[t])
  * is normalised and written to res_out[t] */
-static void norm_bf16_cvt(const uint16_t *x, int64_t xs, const uint16_t *res, int64_t rs, const uint16_t *w,
+static void norm_bf16(const uint16_t *x, int64_t xs, const uint16_t *res, int64_t rs, const uint16_t *w,
                           uint16_t *out, uint16_t *res_out, int64_t T, int64_t H, float eps, int nt) {
 #pragma omp parallel for num_threads(nt) schedule(static) if (T * H >= PAR_MIN_ELEMS && nt > 1)
     for (int64_t t = 0; t < T; t++) {
