@@ -13,6 +13,7 @@ from llmsvc.models.parallel import get_tp_rank, get_tp_world_size
 from llmsvc.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmsvc.worker.graphs import capture_decode_graphs, graph_inputs
 from llmsvc.worker.input_batch import build_inputs
+from llmsvc.worker.kv_memory import KVHostPool
 from llmsvc.worker.request_state import RequestStates
 from llmsvc.worker.sampler import Sampler, compute_prompt_logprobs
 from llmsvc.worker.sampling_metadata import SamplingMetadata
@@ -32,6 +33,7 @@ class ModelRunner:
         self.states = RequestStates()
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_pool: KVHostPool | None = None  # CPU: the mapping kv_caches view
         self.model: torch.nn.Module | None = None
         self.graph_runner = None  # CUDA only: replays captured decode steps
 
@@ -54,10 +56,23 @@ class ModelRunner:
         num_layers, num_kv_heads, head_dim = kv_cache_spec(self.config.model_config.hf_config,
                                                            get_tp_world_size())
         shape = (num_blocks, self.block_size, num_kv_heads, head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(num_layers)]
+        self.release_kv_cache()
+        if self.device.type == "cpu":  # zero pages from the kernel, faulted in off the start-up path
+            self.kv_pool = KVHostPool(2 * num_layers, shape, self.dtype)
+            t = self.kv_pool.tensors
+            self.kv_caches = [(t[2 * i], t[2 * i + 1]) for i in range(num_layers)]
+        else:
+            self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                               torch.zeros(shape, dtype=self.dtype, device=self.device))
+                              for _ in range(num_layers)]
         self.num_blocks = num_blocks
+
+    def release_kv_cache(self) -> None:
+        """Drop the KV cache tensors (and stop a CPU pool's prefault thread)."""
+        self.kv_caches = []
+        if self.kv_pool is not None:
+            self.kv_pool.close()
+            self.kv_pool = None
 
     def warmup(self) -> None:
         """A tiny prefill and decode through every op (the first blocks; nothing is cached yet). On

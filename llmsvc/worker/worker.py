@@ -101,7 +101,7 @@ class Worker:
         self.runner.states.clear()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-        self.runner.kv_caches = []
+        self.runner.release_kv_cache()
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = int(total * self.config.cache_config.gpu_memory_utilization) - peak
@@ -147,6 +147,7 @@ class Worker:
         """Drops the model, the KV cache and the CUDA graphs: an engine in a process that goes
         on (offline `LLM`, uniproc) gives its GPU memory back."""
         if self.runner is not None:
+            self.runner.release_kv_cache()
             self.runner = None
             if self.device.type == "cuda":
                 import gc
