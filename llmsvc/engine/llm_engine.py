@@ -45,8 +45,10 @@ class LLMEngine:
         # also the core's, so each constraint compiles once; a core process builds its own
         self.structured_output_manager = build_structured_output_manager(config, tokenizer)
         if isinstance(core, EngineCoreClient):
-            self.core_client = core
+            self.core_client = core  # the manager builds its tokenizer view on the first constraint
         else:
+            if self.structured_output_manager is not None:  # builds while the KV cache is set up
+                self.structured_output_manager.prewarm()
             self.core_client = InprocClient(EngineCore(config, core, self.structured_output_manager))
         self.output_processor = OutputProcessor(tokenizer, config.scheduler_config.stream_interval)
         self.stats_logger = StatsLogger(config.log_stats_interval_s)

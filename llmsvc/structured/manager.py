@@ -41,15 +41,29 @@ class StructuredOutputManager:
         self.compile_timeout_s = compile_timeout_s
         self.cache_size = cache_size
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="llmsvc-grammar")
-        # the tokenizer view takes 0.5-2 s: build it in the pool too; compiles wait for it
-        self._tokenizer = self._pool.submit(build_tokenizer, hf_tokenizer, vocab_size, eos_token_ids)
+        self._tokenizer_args = (hf_tokenizer, vocab_size, eos_token_ids)
+        self._tokenizer_fut: Future | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+
+    def prewarm(self) -> None:
+        """Start building the tokenizer view in the pool now (0.5-2 s of mostly GIL-holding
+        Python). Without it the first constraint builds it: a server calls this once it serves,
+        so the build does not hold up its start."""
+        self._tokenizer_future()
+
+    def _tokenizer_future(self) -> Future:
+        """Future of llguidance's view of the tokenizer; compiles and masks wait for it."""
+        with self._lock:
+            if self._tokenizer_fut is None:
+                self._tokenizer_fut = self._pool.submit(build_tokenizer, *self._tokenizer_args)
+            return self._tokenizer_fut
 
     # ---- compiling ----------------------------------------------------------------------
     def submit(self, params: StructuredOutputsParams) -> Future:
         """Future of the compiled start-state matcher for this constraint (cached)."""
         key = params.key()
+        self._tokenizer_future()  # queued ahead of the compile, which waits for it in the pool
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:
@@ -62,7 +76,7 @@ class StructuredOutputManager:
             return fut
 
     def _compile(self, key, params: StructuredOutputsParams) -> llguidance.LLMatcher:
-        tokenizer = self._tokenizer.result()
+        tokenizer = self._tokenizer_future().result()
         t0 = time.perf_counter()
         matcher = None
         try:
@@ -98,7 +112,7 @@ class StructuredOutputManager:
     # ---- per step -------------------------------------------------------------------------
     def fill_bitmask(self, requests: list[StructuredRequest]) -> np.ndarray:
         """[len(requests), ceil(n_vocab / 32)] int32: row i allows the tokens requests[i] may sample next."""
-        bitmask = allocate_token_bitmask(len(requests), self._tokenizer.result().vocab_size)
+        bitmask = allocate_token_bitmask(len(requests), self._tokenizer_future().result().vocab_size)
         # one row at a time on this thread (~10 us each for typical schemas): llguidance's
         # parallel fill keeps worker threads spinning that the model's own threads need
         for i, r in enumerate(requests):
