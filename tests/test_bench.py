@@ -341,3 +341,14 @@ def test_offline_runner_times_first_tokens_from_arrival_not_from_the_next_step()
     assert recs[1].start == pytest.approx(recs[0].start + 0.02, abs=1e-3)  # its arrival, not its add
     assert engine.added["bench-1"] - recs[1].start > 0.02  # added only after the first step ended
     assert recs[1].token_times[0] - recs[1].start > 0.07  # the wait for that step counts
+
+
+def test_warm_start_times_a_server_to_serving_and_reads_its_phases(tmp_path):
+    from benchmarks import warm_start
+    from tests.server_harness import make_tiny_served_model_dir
+    d = str(make_tiny_served_model_dir(tmp_path))
+    total, phases = warm_start.start_once(str(ROOT), [d, "--kv-cache-memory", "16MiB"])
+    order = ["listening", "model loaded", "KV cache", "core ready", "ready"]
+    assert set(order) <= set(phases), phases  # the log lines it reads still say what it looks for
+    assert [phases[k] for k in order] == sorted(phases[k] for k in order)
+    assert phases["ready"] <= total
