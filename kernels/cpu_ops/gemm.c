@@ -4,9 +4,12 @@
  * multiply is as fast as the weight stream keeps up with the FMAs. W is packed once (by the
  * caller, in torch) into column panels of NR = 48 outputs: panel p = W[48p : 48p + 48, :]^T
  * as [K][48] contiguous, zero-padded past N. Each OpenMP thread owns a run of panels;
- * for every 8-row block of A an 8 x 48 micro-kernel keeps the 24 accumulators in zmm
- * registers across the whole K (3 panel loads + 8 broadcasts + 24 FMAs per k), re-reading
- * the panel from L2 for the next row block. While it computes, it prefetches the thread's
+ * for every MR-row block of A a micro-kernel keeps its accumulators in registers across the
+ * whole K, re-reading the panel from L2 for the next row block:
+ *   AVX-512: 8 x 48, 24 zmm accumulators (3 panel loads + 8 broadcasts + 24 FMAs per k);
+ *   AVX2 + FMA: 4 x 24, twice per panel, 12 ymm accumulators (3 loads + 4 broadcasts +
+ *   12 FMAs per k), the 16 registers the ISA has.
+ * While it computes, it prefetches the thread's
  * next panel, its lines split evenly over the row blocks, so the weight stream from DRAM
  * runs on while the FMAs work on L2-resident data. Panels are not handed out by OpenMP's
  * dynamic schedule: the panel a thread takes next would not be the one it prefetched. A
@@ -14,22 +17,21 @@
  * thread does not hold the others at the barrier. Timings against MKL: docs/cpu-kernels.md.
  *
  * Rows are taken in chunks of 256 so a chunk of A stays in L2. The caller keeps the panel
- * (K * 192 bytes) well inside L2 (K <= 4096). Built only with AVX-512F; elsewhere the entry
- * point returns -1 and the caller uses its other GEMM.
+ * (K * 192 bytes) well inside L2 (K <= 4096). Built with AVX-512F or AVX2 + FMA; elsewhere
+ * the entry point returns -1 and the caller uses its other GEMM.
  */
 #include <omp.h>
 #include <stdint.h>
 
 #include "panel_runs.h"
 
-#define NR 48 /* panel width: 3 zmm of fp32 */
-#define MR 8  /* rows per micro-kernel */
+#define NR 48 /* panel width: 3 zmm or 6 ymm of fp32 */
 #define MC 256
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
 #include <immintrin.h>
-
-int llmsvc_gemm_f32_supported(void) { return 1; }
+#define GEMM_F32 1
+#define MR 8 /* rows per micro-kernel */
 
 #define FMA_ROWS(K_)                                                                      \
     do {                                                                                  \
@@ -87,14 +89,81 @@ static inline __attribute__((always_inline)) void kernel(
     }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define GEMM_F32 1
+#define MR 6 /* rows per micro-kernel: 6 x 2 accumulators + 2 panel vectors + 1 broadcast */
+#define NP 16 /* columns per pass (one 64-byte line of a panel row): a panel takes three */
+
+#define FMA_ROWS(K_)                                                                      \
+    do {                                                                                  \
+        const float *bk = b + (K_) * NR + h;                                              \
+        const __m256 w0 = _mm256_load_ps(bk), w1 = _mm256_load_ps(bk + 8);               \
+        _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) {                            \
+            const __m256 av = _mm256_broadcast_ss(a + r * lda + (K_));                    \
+            acc[r][0] = _mm256_fmadd_ps(av, w0, acc[r][0]);                               \
+            acc[r][1] = _mm256_fmadd_ps(av, w1, acc[r][1]);                               \
+        }                                                                                 \
+    } while (0)
+
+/* all-ones lanes for columns lo .. lo + 7 that are below nc */
+static inline __m256i lane_mask(int nc, int lo) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(nc - lo), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* c[0:mr, 0:nc] = a[0:mr, 0:K] @ b[0:K, 0:48] (+ bias[0:nc]) in passes over 16 columns (as
+ * many as nc needs), each reading one line of every panel row; the first pass prefetches q
+ * lines of pf (NULL: none) every 4 k. Panel rows are 192 bytes from a 64-byte aligned base. */
+static inline __attribute__((always_inline)) void kernel(
+    const int mr, const float *a, int64_t lda, const float *b, int64_t K, float *c, int64_t ldc,
+    int nc, const float *bias, const char *pf, int q) {
+    for (int h = 0; h < nc; h += NP) {
+        __m256 acc[MR][2];
+        const __m256i m0 = lane_mask(nc, h), m1 = lane_mask(nc, h + 8);
+        __m256 b0 = _mm256_setzero_ps(), b1 = b0;
+        if (bias) { /* masked-off lanes are not read */
+            b0 = _mm256_maskload_ps(bias + h, m0);
+            b1 = _mm256_maskload_ps(bias + h + 8, m1);
+        }
+        _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) {
+            acc[r][0] = b0;
+            acc[r][1] = b1;
+        }
+        const char *p = h == 0 ? pf : 0;
+        int64_t k = 0;
+        if (p) {
+            for (; k + 4 <= K; k += 4) {
+                for (int j = 0; j < q; j++) _mm_prefetch(p + j * 64, _MM_HINT_T0);
+                p += q * 64;
+                FMA_ROWS(k); FMA_ROWS(k + 1); FMA_ROWS(k + 2); FMA_ROWS(k + 3);
+            }
+        } else {
+            for (; k + 4 <= K; k += 4) {
+                FMA_ROWS(k); FMA_ROWS(k + 1); FMA_ROWS(k + 2); FMA_ROWS(k + 3);
+            }
+        }
+        for (; k < K; k++) FMA_ROWS(k);
+        _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) {
+            _mm256_maskstore_ps(c + r * ldc + h, m0, acc[r][0]);
+            _mm256_maskstore_ps(c + r * ldc + h + 8, m1, acc[r][1]);
+        }
+    }
+}
+#endif
+
+#ifdef GEMM_F32
+int llmsvc_gemm_f32_supported(void) { return 1; }
+
 #define KERNEL_CASE(R) \
     case R: kernel(R, a, lda, b, K, c, ldc, nc, bias, pf, q); break;
 
 static void row_block(int mr, const float *a, int64_t lda, const float *b, int64_t K, float *c,
                       int64_t ldc, int nc, const float *bias, const char *pf, int q) {
     switch (mr) {
-        KERNEL_CASE(1) KERNEL_CASE(2) KERNEL_CASE(3) KERNEL_CASE(4)
-        KERNEL_CASE(5) KERNEL_CASE(6) KERNEL_CASE(7) KERNEL_CASE(8)
+        KERNEL_CASE(1) KERNEL_CASE(2) KERNEL_CASE(3) KERNEL_CASE(4) KERNEL_CASE(5) KERNEL_CASE(6)
+#if MR == 8
+        KERNEL_CASE(7) KERNEL_CASE(8)
+#endif
     }
 }
 
