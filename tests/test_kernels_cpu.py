@@ -149,8 +149,9 @@ def test_packed_linear_matches_f_linear(dtype, m, with_bias, n, k):
 
 def test_fp32_decode_rows_take_the_panel_gemm():
     # on an AVX-512 machine (CI's) the panel kernel (gemm.c) must be what runs, not a fallback
-    if " avx512f " not in build._cpu_flags() + " ":
-        pytest.skip("no AVX-512F on this CPU: fp32 linear uses MKL's packed GEMM")
+    flags = build._cpu_flags() + " "
+    if " avx512f " not in flags and not (" avx2 " in flags and " fma " in flags):
+        pytest.skip("neither AVX-512F nor AVX2 + FMA on this CPU: fp32 linear uses a library GEMM")
     assert build.load().llmsvc_gemm_f32_supported() == 1
     w = torch.randn(100, 576)
     packed = linear.pack(w)
@@ -177,11 +178,12 @@ def test_pack_applies_to_cpu_fp32_and_bf16_only():
 def test_panel_gemm_takes_every_panel_once_for_any_thread_count(nt, n):
     # threads own static runs of panels and steal from each other's back: every panel computed
     if build.load().llmsvc_gemm_f32_supported() != 1:
-        pytest.skip("no AVX-512F: no panel GEMM")
+        pytest.skip("neither AVX-512F nor AVX2 + FMA: no panel GEMM")
     g = torch.Generator().manual_seed(n * 10 + nt)
     w, x = torch.randn(n, 64, generator=g), torch.randn(19, 64, generator=g)
     out = torch.full((19, n), float("nan"))
-    assert build.load().llmsvc_gemm_f32(x.data_ptr(), 64, linear.pack_panels(w).data_ptr(), None,
+    packed = linear.pack_panels(w)  # held: a temporary would be freed before the call reads it
+    assert build.load().llmsvc_gemm_f32(x.data_ptr(), 64, packed.data_ptr(), None,
                                         out.data_ptr(), n, 19, n, 64, nt) == 0
     torch.testing.assert_close(out, F.linear(x, w), atol=1e-4, rtol=1e-5)
 
@@ -447,3 +449,53 @@ def test_store_kv_writes_exactly_the_mapped_slots(dtype):
     assert torch.equal(k_cache, ek) and torch.equal(v_cache, ev)
     with pytest.raises(ValueError, match="outside the cache"):
         attention.store_kv(key, value, k_cache, v_cache, torch.tensor([0, 1, 2, 3, nb * bs]))
+
+
+_AVX2_PROBE = """
+import torch, torch.nn.functional as F
+from kernels import reference as ref
+from kernels.cpu_ops import attention, build, linear
+lib = build.load()
+assert lib.llmsvc_gemm_f32_supported() == 1
+g = torch.Generator().manual_seed(0)
+for n, k in ((48, 64), (100, 576), (1000, 1536)):
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    packed = linear.pack_panels(w)  # held: the call gets only its address
+    for m in (1, 5, 6, 7, 64, 300):
+        x = torch.randn(m, k, generator=g)
+        for nt in (1, 2, 3):
+            out = torch.full((m, n), float("nan"))
+            assert lib.llmsvc_gemm_f32(x.data_ptr(), k, packed.data_ptr(), b.data_ptr(),
+                                       out.data_ptr(), n, m, n, k, nt) == 0
+            torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-3, rtol=1e-4)
+for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
+    for hq, hkv, d, lens in ((9, 3, 64, [(1, 37), (1, 200), (1, 5)]), (4, 2, 128, [(19, 19), (3, 40)]),
+                             (2, 1, 32, [(40, 70), (1, 16)])):
+        bs, nb = 16, 64
+        kc, vc = (torch.randn(nb, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
+        qlens = [q for q, _ in lens]
+        q = torch.randn(sum(qlens), hq, d, generator=g).to(dtype)
+        perm = torch.randperm(nb, generator=g)
+        bt = torch.stack([perm[i * 14:(i + 1) * 14] for i in range(len(lens))]).to(torch.int32)  # 224 keys each
+        qsl = torch.tensor([0] + qlens).cumsum(0).to(torch.int32)
+        sl = torch.tensor([c for _, c in lens], dtype=torch.int32)
+        for window in (0, 24):
+            got = attention.paged_attention(q, kc, vc, bt, qsl, sl, d ** -0.5, window)
+            want = ref.paged_attention(q, kc, vc, bt, qsl, sl, d ** -0.5, window)
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+print("ok")
+"""
+
+
+def test_gemm_and_attention_built_for_avx2(tmp_path):
+    """The panel GEMM and paged attention as an AVX2 CPU without AVX-512 runs them (built with
+    -mno-avx512f through LLMSVC_CPU_CFLAGS, in a fresh process and cache), against F.linear and
+    the reference: ragged panels, 6-row blocks and their remainders, GQA decodes and prefill
+    tiles, sliding windows, fp32 and bf16."""
+    flags = build._cpu_flags() + " "
+    if build._compiler() is None or not (" avx2 " in flags and " fma " in flags):
+        pytest.skip("no C compiler, or no AVX2 + FMA on this CPU")
+    env = {**os.environ, "LLMSVC_CPU_CFLAGS": "-mno-avx512f", "LLMSVC_CACHE": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", _AVX2_PROBE], capture_output=True, text=True, timeout=600,
+                       env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -5,6 +5,9 @@ machine (-march=native) into $LLMSVC_CACHE/kernels/<key>/ (default ~/.cache/llms
 hash of source, flags, compiler and CPU flags; later processes load the cached library.
 The build is atomic (temp dir + rename), so concurrent workers are safe.
 
+LLMSVC_CPU_CFLAGS adds compiler flags after ours (part of the key): `-mno-avx512f` builds the
+AVX2 paths on an AVX-512 machine, as the tests do, or for a fleet whose oldest CPU lacks it.
+
 If no compiler is found, or LLMSVC_CPU_KERNELS=0, `load()` returns None and
 `kernels/ops.py` uses the torch reference (`kernels/reference.py`, also the ground truth
 the tests compare against).
@@ -107,7 +110,8 @@ def build(force: bool = False) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler (cc / gcc / $CC) found")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256("\0".join([*(p.read_text() for p in _SOURCES + _HEADERS), *_CFLAGS, *_LDFLAGS, *version, _cpu_flags(),
+    cflags = _CFLAGS + os.environ.get("LLMSVC_CPU_CFLAGS", "").split()
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in _SOURCES + _HEADERS), *cflags, *_LDFLAGS, *version, _cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     out = _cache_dir() / key / "libllmsvc_cpu.so"
     if out.exists() and not force:
@@ -116,7 +120,7 @@ def build(force: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objs = [os.path.join(tmp, p.stem + ".o") for p in _SOURCES]
         so = os.path.join(tmp, "k.so")
-        cmds = [[cc, *_CFLAGS, "-c", str(p), "-o", o] for p, o in zip(_SOURCES, objs)]
+        cmds = [[cc, *cflags, "-c", str(p), "-o", o] for p, o in zip(_SOURCES, objs)]
         for cmd in cmds + [[cc, *objs, *_LDFLAGS, "-o", so]]:
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:

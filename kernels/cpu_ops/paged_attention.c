@@ -50,6 +50,29 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
+#if defined(__AVX512F__)
+#define SPLAT(x) (x)          /* scalar * vector: GCC broadcasts in a register */
+#define P2_VECS 16            /* pass-2 accumulators (v16) a group keeps in registers: 16 zmm */
+#else
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+/* GCC splats a scalar into a 64-byte vector on AVX2 through 16 stores and reloads them
+ * (a store-forwarding stall per multiply in pass 2): two register broadcasts instead */
+static inline v16 splat16(float x) {
+    const __m256 h = _mm256_set1_ps(x);
+    v16 r;
+    memcpy(&r, &h, 32);
+    memcpy((char *)&r + 32, &h, 32);
+    return r;
+}
+#define SPLAT(x) splat16(x)
+#else
+#define SPLAT(x) (x)
+#endif
+#define P2_VECS 4 /* 8 of the 16 ymm: more spilled every accumulator to the stack */
+#endif
+
 #define ROWS 8      /* query rows per work item (prefill tiles): 24 vectors per KV head at G = 3,
                      * which pass 2 takes six at a time; 4 rows gave a 1 x 256 prefill ~9% more
                      * attention time (docs/cpu-kernels.md) */
@@ -306,8 +329,9 @@ static inline __attribute__((always_inline)) void pass2(
 #pragma GCC unroll 16
                     for (int64_t g = 0; g < GA; g++) {
                         const float p = g < ga ? scores[(a0 + g) * sstride + s] : 0.f;
+                        const v16 pv = SPLAT(p);
 #pragma GCC unroll 16
-                        for (int64_t c = 0; c < nc; c++) ac[g * nc + c] += p * v[c];
+                        for (int64_t c = 0; c < nc; c++) ac[g * nc + c] += pv * v[c];
                     }
                 }
 #pragma GCC unroll 24
@@ -436,10 +460,11 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
                      (__m512i *)kb, &pf, pf_per, vrow);
     } else
 #endif
-    if (nc == 4 && nqh % 6 == 0)
+    if (P2_VECS == 16 && nc == 4 && nqh % 6 == 0)
         pass2(A, table, h0, nh, nqh, s_begin, n_max, nc, 6, scores, sstride, acc, &pf, pf_per, vrow);
     else
-        pass2(A, table, h0, nh, nqh, s_begin, n_max, nc, 16 / nc > 0 ? 16 / nc : 1, scores, sstride, acc, &pf, pf_per, vrow);
+        pass2(A, table, h0, nh, nqh, s_begin, n_max, nc, P2_VECS / nc > 0 ? P2_VECS / nc : 1, scores, sstride, acc,
+              &pf, pf_per, vrow);
     for (int64_t a = 0; a < nq; a++) {
         const int64_t hh = a / nqh, r = (a % nqh) / G, g = a % G;
         const int64_t dst = ((q0 + it->row0 + r) * A->Hq + (h0 + hh) * G + g) * D;
