@@ -44,11 +44,13 @@ class LLM:
         defaults = self.llm_engine.config.model_config.generation_defaults or {}
         return SamplingParams(**{k: defaults[k] for k in _GEN_DEFAULT_KEYS if defaults.get(k) is not None})
 
-    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+    def generate(self, prompts: str | list[int] | dict | Sequence[str | list[int] | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (a str, or a list of token ids); outputs in input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """Generate for every prompt (a str, a list of token ids, or vLLM's prompt dicts
+        {"prompt": str} / {"prompt_token_ids": [int, ...]}); outputs in input order."""
+        if (isinstance(prompts, (str, dict))
+                or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -65,8 +67,7 @@ class LLM:
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-                text = prompt if isinstance(prompt, str) else None
-                token_ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                text, token_ids = _prompt_parts(prompt, tok)
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 rid = str(next(self._counter))
                 engine.add_request(rid, token_ids, params, prompt=text,
@@ -136,3 +137,22 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _prompt_parts(prompt, tok) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of one prompt: a str, token ids, or a vLLM prompt dict."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
+        if isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], tok.encode(prompt["prompt"])
+        raise ValueError(f"a prompt dict needs 'prompt' (str) or 'prompt_token_ids'; got keys {sorted(prompt)}")
+    if isinstance(prompt, str):
+        return prompt, tok.encode(prompt)
+    return None, _token_ids(prompt)
+
+
+def _token_ids(ids) -> list[int]:
+    if isinstance(ids, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise TypeError("token ids must be a sequence of ints")
+    return list(ids)

@@ -73,3 +73,23 @@ def test_bad_arguments(fake_llm):
     assert parse_memory("1.5GiB") == 3 << 29 and parse_memory(1024) == 1024
     with pytest.raises(ValueError):
         parse_memory("lots")
+
+
+def test_vllm_prompt_dicts(fake_llm):
+    """vLLM's TextPrompt / TokensPrompt dicts, alone or in a list, as its users pass them."""
+    llm = LLM()
+    tok = llm.get_tokenizer()
+    p = SamplingParams(max_tokens=3)
+    by_dict = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt": "Hello there"}], p, use_tqdm=False)
+    by_plain = llm.generate([[5, 6, 7], "Hello there"], p, use_tqdm=False)
+    assert [o.prompt_token_ids for o in by_dict] == [[5, 6, 7], tok.encode("Hello there")]
+    assert [o.prompt for o in by_dict] == [None, "Hello there"]
+    assert [o.outputs[0].token_ids for o in by_dict] == [o.outputs[0].token_ids for o in by_plain]
+    (single,) = llm.generate({"prompt_token_ids": (9, 10)}, p, use_tqdm=False)
+    assert single.prompt_token_ids == [9, 10]
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([{"text": "no such key"}], p)
+    with pytest.raises(TypeError, match="ints"):
+        llm.generate([{"prompt_token_ids": "not ids"}], p)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.get_stats().num_free_kv_blocks == 256
