@@ -499,3 +499,25 @@ def test_gemm_and_attention_built_for_avx2(tmp_path):
     r = subprocess.run([sys.executable, "-c", _AVX2_PROBE], capture_output=True, text=True, timeout=600,
                        env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+# x86-64 feature levels the C sources branch on: SSE4.2 only, AVX2 + FMA, AVX-512F,
+# AVX512-BF16, AMX. Each machine builds only its own (-march=native), so a change that breaks
+# another level's branch would pass here and fail on that CPU.
+_MARCHES = ["x86-64-v2", "x86-64-v3", "skylake-avx512", "cooperlake", "sapphirerapids"]
+
+
+@pytest.mark.parametrize("march", _MARCHES)
+def test_c_sources_compile_for_every_x86_feature_level(march):
+    import platform
+
+    cc = build._compiler()
+    if cc is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a C compiler targeting x86-64")
+    flags = [f if f != "-march=native" else f"-march={march}" for f in build._CFLAGS]
+    for src in build._SOURCES:
+        r = subprocess.run([cc, *flags, "-Werror=incompatible-pointer-types", "-fsyntax-only", str(src)],
+                           capture_output=True, text=True)
+        if r.returncode and "bad value" in r.stderr:
+            pytest.skip(f"{cc} does not know -march={march}")
+        assert r.returncode == 0, f"{src.name} for {march}:\n{r.stderr[-2000:]}"

@@ -28,6 +28,26 @@
 #define NR 48 /* panel width: 3 zmm or 6 ymm of fp32 */
 #define MC 256
 
+/* A micro-kernel's k loop over its FMA_ROWS (defined per ISA below, expanded here at the use):
+ * unrolled by 4; with pf (a char pointer, advanced) q lines of the next panel prefetched every
+ * 4 k; then the K % 4 tail. */
+#define K_LOOP(pf)                                                                        \
+    do {                                                                                  \
+        int64_t k = 0;                                                                    \
+        if (pf) {                                                                         \
+            for (; k + 4 <= K; k += 4) {                                                  \
+                for (int j = 0; j < q; j++) _mm_prefetch((pf) + j * 64, _MM_HINT_T0);     \
+                (pf) += q * 64;                                                           \
+                FMA_ROWS(k); FMA_ROWS(k + 1); FMA_ROWS(k + 2); FMA_ROWS(k + 3);           \
+            }                                                                             \
+        } else {                                                                          \
+            for (; k + 4 <= K; k += 4) {                                                  \
+                FMA_ROWS(k); FMA_ROWS(k + 1); FMA_ROWS(k + 2); FMA_ROWS(k + 3);           \
+            }                                                                             \
+        }                                                                                 \
+        for (; k < K; k++) FMA_ROWS(k);                                                   \
+    } while (0)
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define GEMM_F32 1
@@ -69,19 +89,7 @@ static inline __attribute__((always_inline)) void kernel(
         acc[r][1] = b1;
         acc[r][2] = b2;
     }
-    int64_t k = 0;
-    if (pf) {
-        for (; k + 4 <= K; k += 4) {
-            for (int j = 0; j < q; j++) _mm_prefetch(pf + j * 64, _MM_HINT_T0);
-            pf += q * 64;
-            FMA_ROWS(k); FMA_ROWS(k + 1); FMA_ROWS(k + 2); FMA_ROWS(k + 3);
-        }
-    } else {
-        for (; k + 4 <= K; k += 4) {
-            FMA_ROWS(k); FMA_ROWS(k + 1); FMA_ROWS(k + 2); FMA_ROWS(k + 3);
-        }
-    }
-    for (; k < K; k++) FMA_ROWS(k);
+    K_LOOP(pf);
     _Pragma("GCC unroll 8") for (int r = 0; r < mr; r++) {
         _mm512_mask_storeu_ps(c + r * ldc, m0, acc[r][0]);
         _mm512_mask_storeu_ps(c + r * ldc + 16, m1, acc[r][1]);
@@ -130,19 +138,7 @@ static inline __attribute__((always_inline)) void kernel(
             acc[r][1] = b1;
         }
         const char *p = h == 0 ? pf : 0;
-        int64_t k = 0;
-        if (p) {
-            for (; k + 4 <= K; k += 4) {
-                for (int j = 0; j < q; j++) _mm_prefetch(p + j * 64, _MM_HINT_T0);
-                p += q * 64;
-                FMA_ROWS(k); FMA_ROWS(k + 1); FMA_ROWS(k + 2); FMA_ROWS(k + 3);
-            }
-        } else {
-            for (; k + 4 <= K; k += 4) {
-                FMA_ROWS(k); FMA_ROWS(k + 1); FMA_ROWS(k + 2); FMA_ROWS(k + 3);
-            }
-        }
-        for (; k < K; k++) FMA_ROWS(k);
+        K_LOOP(p);
         _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) {
             _mm256_maskstore_ps(c + r * ldc + h, m0, acc[r][0]);
             _mm256_maskstore_ps(c + r * ldc + h + 8, m1, acc[r][1]);

@@ -52,6 +52,7 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 
 #if defined(__AVX512F__)
 #define SPLAT(x) (x)          /* scalar * vector: GCC broadcasts in a register */
+#define SPLAT_T float
 #define P2_VECS 16            /* pass-2 accumulators (v16) a group keeps in registers: 16 zmm */
 #else
 #include <string.h>
@@ -67,8 +68,10 @@ static inline v16 splat16(float x) {
     return r;
 }
 #define SPLAT(x) splat16(x)
+#define SPLAT_T v16
 #else
 #define SPLAT(x) (x)
+#define SPLAT_T float
 #endif
 #define P2_VECS 4 /* 8 of the 16 ymm: more spilled every accumulator to the stack */
 #endif
@@ -329,7 +332,7 @@ static inline __attribute__((always_inline)) void pass2(
 #pragma GCC unroll 16
                     for (int64_t g = 0; g < GA; g++) {
                         const float p = g < ga ? scores[(a0 + g) * sstride + s] : 0.f;
-                        const v16 pv = SPLAT(p);
+                        const SPLAT_T pv = SPLAT(p);
 #pragma GCC unroll 16
                         for (int64_t c = 0; c < nc; c++) ac[g * nc + c] += pv * v[c];
                     }
