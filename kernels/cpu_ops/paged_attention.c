@@ -69,11 +69,16 @@ static inline v16 splat16(float x) {
 }
 #define SPLAT(x) splat16(x)
 #define SPLAT_T v16
+#define P2_HALVES 1 /* pass 2 on explicit 8-lane halves */
 #else
 #define SPLAT(x) (x)
 #define SPLAT_T float
 #endif
 #define P2_VECS 4 /* 8 of the 16 ymm: more spilled every accumulator to the stack */
+#endif
+
+#ifndef P2_HALVES
+#define P2_HALVES 0
 #endif
 
 #define ROWS 8      /* query rows per work item (prefill tiles): 24 vectors per KV head at G = 3,
@@ -322,6 +327,34 @@ static inline __attribute__((always_inline)) void pass2(
         for (int64_t hh = 0; hh < nh; hh++) {
             for (int64_t a0 = hh * nqh; a0 < (hh + 1) * nqh; a0 += GA) {
                 const int64_t ga = (hh + 1) * nqh - a0 < GA ? (hh + 1) * nqh - a0 : GA;
+#if P2_HALVES
+                /* AVX2: GCC keeps an array of 64-byte vectors on the stack, a store and a reload
+                 * per key; 8-lane halves with constant indexes stay in ymm. ah[g * 2nc + i]:
+                 * lanes 8i .. 8i + 7 of vector a0 + g. */
+                __m256 ah[2 * MAX_NC]; /* 2 GA nc <= 2 P2_VECS, or 2 nc (GA = 1) */
+                float *accf = (float *)(acc + a0 * nc);
+#pragma GCC unroll 8
+                for (int64_t i = 0; i < 2 * GA * nc; i++)
+                    ah[i] = i < 2 * ga * nc ? _mm256_loadu_ps(accf + 8 * i) : _mm256_setzero_ps();
+                for (int64_t s = s0; s < s1; s++) {
+                    pf_step(pf, pf_per);
+                    const char *vr = vrow[s - s0] + (h0 + hh) * head_bytes;
+#pragma GCC unroll 4
+                    for (int64_t g = 0; g < GA; g++) {
+                        const __m256 pv = _mm256_set1_ps(g < ga ? scores[(a0 + g) * sstride + s] : 0.f);
+#pragma GCC unroll 8
+                        for (int64_t i = 0; i < 2 * nc; i++) {
+                            const __m256 v = A->bf16
+                                ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                                      _mm_loadu_si128((const __m128i *)((const uint16_t *)vr + 8 * i))), 16))
+                                : _mm256_loadu_ps((const float *)vr + 8 * i);
+                            ah[g * 2 * nc + i] = _mm256_fmadd_ps(pv, v, ah[g * 2 * nc + i]);
+                        }
+                    }
+                }
+#pragma GCC unroll 8
+                for (int64_t i = 0; i < 2 * ga * nc; i++) _mm256_storeu_ps(accf + 8 * i, ah[i]);
+#else
                 v16 ac[MAX_NC]; /* GA * nc <= 24, or nc alone (GA = 1) up to MAX_NC */
 #pragma GCC unroll 24
                 for (int64_t i = 0; i < GA * nc; i++) ac[i] = i < ga * nc ? acc[a0 * nc + i] : (v16){0};
@@ -340,6 +373,7 @@ static inline __attribute__((always_inline)) void pass2(
 #pragma GCC unroll 24
                 for (int64_t i = 0; i < GA * nc; i++)
                     if (i < ga * nc) acc[a0 * nc + i] = ac[i];
+#endif
             }
         }
     }
