@@ -48,8 +48,8 @@ class StructuredOutputManager:
 
     def prewarm(self) -> None:
         """Start building the tokenizer view in the pool now (0.5-2 s of mostly GIL-holding
-        Python). Without it the first constraint builds it: a server calls this once it serves,
-        so the build does not hold up its start."""
+        Python). Without it the first constraint builds it, which is what a serving front end
+        wants: the build then does not compete with its start-up and warm-up request."""
         self._tokenizer_future()
 
     def _tokenizer_future(self) -> Future:

@@ -3,7 +3,7 @@
 `torch.zeros` of a 2 GiB pool writes every page before the engine reports ready: half a million
 first-touch page faults, 1.3-5 s of system time on a 2-vCPU VM where the hypervisor backs guest
 memory on first use. An anonymous mapping is zero by contract, so the pool needs no write at
-all: `alloc_kv_tensors` maps it and starts a `Prefaulter`, which asks the kernel to fault the
+all: `KVHostPool` maps it and starts a `Prefaulter`, which asks the kernel to fault the
 pages in (MADV_POPULATE_WRITE, Linux 5.14+) from an idle-priority thread, a chunk at a time.
 That never changes a byte, so it may run while the model writes K/V into the same pages; the
 pages a step touches before the prefaulter reaches them fault in as usual. Where the kernel
@@ -53,7 +53,7 @@ class Prefaulter:
                 n = min(CHUNK_BYTES, self.nbytes - off)
                 if madvise(self.address + off, n, MADV_POPULATE_WRITE) != 0:  # the GIL is released here
                     err = ctypes.get_errno()
-                    self.supported = self.supported or False
+                    self.supported = self.supported or False  # True stays: earlier chunks took
                     logger.debug("KV cache prefault stopped at %d MiB: %s", off >> 20, os.strerror(err))
                     return
                 self.supported = True
@@ -87,7 +87,8 @@ def _idle_priority() -> None:
 
 class KVHostPool:
     """One anonymous mapping carved into `count` zero-filled tensors of `shape` and `dtype`, each
-    starting on a page boundary. Holds the mapping: the tensors view it and must not outlive it."""
+    starting on a page boundary. Each tensor keeps the mapping referenced (torch.frombuffer), so
+    it is unmapped only when the pool and every tensor are gone; close() stops the prefaulter."""
 
     def __init__(self, count: int, shape: tuple[int, ...], dtype: torch.dtype, prefault: bool = True) -> None:
         per = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
