@@ -51,30 +51,13 @@ typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
 #if defined(__AVX512F__)
-#define SPLAT(x) (x)          /* scalar * vector: GCC broadcasts in a register */
-#define SPLAT_T float
-#define P2_VECS 16            /* pass-2 accumulators (v16) a group keeps in registers: 16 zmm */
+#define P2_VECS 16 /* pass-2 accumulators (v16) a group keeps in registers: 16 zmm */
 #else
-#include <string.h>
+#define P2_VECS 4 /* 8 of the 16 ymm: more spilled every accumulator to the stack */
 #ifdef __AVX2__
 #include <immintrin.h>
-/* GCC splats a scalar into a 64-byte vector on AVX2 through 16 stores and reloads them
- * (a store-forwarding stall per multiply in pass 2): two register broadcasts instead */
-static inline v16 splat16(float x) {
-    const __m256 h = _mm256_set1_ps(x);
-    v16 r;
-    memcpy(&r, &h, 32);
-    memcpy((char *)&r + 32, &h, 32);
-    return r;
-}
-#define SPLAT(x) splat16(x)
-#define SPLAT_T v16
-#define P2_HALVES 1 /* pass 2 on explicit 8-lane halves */
-#else
-#define SPLAT(x) (x)
-#define SPLAT_T float
+#define P2_HALVES 1 /* pass 2 on explicit 8-lane halves (see pass2) */
 #endif
-#define P2_VECS 4 /* 8 of the 16 ymm: more spilled every accumulator to the stack */
 #endif
 
 #ifndef P2_HALVES
@@ -365,9 +348,8 @@ static inline __attribute__((always_inline)) void pass2(
 #pragma GCC unroll 16
                     for (int64_t g = 0; g < GA; g++) {
                         const float p = g < ga ? scores[(a0 + g) * sstride + s] : 0.f;
-                        const SPLAT_T pv = SPLAT(p);
 #pragma GCC unroll 16
-                        for (int64_t c = 0; c < nc; c++) ac[g * nc + c] += pv * v[c];
+                        for (int64_t c = 0; c < nc; c++) ac[g * nc + c] += p * v[c];
                     }
                 }
 #pragma GCC unroll 24
