@@ -38,7 +38,7 @@ class ModelConfig:
     enforce_eager: bool = False  # CUDA: never capture decode steps in CUDA graphs
     # resolved (filled by resolve_model_config; never set by users)
     model_dir: str | None = None  # HF-style directory: config.json, *.safetensors, tokenizer files
-    hf_config: Any = None  # transformers.PretrainedConfig
+    hf_config: Any = None  # llmsvc.models.hf_config.HFConfig (or a transformers config, in tests)
     architecture: str = ""
     vocab_size: int = 0
     eos_token_ids: list[int] = field(default_factory=list)

@@ -91,11 +91,12 @@ def _structured_output_manager(config):
     from llmsvc.structured.lazy import LazyStructuredOutputManager
 
     def build():
-        from transformers import AutoTokenizer
-
+        from llmsvc.models.resolve import derived_cache_dir
+        from llmsvc.models.tokenizer import load_tokenizer
         from llmsvc.structured.build import build_structured_output_manager
 
-        return build_structured_output_manager(config, AutoTokenizer.from_pretrained(config.model_config.model_dir))
+        tokenizer = load_tokenizer(config.model_config.model_dir, derived_cache_dir())
+        return build_structured_output_manager(config, tokenizer)
 
     return LazyStructuredOutputManager(build)
 

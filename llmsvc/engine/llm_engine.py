@@ -206,6 +206,7 @@ def start_engine_core(config: EngineConfig) -> tuple[EngineConfig, EngineCoreCli
 
 
 def _load_tokenizer(config: EngineConfig):
-    from transformers import AutoTokenizer
+    from llmsvc.models.resolve import derived_cache_dir
+    from llmsvc.models.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(config.model_config.model_dir)
+    return load_tokenizer(config.model_config.model_dir, derived_cache_dir())

@@ -2,6 +2,8 @@
 
 Torch-free to import: the engine imports `llmsvc.models.resolve`, which needs no torch.
   resolve.py   default_model_path, resolve_model_dir (GGUF -> cached HF dir), resolve_model_config
+  hf_config.py HFConfig: the transformers config as plain data, cached (json_cache.py)
+  tokenizer.py load_tokenizer: AutoTokenizer's choice of class, remembered
   llama.py     LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM, build_model,
                get_model_class, kv_cache_spec
   moe.py       Qwen3MoeForCausalLM / MixtralForCausalLM (experts over kernels.ops.fused_moe)

@@ -8,8 +8,10 @@ A model is an HF-style directory (config.json, *.safetensors, tokenizer files) o
 
 built in a temporary sibling directory and renamed into place, so an interrupted
 conversion never leaves a half cache; a file lock keeps concurrent processes from
-converting the same file twice. No torch/transformers import at module level: the
-engine and server call this; the cached path imports neither.
+converting the same file twice. The config itself is resolved through transformers once
+and kept as plain data in $LLMSVC_CACHE/derived/ (llmsvc/models/hf_config.py). No
+torch/transformers import at module level: the engine and server call this; the cached path
+imports neither.
 """
 from __future__ import annotations
 
@@ -51,6 +53,11 @@ def default_model_path() -> str:
 
 def cache_root() -> str:
     return os.path.expanduser(os.environ.get("LLMSVC_CACHE") or os.path.join("~", ".cache", "llmsvc"))
+
+
+def derived_cache_dir() -> str:
+    """Where facts transformers derived from a model's files are kept (json_cache.py)."""
+    return os.path.join(cache_root(), "derived")
 
 
 def file_sha256(path: str) -> str:
@@ -178,15 +185,14 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     exceeds the model's max_position_embeddings (or, for longrope, its
     original_max_position_embeddings; sliding windows do not limit it: they are honoured by
     every attention path)."""
-    from transformers import AutoConfig
-
     from llmsvc.config import DTYPES
+    from llmsvc.models.hf_config import load_hf_config
     from llmsvc.models.loader_names import MODEL_TYPES, SUPPORTED_ARCHITECTURES
 
     if mc.dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {mc.dtype!r}; use one of {', '.join(DTYPES)}")
     model_dir = resolve_model_dir(mc.model)
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    hf_config = load_hf_config(model_dir, derived_cache_dir())
     archs = list(getattr(hf_config, "architectures", None) or [])
     archs.append(MODEL_TYPES.get(hf_config.model_type, ""))
     architecture = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), archs[0] if archs else "")

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from kernels import ops
+from llmsvc.models.hf_config import HFConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
@@ -50,6 +51,8 @@ def compute_inv_freq(hf_config, head_size: int, layer_type: str | None = None) -
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    if isinstance(hf_config, HFConfig):  # transformers' rope functions call config methods
+        hf_config = hf_config.to_transformers()
     with torch.device("cpu"):  # whatever device the model is being built on
         kw = {} if layer_type is None else {"layer_type": layer_type}  # longrope: no seq_len = short factors
         inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kw)

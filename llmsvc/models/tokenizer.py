@@ -1,0 +1,44 @@
+"""The model's tokenizer, as `AutoTokenizer.from_pretrained(model_dir)` gives it, started fast.
+
+AutoTokenizer picks the class from tokenizer_config.json, config.json (through AutoConfig, so
+through transformers' config machinery, which imports torch and sympy: ~3.5 s before any
+tokenizer loads) and tokenizer.json. Its last step is `cls.from_pretrained(model_dir,
+_from_auto=True)`. The class it picked is remembered per (those three files, transformers
+version) under the llmsvc cache; later loads call that last step directly, which imports
+neither torch nor the config classes: the front end of `llmsvc serve` then starts in ~1.5 s
+instead of ~5. Classes from outside transformers (remote code) are never remembered.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+from llmsvc.models import json_cache
+
+_DECISION_FILES = ("tokenizer_config.json", "config.json", "tokenizer.json")
+
+
+def load_tokenizer(model_dir: str, cache_dir: str | None):
+    """The tokenizer of model_dir (a transformers tokenizer). cache_dir None: no cache."""
+    path = None
+    if cache_dir is not None:
+        path = json_cache.entry_path(cache_dir, "tokenizer", [os.path.join(model_dir, f) for f in _DECISION_FILES])
+        cls = _class_of(json_cache.read(path))
+        if cls is not None:
+            return cls.from_pretrained(model_dir, _from_auto=True)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    module, name = type(tokenizer).__module__, type(tokenizer).__qualname__
+    if path is not None and module.startswith("transformers."):
+        json_cache.write(path, {"module": module, "class": name})
+    return tokenizer
+
+
+def _class_of(entry: dict | None):
+    if not entry or not str(entry.get("module", "")).startswith("transformers."):
+        return None
+    try:
+        return getattr(importlib.import_module(entry["module"]), entry["class"])
+    except (ImportError, AttributeError, KeyError, TypeError):
+        return None  # renamed or moved: ask AutoTokenizer again
