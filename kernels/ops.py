@@ -30,13 +30,25 @@ from kernels.cpu_ops import elementwise as _cpu_ew
 from kernels.cpu_ops import linear as _cpu_linear
 from kernels.triton_ops import HAS_TRITON, INTERPRET
 
-if HAS_TRITON:
-    from kernels import custom_ops as _tri
-    from kernels.triton_ops import token_bitmask as _tri_bitmask
-else:  # pragma: no cover
-    _tri = _tri_bitmask = None
-
+# The Triton kernels (and triton itself, ~0.3 s to import) load on the first CUDA or forced op:
+# a CPU process never needs them. Under the interpreter (tests) they load at once.
+_tri = _tri_bitmask = None
 _forced = HAS_TRITON and os.environ.get("LLMSVC_FORCE_TRITON", "0") not in ("", "0")
+
+
+def _load_triton() -> bool:
+    """True once the Triton ops are imported; False without triton (the reference runs)."""
+    global _tri, _tri_bitmask
+    if _tri is None and HAS_TRITON:
+        from kernels import custom_ops
+        from kernels.triton_ops import token_bitmask
+
+        _tri, _tri_bitmask = custom_ops, token_bitmask
+    return _tri is not None
+
+
+if INTERPRET or _forced:
+    _load_triton()
 
 
 @contextlib.contextmanager
@@ -47,6 +59,8 @@ def force_triton(enabled: bool = True) -> Iterator[None]:
         raise RuntimeError("force_triton: triton is not installed")
     if enabled and not INTERPRET:
         raise RuntimeError("force_triton: set TRITON_INTERPRET=1 before importing kernels")
+    if enabled:
+        _load_triton()
     prev, _forced = _forced, enabled
     try:
         yield
@@ -59,7 +73,7 @@ def triton_forced() -> bool:
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return _forced or (t.is_cuda and _tri is not None)
+    return _forced or (t.is_cuda and _load_triton())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -202,3 +202,20 @@ def test_attention_half_dtypes(dtype):
 def test_decode_split_k_half_dtypes(dtype):
     seqs = [(100, 1), (15, 1), (64, 1)]
     _check_attention(_batch(seqs, 4, 1, 64, dtype=dtype, seed=70), dtype, decode_split_size=32)
+
+
+def test_cpu_process_never_imports_triton():
+    """Triton loads on the first CUDA (or forced) op only: ~0.3 s of every CPU start-up."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from kernels import ops; from kernels.triton_ops import HAS_TRITON; "
+            "x = torch.randn(4, 64); ops.rms_norm(x, torch.ones(64), 1e-6); "
+            "ops.silu_and_mul(torch.randn(4, 128)); print(HAS_TRITON, 'triton' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LLMSVC_FORCE_TRITON")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(HAS_TRITON), "False"]

@@ -7,8 +7,9 @@
  * for every MR-row block of A a micro-kernel keeps its accumulators in registers across the
  * whole K, re-reading the panel from L2 for the next row block:
  *   AVX-512: 8 x 48, 24 zmm accumulators (3 panel loads + 8 broadcasts + 24 FMAs per k);
- *   AVX2 + FMA: 4 x 24, twice per panel, 12 ymm accumulators (3 loads + 4 broadcasts +
- *   12 FMAs per k), the 16 registers the ISA has.
+ *   AVX2 + FMA: 6 x 16, three passes per panel (one 64-byte line of each panel row), 12 ymm
+ *   accumulators (2 panel loads + 6 broadcasts + 12 FMAs per k), of the 16 registers the
+ *   ISA has.
  * While it computes, it prefetches the thread's
  * next panel, its lines split evenly over the row blocks, so the weight stream from DRAM
  * runs on while the FMAs work on L2-resident data. Panels are not handed out by OpenMP's
