@@ -33,7 +33,7 @@ def headers_at(rev: str, out_dir: str) -> str:
 def compile_entry(source: str, tag: str, out_dir: str, entry: str, argtypes, restype=ctypes.c_int,
                   rev: str | None = None):
     """The source text compiled alone (it needs only its headers: those committed at `rev`, or
-    the working tree's) into a library; its `entry`."""
+    the working tree's) into a library; its `entry` (`.lib`: the library)."""
     root = headers_at(rev, out_dir) if rev else os.path.dirname(os.path.abspath(build.__file__))
     src, obj, so = (os.path.join(out_dir, f"{tag}.{ext}") for ext in ("c", "o", "so"))
     with open(src, "w") as f:
@@ -43,6 +43,8 @@ def compile_entry(source: str, tag: str, out_dir: str, entry: str, argtypes, res
     # with it would set flush-to-zero for this whole process when the library loads
     subprocess.check_call([cc, *build._CFLAGS, "-I", root, "-c", src, "-o", obj])
     subprocess.check_call([cc, obj, *build._LDFLAGS, "-o", so])
-    fn = getattr(ctypes.CDLL(so), entry)
+    lib = ctypes.CDLL(so)
+    fn = getattr(lib, entry)
     fn.restype, fn.argtypes = restype, argtypes
+    fn.lib = lib  # the library's other symbols (e.g. a layout query)
     return fn

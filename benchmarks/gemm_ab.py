@@ -45,28 +45,28 @@ def main(argv=None) -> None:
     dtype = getattr(torch, a.dtype)
     path, entry, pack = GEMMS[a.dtype]
     g = torch.Generator().manual_seed(0)
-    # (name, weight [N, K], packed) in the order a step calls them
-    calls = [(name, w, pack(w)) for _ in range(a.layers) for name, n, k in SHAPES
+    # (name, weight [N, K]) in the order a step calls them
+    calls = [(name, w) for _ in range(a.layers) for name, n, k in SHAPES
              for w in [(torch.randn(n, k, generator=g) * 0.02).to(dtype)]]
-    w = (torch.randn(*LM_HEAD, generator=g) * 0.02).to(dtype)
-    calls.append(("lm_head", w, pack(w)))
+    calls.append(("lm_head", (torch.randn(*LM_HEAD, generator=g) * 0.02).to(dtype)))
     names = [n for n, _, _ in SHAPES] + ["lm_head"]
     base_src, new_src = ab_build.sources(path, a.base)
     with tempfile.TemporaryDirectory() as tmp:
         fns = {a.base: ab_build.compile_entry(base_src, "base", tmp, entry, _ARGTYPES, rev=a.base),
                "tree": ab_build.compile_entry(new_src, "tree", tmp, entry, _ARGTYPES)}
+        packed = {tag: [pack(w, *_layout(fn)) for _, w in calls] for tag, fn in fns.items()}
         print(f"{path}, {a.dtype}, {a.threads} threads, {a.layers} layers + LM head")
         for m in (int(r) for r in a.rows.split(",")):
-            xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in {w.shape[1] for _, w, _ in calls}}
-            outs = {tag: [torch.empty(m, w.shape[0], dtype=dtype) for _, w, _ in calls] for tag in fns}
+            xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in {w.shape[1] for _, w in calls}}
+            outs = {tag: [torch.empty(m, w.shape[0], dtype=dtype) for _, w in calls] for tag in fns}
             times = {tag: {n: [] for n in names + ["pass"]} for tag in fns}
             for _ in range(a.rounds + 1):  # round 0 warms up
                 for tag, fn in fns.items():
                     per = dict.fromkeys(names, 0.0)
-                    for (name, w, packed), out in zip(calls, outs[tag]):
+                    for (name, w), pw, out in zip(calls, packed[tag], outs[tag]):
                         x, (n, k) = xs[w.shape[1]], w.shape
                         t0 = time.perf_counter()
-                        rc = fn(x.data_ptr(), k, packed.data_ptr(), None, out.data_ptr(), n, m, n, k, a.threads)
+                        rc = fn(x.data_ptr(), k, pw.data_ptr(), None, out.data_ptr(), n, m, n, k, a.threads)
                         per[name] += time.perf_counter() - t0
                         if rc != 0:
                             raise SystemExit(f"{tag}: {entry} refused (not built for this CPU?)")
@@ -79,6 +79,16 @@ def main(argv=None) -> None:
                 cols = "   ".join(f"{tag}: min {1e3 * min(t[name][1:]):7.3f} median "
                                    f"{1e3 * statistics.median(t[name][1:]):7.3f} ms" for tag, t in times.items())
                 print(f"    {name:<8} {cols}", flush=True)
+
+
+def _layout(fn) -> tuple:
+    """pack_panels' extra argument for this build: its fp32 sub-panel width (builds before the
+    query existed: 48, one [K][48] block per panel); nothing for other packings."""
+    query = getattr(fn.lib, "llmsvc_gemm_f32_subpanel", None) if fn.__name__ == "llmsvc_gemm_f32" else None
+    if query is None:
+        return (48,) if fn.__name__ == "llmsvc_gemm_f32" else ()
+    query.restype, query.argtypes = ctypes.c_int, []
+    return (query(),)
 
 
 if __name__ == "__main__":

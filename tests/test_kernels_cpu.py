@@ -156,8 +156,12 @@ def test_fp32_decode_rows_take_the_panel_gemm():
     w = torch.randn(100, 576)
     packed = linear.pack(w)
     assert packed.shape == (3, 576, 48) and packed.data_ptr() % 64 == 0
-    torch.testing.assert_close(packed[2, :, :4], w[96:].t())
-    assert packed[2, :, 4:].abs().sum() == 0  # zero padding past N
+    sub = build.load().llmsvc_gemm_f32_subpanel()
+    assert sub == (48 if " avx512f " in flags else 16)
+    assert torch.equal(packed, linear.pack_panels(w, sub))
+    blocks = packed.view(3, 48 // sub, 576, sub)  # panel 2 holds W[96:100] in its first 4 columns
+    torch.testing.assert_close(blocks[2, 0, :, :4], w[96:].t())
+    assert blocks[2, 0, :, 4:].abs().sum() == 0 and blocks[2, 1:].abs().sum() == 0  # zero padding past N
     x = torch.randn(2, 5, 576)[:, 1:]  # [2, 4, 576], rows strided
     out = linear._gemm_panels(x, packed, None, w)
     assert out.shape == (2, 4, 100)
@@ -166,6 +170,21 @@ def test_fp32_decode_rows_take_the_panel_gemm():
     bad = torch.empty(packed.numel() + 1)[1:]  # not 64-byte aligned: rejected, not misread
     assert lib.llmsvc_gemm_f32(x.data_ptr(), 576, bad.data_ptr(), None, out.data_ptr(), 100, 1, 100,
                                576, 1) == -1
+
+
+@pytest.mark.parametrize("sub", [16, 48])
+def test_pack_panels_layout(sub):
+    """Element (p, j, k, c) of the packed copy, viewed [np, 48 / sub, K, sub], is
+    W[48p + sub j + c, k], zero past N."""
+    n, k = 101, 40
+    w = torch.randn(n, k)
+    blocks = linear.pack_panels(w, sub).view(3, 48 // sub, k, sub)
+    for p, j, kk, c in [(0, 0, 0, 0), (1, 48 // sub - 1, k - 1, sub - 1), (2, 0, 7, 4), (0, 48 // sub - 1, 3, 2)]:
+        col = 48 * p + sub * j + c
+        assert blocks[p, j, kk, c] == (w[col, kk] if col < n else 0)
+    assert blocks[2].reshape(-1).count_nonzero() == 5 * k  # panel 2: columns 96 .. 100 only
+    with pytest.raises(ValueError, match="sub-panel"):
+        linear.pack_panels(w, 8)
 
 
 def test_pack_applies_to_cpu_fp32_and_bf16_only():
@@ -458,7 +477,7 @@ from kernels.cpu_ops import attention, build, linear
 lib = build.load()
 assert lib.llmsvc_gemm_f32_supported() == 1
 g = torch.Generator().manual_seed(0)
-for n, k in ((48, 64), (100, 576), (1000, 1536)):
+for n, k in ((48, 64), (50, 35), (100, 576), (1000, 1536)):
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     packed = linear.pack_panels(w)  # held: the call gets only its address
     for m in (1, 5, 6, 7, 64, 300):

@@ -64,6 +64,7 @@ _SIGNATURES = {
     "llmsvc_store_kv": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64],
     "llmsvc_argmax_rows": [_p, _i64, _p, _i64, _i64, _i],
     "llmsvc_gemm_f32_supported": [],
+    "llmsvc_gemm_f32_subpanel": [],
     "llmsvc_gemm_f32": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
     "llmsvc_gemm_bf16_supported": [],
     "llmsvc_gemm_bf16": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],

@@ -7,9 +7,11 @@
  * for every MR-row block of A a micro-kernel keeps its accumulators in registers across the
  * whole K, re-reading the panel from L2 for the next row block:
  *   AVX-512: 8 x 48, 24 zmm accumulators (3 panel loads + 8 broadcasts + 24 FMAs per k);
- *   AVX2 + FMA: 6 x 16, three passes per panel (one 64-byte line of each panel row), 12 ymm
- *   accumulators (2 panel loads + 6 broadcasts + 12 FMAs per k), of the 16 registers the
- *   ISA has.
+ *   AVX2 + FMA: 6 x 16, three passes per panel, 12 ymm accumulators (2 panel loads + 6
+ *   broadcasts + 12 FMAs per k) of the 16 registers the ISA has. Here a panel is stored as
+ *   three [K][16] sub-panels, one per pass, so each pass streams contiguous lines; the caller
+ *   asks llmsvc_gemm_f32_subpanel() which layout to pack. A's row blocks are packed per call
+ *   as [K][6], so the six broadcasts of a k come from one line.
  * While it computes, it prefetches the thread's
  * next panel, its lines split evenly over the row blocks, so the weight stream from DRAM
  * runs on while the FMAs work on L2-resident data. Panels are not handed out by OpenMP's
@@ -23,6 +25,7 @@
  */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "panel_runs.h"
 
@@ -102,18 +105,43 @@ static inline __attribute__((always_inline)) void kernel(
 #include <immintrin.h>
 #define GEMM_F32 1
 #define MR 6 /* rows per micro-kernel: 6 x 2 accumulators + 2 panel vectors + 1 broadcast */
-#define NP 16 /* columns per pass (one 64-byte line of a panel row): a panel takes three */
+#define NP 16 /* columns per pass, the sub-panel width: a panel is three [K][16] sub-panels */
+#define PACK_A 1 /* a = A's row block packed [K][MR] (pack_block) */
 
+/* bs: this pass's sub-panel [K][16] */
 #define FMA_ROWS(K_)                                                                      \
     do {                                                                                  \
-        const float *bk = b + (K_) * NR + h;                                              \
+        const float *bk = bs + (K_) * NP;                                                 \
         const __m256 w0 = _mm256_load_ps(bk), w1 = _mm256_load_ps(bk + 8);               \
         _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) {                            \
-            const __m256 av = _mm256_broadcast_ss(a + r * lda + (K_));                    \
+            const __m256 av = _mm256_broadcast_ss(a + (K_) * MR + r);                     \
             acc[r][0] = _mm256_fmadd_ps(av, w0, acc[r][0]);                               \
             acc[r][1] = _mm256_fmadd_ps(av, w1, acc[r][1]);                               \
         }                                                                                 \
     } while (0)
+
+/* Four k of a full 6-row block: acc[r][j] += a[k][r] * bs[k][8j .. 8j + 7]. From the
+ * intrinsics above GCC keeps the 12 accumulators in registers but re-reads a panel vector
+ * from L1 for every row (up to 13 loads per 12 FMAs); here ymm0-1 hold the panel vectors and
+ * ymm2-3 take turns as the broadcast. */
+#define K6_ROW(J, R, T, C0, C1)                                                           \
+    "vbroadcastss " #J "*24+" #R "*4(%[a]), %%ymm" #T "\n\t"                             \
+    "vfmadd231ps %%ymm0, %%ymm" #T ", %[" #C0 "]\n\t"                                      \
+    "vfmadd231ps %%ymm1, %%ymm" #T ", %[" #C1 "]\n\t"
+#define K6_STEP(J)                                                                        \
+    "vmovaps " #J "*64(%[b]), %%ymm0\n\t"                                                  \
+    "vmovaps " #J "*64+32(%[b]), %%ymm1\n\t"                                               \
+    K6_ROW(J, 0, 2, c00, c01) K6_ROW(J, 1, 3, c10, c11) K6_ROW(J, 2, 2, c20, c21)          \
+    K6_ROW(J, 3, 3, c30, c31) K6_ROW(J, 4, 2, c40, c41) K6_ROW(J, 5, 3, c50, c51)
+
+static inline __attribute__((always_inline)) void k6_four(const float *a, const float *b, __m256 acc[MR][2]) {
+    __asm__(K6_STEP(0) K6_STEP(1) K6_STEP(2) K6_STEP(3)
+            : [c00] "+x"(acc[0][0]), [c01] "+x"(acc[0][1]), [c10] "+x"(acc[1][0]), [c11] "+x"(acc[1][1]),
+              [c20] "+x"(acc[2][0]), [c21] "+x"(acc[2][1]), [c30] "+x"(acc[3][0]), [c31] "+x"(acc[3][1]),
+              [c40] "+x"(acc[4][0]), [c41] "+x"(acc[4][1]), [c50] "+x"(acc[5][0]), [c51] "+x"(acc[5][1])
+            : [a] "r"(a), [b] "r"(b), "m"(*(const float(*)[4 * MR])a), "m"(*(const float(*)[4 * NP])b)
+            : "xmm0", "xmm1", "xmm2", "xmm3");
+}
 
 /* all-ones lanes for columns lo .. lo + 7 that are below nc */
 static inline __m256i lane_mask(int nc, int lo) {
@@ -121,11 +149,12 @@ static inline __m256i lane_mask(int nc, int lo) {
 }
 
 /* c[0:mr, 0:nc] = a[0:mr, 0:K] @ b[0:K, 0:48] (+ bias[0:nc]) in passes over 16 columns (as
- * many as nc needs), each reading one line of every panel row; the first pass prefetches q
- * lines of pf (NULL: none) every 4 k. Panel rows are 192 bytes from a 64-byte aligned base. */
+ * many as nc needs), pass h reading sub-panel b + h * K ([K][16], 64-byte aligned); a packed
+ * [K][MR]; the first pass prefetches q lines of pf (NULL: none) every 4 k. */
 static inline __attribute__((always_inline)) void kernel(
     const int mr, const float *a, int64_t lda, const float *b, int64_t K, float *c, int64_t ldc,
     int nc, const float *bias, const char *pf, int q) {
+    (void)lda;
     for (int h = 0; h < nc; h += NP) {
         __m256 acc[MR][2];
         const __m256i m0 = lane_mask(nc, h), m1 = lane_mask(nc, h + 8);
@@ -139,7 +168,20 @@ static inline __attribute__((always_inline)) void kernel(
             acc[r][1] = b1;
         }
         const char *p = h == 0 ? pf : 0;
-        K_LOOP(p);
+        const float *bs = b + (int64_t)h * K;
+        if (mr == MR) {
+            int64_t k = 0;
+            for (; k + 4 <= K; k += 4) {
+                if (p) {
+                    for (int j = 0; j < q; j++) _mm_prefetch(p + j * 64, _MM_HINT_T0);
+                    p += q * 64;
+                }
+                k6_four(a + k * MR, bs + k * NP, acc);
+            }
+            for (; k < K; k++) FMA_ROWS(k);
+        } else {
+            K_LOOP(p);
+        }
         _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) {
             _mm256_maskstore_ps(c + r * ldc + h, m0, acc[r][0]);
             _mm256_maskstore_ps(c + r * ldc + h + 8, m1, acc[r][1]);
@@ -148,8 +190,18 @@ static inline __attribute__((always_inline)) void kernel(
 }
 #endif
 
+#ifndef PACK_A
+#define PACK_A 0
+#endif
+#ifndef NP
+#define NP NR /* the panel is one [K][48] block */
+#endif
+
 #ifdef GEMM_F32
 int llmsvc_gemm_f32_supported(void) { return 1; }
+
+/* Columns of a sub-panel: each panel [K][48] is stored as 48 / this blocks [K][this]. */
+int llmsvc_gemm_f32_subpanel(void) { return NP; }
 
 #define KERNEL_CASE(R) \
     case R: kernel(R, a, lda, b, K, c, ldc, nc, bias, pf, q); break;
@@ -166,6 +218,7 @@ static void row_block(int mr, const float *a, int64_t lda, const float *b, int64
 
 typedef struct {
     const float *a, *packed, *bias;
+    float *apack; /* PACK_A: the chunk's row blocks, [nb][K][MR] */
     float *c;
     int64_t lda, ldc, N, K, m0, mc, nb, share, steps;
     const char *end;
@@ -182,9 +235,32 @@ static void do_panel(void *ctx, int64_t p, int64_t pf_p) {
         const int64_t m = i * MR;
         const char *pf = pf_p < 0 ? 0 : (const char *)(g->packed + pf_p * K * NR) + i * g->share * 64;
         if (pf && pf + (int64_t)g->q * g->steps * 64 > g->end) pf = 0;
-        row_block((int)(g->mc - m < MR ? g->mc - m : MR), g->a + (g->m0 + m) * g->lda, g->lda, panel, K,
+        const float *a = PACK_A ? g->apack + i * K * MR : g->a + (g->m0 + m) * g->lda;
+        row_block((int)(g->mc - m < MR ? g->mc - m : MR), a, g->lda, panel, K,
                   g->c + (g->m0 + m) * g->ldc + p * NR, g->ldc, nc, g->bias ? g->bias + p * NR : 0, pf, g->q);
     }
+}
+
+/* Row block i of the chunk into apack as [K][MR] (rows past the chunk: zero) */
+static void pack_block(const gemm_t *g, int64_t i) {
+    const int64_t K = g->K, m = i * MR, mr = g->mc - m < MR ? g->mc - m : MR;
+    const float *src = g->a + (g->m0 + m) * g->lda;
+    float *dst = g->apack + i * K * MR;
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t r = 0; r < MR; r++) dst[k * MR + r] = r < mr ? src[r * g->lda + k] : 0.f;
+}
+
+/* The calling thread's packing buffer for rows x K floats; kept between calls (a decode step
+ * makes a hundred), grown when a call needs more. NULL when out of memory. */
+static float *apack_buffer(int64_t rows, int64_t K) {
+    static __thread float *buf;
+    static __thread int64_t cap;
+    if (rows * K > cap) {
+        free(buf);
+        buf = aligned_alloc(64, (rows * K * 4 + 63) / 64 * 64);
+        cap = buf ? rows * K : 0;
+    }
+    return buf;
 }
 
 /* a [M, K] (row stride lda), packed [ceil(N / 48)][K][48] (64-byte aligned), bias [N] or
@@ -194,8 +270,10 @@ int llmsvc_gemm_f32(const float *a, int64_t lda, const float *packed, const floa
     if (((uintptr_t)packed) % 64 || M < 0 || N <= 0 || K <= 0 || N / NR >= (1ll << 31)) return -1;
     const int64_t np = (N + NR - 1) / NR;
     nt = nt < 1 ? 1 : nt > MAX_NT ? MAX_NT : nt;
+    float *apack = 0;
+    if (PACK_A && M > 0 && !(apack = apack_buffer(((M < MC ? M : MC) + MR - 1) / MR * MR, K))) return -1;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
-        gemm_t g = {a, packed, bias, c, lda, ldc, N, K, m0, 0, 0, 0, 0, (const char *)(packed + np * K * NR), 0};
+        gemm_t g = {a, packed, bias, apack, c, lda, ldc, N, K, m0, 0, 0, 0, 0, (const char *)(packed + np * K * NR), 0};
         g.mc = M - m0 < MC ? M - m0 : MC;
         g.nb = (g.mc + MR - 1) / MR;
         /* the next panel's K * 3 lines, split over this panel's nb row blocks */
@@ -205,13 +283,21 @@ int llmsvc_gemm_f32(const float *a, int64_t lda, const float *packed, const floa
         range_t ranges[MAX_NT] __attribute__((aligned(64)));
         split_runs(ranges, nt, np);
         _Pragma("omp parallel num_threads(nt) if (nt > 1 && np > 1)")
-        run_panels(ranges, nt, omp_get_thread_num(), omp_get_num_threads(), do_panel, &g);
+        {
+            const int me = omp_get_thread_num(), team = omp_get_num_threads();
+            if (PACK_A) {
+                for (int64_t i = me; i < g.nb; i += team) pack_block(&g, i);
+                _Pragma("omp barrier")
+            }
+            run_panels(ranges, nt, me, team, do_panel, &g);
+        }
     }
     return 0;
 }
 
 #else
 int llmsvc_gemm_f32_supported(void) { return 0; }
+int llmsvc_gemm_f32_subpanel(void) { return 0; }
 
 int llmsvc_gemm_f32(const float *a, int64_t lda, const float *packed, const float *bias, float *c,
                     int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {

@@ -5,10 +5,11 @@ layout on every call; with a decode batch of tens of rows that repacking costs a
 much as the multiply. `pack(weight)` packs once at load and `linear` multiplies the packed
 copy:
 
-  fp32  our column panels [ceil(N / 48), K, 48] for `gemm.c` (AVX-512), which streams the
-        weights at decode batch sizes faster than MKL and keeps up with it on prefill steps
-        of the default budget; rows beyond PANEL_MAX_M go to F.linear on the original weight.
-        Without AVX-512 or the native library: on Intel CPUs MKL `cblas_sgemm_pack` / `_compute`
+  fp32  our column panels [ceil(N / 48), K, 48] for `gemm.c` (AVX-512, or AVX2 + FMA, where
+        each panel is stored as three [K][16] blocks), which streams the weights at decode
+        batch sizes faster than MKL and keeps up with it on prefill steps of the default
+        budget; rows beyond PANEL_MAX_M go to F.linear on the original weight.
+        Without either ISA or the native library: on Intel CPUs MKL `cblas_sgemm_pack` / `_compute`
         (`mkl::_mkl_reorder_linear_weight`, `mkl::_mkl_linear`), the ops torch's inductor
         uses for frozen weights (faster than F.linear's repacking, docs/cpu-kernels.md); on
         other vendors' CPUs, where MKL takes its generic code path, oneDNN's packed matmul
@@ -131,14 +132,21 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor:
     return _aligned(out.view(np_, k // 2, 2 * AMX_PANEL))
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+def pack_panels(weight: torch.Tensor, subpanel: Optional[int] = None) -> torch.Tensor:
     """weight [N, K] fp32 -> [ceil(N / 48), K, 48]: panel p holds W[48p : 48p + 48, :]^T,
-    zero-padded past N, 64-byte aligned."""
+    zero-padded past N, 64-byte aligned. Each panel is stored as 48 / subpanel blocks
+    [K][subpanel] (column block j: W[48p + subpanel j + c, k] at [j][k][c]); subpanel None asks
+    the built gemm.c (16 on AVX2, where each pass of its micro-kernel reads one block; 48 on
+    AVX-512, plain [K][48])."""
     n, k = weight.shape
+    sub = subpanel or load().llmsvc_gemm_f32_subpanel()
+    if sub not in (16, 48):
+        raise ValueError(f"gemm.c sub-panel width {sub} (the library is not built for this CPU?)")
     np_ = -(-n // PANEL)
     w = F.pad(weight, (0, 0, 0, np_ * PANEL - n)) if np_ * PANEL != n else weight
-    # torch's CPU allocator aligns to 64; _aligned keeps the kernel's contract anyway
-    return _aligned(w.view(np_, PANEL, k).transpose(1, 2).contiguous())  # [np, K, 48]
+    # [np, j, c, K] -> [np, j, K, c]; torch's CPU allocator aligns to 64, _aligned keeps the contract
+    blocks = w.view(np_, PANEL // sub, sub, k).transpose(2, 3).contiguous()
+    return _aligned(blocks.view(np_, k, PANEL))
 
 
 def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
