@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 
@@ -57,6 +58,10 @@ def test_config_cached_per_file_content(tmp_path):
     assert len(entries) == 1 and entries[0].endswith(".config.json")
     assert load_hf_config(model_dir, cache) == first  # read back
     assert os.listdir(cache) == entries
+    copy_dir = shutil.copytree(model_dir, str(tmp_path / "copy"))  # same bytes, another directory
+    assert load_hf_config(copy_dir, cache)._name_or_path == copy_dir != first._name_or_path
+    assert len(os.listdir(cache)) == 2
+    os.unlink(os.path.join(cache, sorted(set(os.listdir(cache)) - set(entries))[0]))
 
     path = os.path.join(model_dir, "config.json")
     with open(path) as f:
@@ -68,7 +73,7 @@ def test_config_cached_per_file_content(tmp_path):
     assert edited.rms_norm_eps == 1e-3 and first.rms_norm_eps == 1e-5  # a new entry, not the old one
     assert len(os.listdir(cache)) == 2
 
-    entry = json_cache.entry_path(cache, "config", [path])
+    entry = json_cache.entry_path(cache, "config", [path], os.path.realpath(model_dir))
     with open(entry, "w") as f:
         f.write("{not json")
     assert load_hf_config(model_dir, cache) == edited  # a damaged entry is derived again and rewritten

@@ -75,7 +75,8 @@ def load_hf_config(model_dir: str, cache_dir: str | None) -> HFConfig:
     (cache_dir None: no cache)."""
     path = None
     if cache_dir is not None:
-        path = json_cache.entry_path(cache_dir, "config", [os.path.join(model_dir, "config.json")])
+        path = json_cache.entry_path(cache_dir, "config", [os.path.join(model_dir, "config.json")],
+                                     os.path.realpath(model_dir))
         data = json_cache.read(path)
         if data is not None and isinstance(data.get("values"), dict) and isinstance(data.get("aliases"), dict):
             return HFConfig(data["values"], data["aliases"])

@@ -1,7 +1,7 @@
 """Small JSON facts derived from a model's files by transformers, kept under the llmsvc cache.
 
-An entry's name hashes the bytes of the files the fact depends on, the transformers version
-that derived it and CACHE_VERSION, so an edited file or an upgraded transformers finds no entry
+An entry's name hashes the bytes of the files the fact depends on, their directory, the
+transformers version that derived it and CACHE_VERSION, so an edited file or an upgraded transformers finds no entry
 and derives the fact again. Writes are atomic (temporary file + rename): concurrent processes
 see no entry or a whole one. A cache directory that cannot be written only means no cache.
 Imports neither torch nor transformers.
@@ -17,9 +17,11 @@ import tempfile
 CACHE_VERSION = 1  # bump when what is stored (or how it is read) changes
 
 
-def entry_path(cache_dir: str, kind: str, files: list[str]) -> str:
-    """cache_dir/<hash>.<kind>.json for the current bytes of `files` (absent files count as absent)."""
-    h = hashlib.sha256(f"{CACHE_VERSION}\0{_transformers_version()}\0{kind}".encode())
+def entry_path(cache_dir: str, kind: str, files: list[str], where: str = "") -> str:
+    """cache_dir/<hash>.<kind>.json for the current bytes of `files` (absent files count as
+    absent) read from `where` (transformers records the directory's path, `_name_or_path`, and
+    matches some choices on it)."""
+    h = hashlib.sha256(f"{CACHE_VERSION}\0{_transformers_version()}\0{kind}\0{where}".encode())
     for path in files:
         h.update(f"\0{os.path.basename(path)}\0".encode())
         try:

@@ -3,8 +3,8 @@
 AutoTokenizer picks the class from tokenizer_config.json, config.json (through AutoConfig, so
 through transformers' config machinery, which imports torch and sympy: ~3.5 s before any
 tokenizer loads) and tokenizer.json. Its last step is `cls.from_pretrained(model_dir,
-_from_auto=True)`. The class it picked is remembered per (those three files, transformers
-version) under the llmsvc cache; later loads call that last step directly, which imports
+_from_auto=True)`. The class it picked is remembered per (those three files, their directory,
+transformers version) under the llmsvc cache; later loads call that last step directly, which imports
 neither torch nor the config classes: the front end of `llmsvc serve` then starts in ~1.5 s
 instead of ~5. Classes from outside transformers (remote code) are never remembered.
 """
@@ -22,7 +22,8 @@ def load_tokenizer(model_dir: str, cache_dir: str | None):
     """The tokenizer of model_dir (a transformers tokenizer). cache_dir None: no cache."""
     path = None
     if cache_dir is not None:
-        path = json_cache.entry_path(cache_dir, "tokenizer", [os.path.join(model_dir, f) for f in _DECISION_FILES])
+        path = json_cache.entry_path(cache_dir, "tokenizer", [os.path.join(model_dir, f) for f in _DECISION_FILES],
+                                     os.path.realpath(model_dir))
         cls = _class_of(json_cache.read(path))
         if cls is not None:
             return cls.from_pretrained(model_dir, _from_auto=True)
