@@ -73,7 +73,7 @@ def triton_forced() -> bool:
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return _forced or (t.is_cuda and _load_triton())
+    return _forced or (t.is_cuda and (_tri is not None or _load_triton()))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

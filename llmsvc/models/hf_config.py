@@ -3,8 +3,8 @@
 Importing any transformers config class costs ~3 s in a fresh process: `configuration_utils`
 pulls in `activations` -> `integrations.hub_kernels` -> `torch.distributed.tensor` and sympy.
 The engine core, its workers and the front end each paid that before a model could load, for a
-few dozen numbers. So the config is resolved through `AutoConfig` once per (config.json,
-transformers version) and its full `to_dict()` stored as JSON under the llmsvc cache
+few dozen numbers. So the config is resolved through `AutoConfig` once per (config.json, model
+directory, transformers version) and its full `to_dict()` stored as JSON under the llmsvc cache
 (json_cache.py); later processes read that file and import neither transformers nor torch.
 
 Every process sees the same object either way (HFConfig built from the JSON text), so a cold
@@ -70,8 +70,8 @@ class HFConfig:
 
 
 def load_hf_config(model_dir: str, cache_dir: str | None) -> HFConfig:
-    """model_dir's config: read from cache_dir when this config.json was resolved before by
-    this transformers version, else through `AutoConfig.from_pretrained` and then stored there
+    """model_dir's config: read from cache_dir when this config.json in this directory was
+    resolved before by this transformers version, else through `AutoConfig.from_pretrained` and then stored there
     (cache_dir None: no cache)."""
     path = None
     if cache_dir is not None:
