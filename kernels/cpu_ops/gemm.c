@@ -32,9 +32,9 @@
 #define NR 48 /* panel width: 3 zmm or 6 ymm of fp32 */
 #define MC 256
 
-/* A micro-kernel's k loop over its FMA_ROWS (defined per ISA below, expanded here at the use):
- * unrolled by 4; with pf (a char pointer, advanced) q lines of the next panel prefetched every
- * 4 k; then the K % 4 tail. */
+/* A micro-kernel's k loop over its FMA_FOUR / FMA_ROWS (four k / one k, defined per ISA below,
+ * expanded here at the use): with pf (a char pointer, advanced) q lines of the next panel
+ * prefetched every 4 k; then the K % 4 tail. */
 #define K_LOOP(pf)                                                                        \
     do {                                                                                  \
         int64_t k = 0;                                                                    \
@@ -42,12 +42,10 @@
             for (; k + 4 <= K; k += 4) {                                                  \
                 for (int j = 0; j < q; j++) _mm_prefetch((pf) + j * 64, _MM_HINT_T0);     \
                 (pf) += q * 64;                                                           \
-                FMA_ROWS(k); FMA_ROWS(k + 1); FMA_ROWS(k + 2); FMA_ROWS(k + 3);           \
+                FMA_FOUR(k);                                                              \
             }                                                                             \
         } else {                                                                          \
-            for (; k + 4 <= K; k += 4) {                                                  \
-                FMA_ROWS(k); FMA_ROWS(k + 1); FMA_ROWS(k + 2); FMA_ROWS(k + 3);           \
-            }                                                                             \
+            for (; k + 4 <= K; k += 4) FMA_FOUR(k);                                       \
         }                                                                                 \
         for (; k < K; k++) FMA_ROWS(k);                                                   \
     } while (0)
@@ -68,6 +66,11 @@
             acc[r][1] = _mm512_fmadd_ps(av, w1, acc[r][1]);                               \
             acc[r][2] = _mm512_fmadd_ps(av, w2, acc[r][2]);                               \
         }                                                                                 \
+    } while (0)
+
+#define FMA_FOUR(K_)                                                                      \
+    do {                                                                                  \
+        FMA_ROWS(K_); FMA_ROWS((K_) + 1); FMA_ROWS((K_) + 2); FMA_ROWS((K_) + 3);         \
     } while (0)
 
 static inline __mmask16 lane_mask(int nc, int lo) {
@@ -143,6 +146,16 @@ static inline __attribute__((always_inline)) void k6_four(const float *a, const 
             : "xmm0", "xmm1", "xmm2", "xmm3");
 }
 
+/* mr is a constant in each inlined kernel: full blocks take the asm, the others the intrinsics */
+#define FMA_FOUR(K_)                                                                      \
+    do {                                                                                  \
+        if (mr == MR) {                                                                   \
+            k6_four(a + (K_) * MR, bs + (K_) * NP, acc);                                  \
+        } else {                                                                          \
+            FMA_ROWS(K_); FMA_ROWS((K_) + 1); FMA_ROWS((K_) + 2); FMA_ROWS((K_) + 3);     \
+        }                                                                                 \
+    } while (0)
+
 /* all-ones lanes for columns lo .. lo + 7 that are below nc */
 static inline __m256i lane_mask(int nc, int lo) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(nc - lo), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -169,19 +182,7 @@ static inline __attribute__((always_inline)) void kernel(
         }
         const char *p = h == 0 ? pf : 0;
         const float *bs = b + (int64_t)h * K;
-        if (mr == MR) {
-            int64_t k = 0;
-            for (; k + 4 <= K; k += 4) {
-                if (p) {
-                    for (int j = 0; j < q; j++) _mm_prefetch(p + j * 64, _MM_HINT_T0);
-                    p += q * 64;
-                }
-                k6_four(a + k * MR, bs + k * NP, acc);
-            }
-            for (; k < K; k++) FMA_ROWS(k);
-        } else {
-            K_LOOP(p);
-        }
+        K_LOOP(p);
         _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) {
             _mm256_maskstore_ps(c + r * ldc + h, m0, acc[r][0]);
             _mm256_maskstore_ps(c + r * ldc + h + 8, m1, acc[r][1]);
