@@ -2,8 +2,8 @@
 
 An entry's name hashes the bytes of the files the fact depends on, their directory, the
 transformers version that derived it and CACHE_VERSION, so an edited file or an upgraded
-transformers finds no entry and derives the fact again. Writes are atomic (temporary file + rename): concurrent processes
-see no entry or a whole one. A cache directory that cannot be written only means no cache.
+transformers finds no entry and derives the fact again. Writes are atomic (temporary file +
+rename): concurrent processes see no entry or a whole one. A cache directory that cannot be written only means no cache.
 Imports neither torch nor transformers.
 """
 from __future__ import annotations
@@ -13,6 +13,8 @@ import importlib.metadata
 import json
 import os
 import tempfile
+
+from llmsvc.models.resolve import file_sha256
 
 CACHE_VERSION = 1  # bump when what is stored (or how it is read) changes
 
@@ -25,9 +27,7 @@ def entry_path(cache_dir: str, kind: str, files: list[str], where: str = "") -> 
     for path in files:
         h.update(f"\0{os.path.basename(path)}\0".encode())
         try:
-            with open(path, "rb") as f:
-                while chunk := f.read(1 << 22):
-                    h.update(chunk)
+            h.update(file_sha256(path).encode())
         except FileNotFoundError:
             h.update(b"\0absent")
     return os.path.join(cache_dir, f"{h.hexdigest()[:32]}.{kind}.json")

@@ -3,9 +3,9 @@
 AutoTokenizer picks the class from tokenizer_config.json, config.json (through AutoConfig, so
 through transformers' config machinery, which imports torch and sympy: ~3.5 s before any
 tokenizer loads) and tokenizer.json. Its last step is `cls.from_pretrained(model_dir,
-_from_auto=True)`. The class it picked is remembered per (those three files, their directory,
-transformers version) under the llmsvc cache; later loads call that last step directly, which imports
-neither torch nor the config classes: the front end of `llmsvc serve` then starts in ~1.5 s
+_from_auto=True)`. The class it picked is remembered per (those three files, their
+directory, transformers version) under the llmsvc cache; later loads call that last step
+directly, which imports neither torch nor the config classes: the front end of `llmsvc serve` then starts in ~1.5 s
 instead of ~5. Classes from outside transformers (remote code) are never remembered.
 """
 from __future__ import annotations
