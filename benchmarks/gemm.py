@@ -8,9 +8,10 @@ them; each round multiplies an [M, K] activation through all layers and the LM h
 the weights stream from DRAM as in a decode step. Prints ms per pass (best of the rounds)
 and the weight bytes per second for:
   ours     `kernels.ops.linear` on the engine's packed copy (gemm.c fp32 panels, gemm_bf16.c
-           bf16 VNNI panels on AMX or AVX512-BF16; whatever `pack_linear_weight` chose on this CPU)
+           bf16 VNNI panels on AMX or AVX512-BF16, bf16 panels widened to fp32 on AVX2 only;
+           whatever `pack_linear_weight` chose on this CPU)
   library  MKL's packed sgemm (fp32) or oneDNN's packed matmul (bf16), the paths torch's
-           inductor uses for frozen weights
+           inductor uses for frozen weights; left out where oneDNN has no bf16 (AVX2 only)
   F.linear torch's plain linear on the unpacked weight
 Implementations alternate round by round, so a slow phase of the machine hits all of them.
 """
@@ -53,13 +54,12 @@ def main(argv: list[str] | None = None) -> None:
     weights = [torch.randn(n, k, generator=g).to(dt) * 0.02 for _ in range(a.layers) for _, n, k in SHAPES]
     weights.append(torch.randn(*LM_HEAD, generator=g).to(dt) * 0.02)
     ours = [ops.pack_linear_weight(w) for w in weights]
-    lib = [_library_pack(w) for w in weights]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    impls = {
-        "ours": lambda x, i: ops.linear(x, weights[i], None, ours[i]),
-        "library": lambda x, i: _library_linear(x, weights[i], lib[i]),
-        "F.linear": lambda x, i: F.linear(x, weights[i]),
-    }
+    impls = {"ours": lambda x, i: ops.linear(x, weights[i], None, ours[i])}
+    if dt == torch.float32 or linear._linear_pointwise is not None:
+        lib = [_library_pack(w) for w in weights]
+        impls["library"] = lambda x, i: _library_linear(x, weights[i], lib[i])
+    impls["F.linear"] = lambda x, i: F.linear(x, weights[i])
     kind = "none" if ours[0] is None else f"{tuple(ours[0].shape)} {ours[0].dtype}"
     print(f"{a.dtype}, {a.layers} layers + LM head, {nbytes / 1e6:.0f} MB of weights, "
           f"{torch.get_num_threads()} threads; ours packed as {kind}")

@@ -1,10 +1,10 @@
 """Two builds of a packed CPU GEMM, side by side in one process, called alternately.
 
-    python -m benchmarks.gemm_ab [--base REV] [--dtype bfloat16|float32] [--rows 1,16,64]
-                                 [--threads 2] [--rounds 25]
+    python -m benchmarks.gemm_ab [--base REV] [--dtype bfloat16|bfloat16-widen|float32]
+                                 [--rows 1,16,64] [--threads 2] [--rounds 25]
 
-Compiles the GEMM's source (`gemm_bf16dp.c`, AVX512-BF16 dot products, or `gemm.c`, fp32
-panels) as committed at --base (default HEAD) and as it is in the working tree, each into its
+Compiles the GEMM's source (`gemm_bf16dp.c`, AVX512-BF16 dot products; `gemm.c`, fp32 panels,
+or its bf16 entry that widens bf16 panels on AVX2, `bfloat16-widen`) as committed at --base (default HEAD) and as it is in the working tree, each into its
 own library with the engine's flags, and multiplies an [M, K] activation through the default
 model's 30 layers of packed weights (qkv, o, gate_up, down) and its LM head, as a decode step
 does (weights from DRAM), the two builds taking turns round by round. Prints, per M, the min
@@ -29,8 +29,10 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
 GEMMS = {  # dtype: (source, entry, packing)
     "bfloat16": ("kernels/cpu_ops/gemm_bf16dp.c", "llmsvc_gemm_bf16_dp", linear.pack_amx),
+    "bfloat16-widen": ("kernels/cpu_ops/gemm.c", "llmsvc_gemm_bf16_widen", linear.pack_panels),
     "float32": ("kernels/cpu_ops/gemm.c", "llmsvc_gemm_f32", linear.pack_panels),
 }
+_PANELS = ("llmsvc_gemm_f32", "llmsvc_gemm_bf16_widen")  # entries reading pack_panels' layout
 
 
 def main(argv=None) -> None:
@@ -42,7 +44,7 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=25)
     a = ap.parse_args(argv)
-    dtype = getattr(torch, a.dtype)
+    dtype = getattr(torch, a.dtype.split("-")[0])
     path, entry, pack = GEMMS[a.dtype]
     g = torch.Generator().manual_seed(0)
     # (name, weight [N, K]) in the order a step calls them
@@ -84,9 +86,9 @@ def main(argv=None) -> None:
 def _layout(fn) -> tuple:
     """pack_panels' extra argument for this build: its fp32 sub-panel width (builds before the
     query existed: 48, one [K][48] block per panel); nothing for other packings."""
-    query = getattr(fn.lib, "llmsvc_gemm_f32_subpanel", None) if fn.__name__ == "llmsvc_gemm_f32" else None
+    query = getattr(fn.lib, "llmsvc_gemm_f32_subpanel", None) if fn.__name__ in _PANELS else None
     if query is None:
-        return (48,) if fn.__name__ == "llmsvc_gemm_f32" else ()
+        return (48,) if fn.__name__ in _PANELS else ()
     query.restype, query.argtypes = ctypes.c_int, []
     return (query(),)
 

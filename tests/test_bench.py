@@ -241,7 +241,7 @@ def test_attention_ab_compares_two_builds_in_one_process(capsys):
             assert row.endswith("bit for bit: yes"), row
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16-widen"])
 def test_gemm_ab_compares_two_builds_in_one_process(capsys, dtype):
     import shutil
     import subprocess
@@ -249,7 +249,8 @@ def test_gemm_ab_compares_two_builds_in_one_process(capsys, dtype):
     from benchmarks import gemm_ab
     from kernels.cpu_ops import build
     lib = build.load()
-    supported = {"float32": "llmsvc_gemm_f32_supported", "bfloat16": "llmsvc_gemm_bf16_dp_supported"}[dtype]
+    supported = {"float32": "llmsvc_gemm_f32_supported", "bfloat16": "llmsvc_gemm_bf16_dp_supported",
+                 "bfloat16-widen": "llmsvc_gemm_bf16_widen_supported"}[dtype]
     if lib is None or getattr(lib, supported)() != 1 or shutil.which("git") is None:
         pytest.skip(f"needs the native {dtype} panel GEMM and git")
     if subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True).returncode != 0:

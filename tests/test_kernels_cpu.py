@@ -134,7 +134,7 @@ def test_no_compiler_falls_back_with_a_warning(tmp_path):
 # whole panels / ragged last panel, K % 4 / K % 32 == 0 (bf16: the native VNNI panels)
 @pytest.mark.parametrize("n,k", [(96, 80), (100, 33), (100, 64)])
 def test_packed_linear_matches_f_linear(dtype, m, with_bias, n, k):
-    if dtype == torch.bfloat16 and not linear._bf16_ok() and not (k % 32 == 0 and linear._bf16_panels_ok()):
+    if dtype == torch.bfloat16 and not linear._bf16_ok() and not linear.bf16_packable(k):
         pytest.skip("this CPU has neither oneDNN bf16 nor a native bf16 GEMM")
     g = torch.Generator().manual_seed(m)
     w = torch.randn(n, k, generator=g).to(dtype)
@@ -223,7 +223,7 @@ def test_bf16_decode_rows_take_a_native_gemm():
     # must be what runs, AMX where the CPU has it
     flags = build._cpu_flags() + " "
     if " amx_bf16 " not in flags and " avx512_bf16 " not in flags:
-        pytest.skip("neither AMX-BF16 nor AVX512-BF16 on this CPU: bf16 linear uses oneDNN")
+        pytest.skip("neither AMX-BF16 nor AVX512-BF16 here: bf16 takes widened panels or oneDNN")
     lib = build.load()
     assert lib.llmsvc_gemm_bf16_supported() == 1
     assert linear.bf16_max_m() == (linear.AMX_MAX_M if lib.llmsvc_gemm_bf16_amx_supported() == 1

@@ -2,8 +2,8 @@
 
 The model hands over its per-layer weights once (`make_plan`); a step whose every GEMM
 would take the native packed kernels anyway (fp32 panels up to PANEL_MAX_M rows, bf16 panels
-up to `linear.bf16_max_m()`: AMX tiles or AVX512-BF16 dot products) then runs all layers in
-one ctypes call instead of ~20 Python-level calls per layer. The result is bit for bit the
+up to `linear.bf16_max_m()`: AMX tiles, AVX512-BF16 dot products or AVX2 panels widened to
+fp32) then runs all layers in one ctypes call instead of ~20 Python-level calls per layer. The result is bit for bit the
 per-op path's (the same kernels with the same arguments), which is this op's reference:
 `tests/test_native_layers.py` checks it.
 """
@@ -121,7 +121,7 @@ def make_plan(layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_h
               num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
               cos_sin_cache: torch.Tensor, scale: float, sliding_window: int = 0) -> Optional[DecoderPlan]:
     """A plan when every layer's tensors suit the native kernels (CPU, fp32 with gemm.c
-    panels or bf16 with AMX / AVX512-BF16 panels, contiguous, head_dim a multiple of 16), else
+    panels or bf16 with gemm_bf16.c's panels, contiguous, head_dim a multiple of 16), else
     None."""
     if not enabled() or dtype not in DTYPE_CODES or not layers:
         return None
@@ -143,5 +143,6 @@ def make_plan(layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_h
     logger.info("CPU decoder layers: %d layers in one native call for steps of up to %d tokens (%s, %s "
                 "GEMM); larger steps run layer by layer", len(layers), plan.max_m,
                 str(dtype).removeprefix("torch."), "panel" if dtype == torch.float32
-                else "AMX" if linear.has_amx() else "AVX512-BF16")
+                else "AMX" if linear.has_amx() else "AVX512-BF16" if linear.bf16_layout() == "vnni"
+                else "widened panel")
     return plan

@@ -17,8 +17,11 @@ copy:
   bf16  with AMX or AVX512-BF16 and K % 32 == 0: VNNI tile panels [ceil(N / 64), K / 2, 128]
         for `gemm_bf16.c` (AMX tiles, `gemm_amx.c`, up to AMX_MAX_M rows; else AVX512-BF16
         dot products, `gemm_bf16dp.c`, up to DP_MAX_M), F.linear on the original weight
-        beyond; elsewhere oneDNN (`mkldnn::_reorder_linear_weight`,
-        `mkldnn::_linear_pointwise`), likewise faster than F.linear
+        beyond; with AVX2 + FMA only: the fp32 panel layout in bf16, which gemm.c widens to
+        fp32 a panel at a time (up to PANEL_MAX_M rows: torch's own bf16 GEMM on such a CPU runs
+        at a fraction of the fp32 one's speed and oneDNN has no bf16 there); elsewhere oneDNN
+        (`mkldnn::_reorder_linear_weight`, `mkldnn::_linear_pointwise`), likewise faster than
+        F.linear
 
 Every path packs B independently of the row count M of the input (MKL gets the call's own
 M as `prepack_batch_size`); the tests check M = 1 .. 1024 against F.linear. The packed copy
@@ -94,9 +97,19 @@ def _panels_ok() -> bool:
     return lib is not None and lib.llmsvc_gemm_f32_supported() == 1
 
 
-def _bf16_panels_ok() -> bool:
+@functools.cache
+def bf16_layout() -> str:
+    """The bf16 weight layout gemm_bf16.c reads on this CPU: "vnni" (pack_amx, for AMX tiles or
+    AVX512-BF16 dot products), "panels" (pack_panels in bf16, widened to fp32 by gemm.c: AVX2 +
+    FMA without either) or "" (no native bf16 GEMM built)."""
     lib = load()
-    return lib is not None and lib.llmsvc_gemm_bf16_supported() == 1
+    return {1: "vnni", 2: "panels"}.get(lib.llmsvc_gemm_bf16_layout() if lib is not None else 0, "")
+
+
+def bf16_packable(k: int) -> bool:
+    """Whether a bf16 weight with k input features gets gemm_bf16.c's packed panels."""
+    layout = bf16_layout()
+    return (layout == "vnni" and k % 32 == 0) or (layout == "panels" and k <= _PANEL_MAX_K)
 
 
 @functools.cache
@@ -108,7 +121,7 @@ def has_amx() -> bool:
 
 def bf16_max_m() -> int:
     """Rows up to which bf16 packed panels go to gemm_bf16.c (beyond: F.linear)."""
-    return AMX_MAX_M if has_amx() else DP_MAX_M
+    return AMX_MAX_M if has_amx() else DP_MAX_M if bf16_layout() == "vnni" else PANEL_MAX_M
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -133,7 +146,8 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_panels(weight: torch.Tensor, subpanel: Optional[int] = None) -> torch.Tensor:
-    """weight [N, K] fp32 -> [ceil(N / 48), K, 48]: panel p holds W[48p : 48p + 48, :]^T,
+    """weight [N, K] fp32 (or bf16, for gemm.c's widening bf16 entry) -> [ceil(N / 48), K, 48]:
+    panel p holds W[48p : 48p + 48, :]^T,
     zero-padded past N, 64-byte aligned. Each panel is stored as 48 / subpanel blocks
     [K][subpanel] (column block j: W[48p + subpanel j + c, k] at [j][k][c]); subpanel None asks
     the built gemm.c (16 on AVX2, where each pass of its micro-kernel reads one block; 48 on
@@ -161,8 +175,9 @@ def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
         return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), 64)
     if weight.dtype == torch.float32 and FP32_LIBRARY == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
-    if weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and _bf16_panels_ok():
-        return pack_amx(weight.contiguous())
+    if weight.dtype == torch.bfloat16 and bf16_packable(weight.shape[1]):
+        w = weight.contiguous()
+        return pack_amx(w) if bf16_layout() == "vnni" else pack_panels(w)
     if weight.dtype == torch.bfloat16 and _linear_pointwise is not None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
     return None

@@ -1,0 +1,164 @@
+/* gemm.c's AVX2 + FMA micro-kernel: 6 x 16 passes over three [K][16] sub-panels, of fp32 or
+ * (bf, the bf16 entry) of bf16 widened in registers, with C stored as fp32 or rounded to bf16.
+ * Included by gemm.c only, after its NR, MC and K_LOOP. */
+#include <immintrin.h>
+#define GEMM_F32 1
+#define MR 6 /* rows per micro-kernel: 6 x 2 accumulators + 2 panel vectors + 1 broadcast */
+#define NP 16 /* columns per pass, the sub-panel width: a panel is three [K][16] sub-panels */
+#define PACK_A 1 /* a = A's row block packed [K][MR] (pack_block) */
+#define BF16_WIDEN 1 /* llmsvc_gemm_bf16_widen is built */
+
+/* dst[0:n] = src[0:n] widened to fp32 (exact); n % 8 == 0, dst 32-byte aligned */
+static void widen_panel(float *dst, const uint16_t *src, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+        _mm256_store_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+}
+
+/* 8 bf16 at p -> 8 fp32, exact */
+static inline __m256 widen8(const uint16_t *p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+/* bs / bh: this pass's sub-panel [K][16] as fp32 / bf16 (bf, a constant in each kernel) */
+#define FMA_ROWS(K_)                                                                      \
+    do {                                                                                  \
+        __m256 w0, w1;                                                                    \
+        if (bf & BF_B) {                                                                  \
+            w0 = widen8(bh + (K_) * NP);                                                  \
+            w1 = widen8(bh + (K_) * NP + 8);                                              \
+        } else {                                                                          \
+            w0 = _mm256_load_ps(bs + (K_) * NP);                                          \
+            w1 = _mm256_load_ps(bs + (K_) * NP + 8);                                      \
+        }                                                                                 \
+        _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) {                            \
+            const __m256 av = _mm256_broadcast_ss(a + (K_) * MR + r);                     \
+            acc[r][0] = _mm256_fmadd_ps(av, w0, acc[r][0]);                               \
+            acc[r][1] = _mm256_fmadd_ps(av, w1, acc[r][1]);                               \
+        }                                                                                 \
+    } while (0)
+
+/* Four k of a full 6-row block: acc[r][j] += a[k][r] * bs[k][8j .. 8j + 7]. From the
+ * intrinsics above GCC keeps the 12 accumulators in registers but re-reads a panel vector
+ * from L1 for every row (up to 13 loads per 12 FMAs); here ymm0-1 hold the panel vectors and
+ * ymm2-3 take turns as the broadcast. */
+#define K6_ROW(J, R, T, C0, C1)                                                           \
+    "vbroadcastss " #J "*24+" #R "*4(%[a]), %%ymm" #T "\n\t"                             \
+    "vfmadd231ps %%ymm0, %%ymm" #T ", %[" #C0 "]\n\t"                                      \
+    "vfmadd231ps %%ymm1, %%ymm" #T ", %[" #C1 "]\n\t"
+#define K6_STEP(J)                                                                        \
+    "vmovaps " #J "*64(%[b]), %%ymm0\n\t"                                                  \
+    "vmovaps " #J "*64+32(%[b]), %%ymm1\n\t"                                               \
+    K6_ROW(J, 0, 2, c00, c01) K6_ROW(J, 1, 3, c10, c11) K6_ROW(J, 2, 2, c20, c21)          \
+    K6_ROW(J, 3, 3, c30, c31) K6_ROW(J, 4, 2, c40, c41) K6_ROW(J, 5, 3, c50, c51)
+
+/* the same with a bf16 sub-panel: each panel vector widened (zero-extend, shift by 16) */
+#define K6_STEP_BF16(J)                                                                   \
+    "vpmovzxwd " #J "*32(%[b]), %%ymm0\n\t"                                               \
+    "vpmovzxwd " #J "*32+16(%[b]), %%ymm1\n\t"                                            \
+    "vpslld $16, %%ymm0, %%ymm0\n\t"                                                      \
+    "vpslld $16, %%ymm1, %%ymm1\n\t"                                                      \
+    K6_ROW(J, 0, 2, c00, c01) K6_ROW(J, 1, 3, c10, c11) K6_ROW(J, 2, 2, c20, c21)          \
+    K6_ROW(J, 3, 3, c30, c31) K6_ROW(J, 4, 2, c40, c41) K6_ROW(J, 5, 3, c50, c51)
+
+#define K6_OUTPUTS                                                                        \
+    [c00] "+x"(acc[0][0]), [c01] "+x"(acc[0][1]), [c10] "+x"(acc[1][0]), [c11] "+x"(acc[1][1]), \
+    [c20] "+x"(acc[2][0]), [c21] "+x"(acc[2][1]), [c30] "+x"(acc[3][0]), [c31] "+x"(acc[3][1]), \
+    [c40] "+x"(acc[4][0]), [c41] "+x"(acc[4][1]), [c50] "+x"(acc[5][0]), [c51] "+x"(acc[5][1])
+
+static inline __attribute__((always_inline)) void k6_four(const float *a, const float *b, __m256 acc[MR][2]) {
+    __asm__(K6_STEP(0) K6_STEP(1) K6_STEP(2) K6_STEP(3)
+            : K6_OUTPUTS
+            : [a] "r"(a), [b] "r"(b), "m"(*(const float(*)[4 * MR])a), "m"(*(const float(*)[4 * NP])b)
+            : "xmm0", "xmm1", "xmm2", "xmm3");
+}
+
+static inline __attribute__((always_inline)) void k6_four_bf16(const float *a, const uint16_t *b,
+                                                               __m256 acc[MR][2]) {
+    __asm__(K6_STEP_BF16(0) K6_STEP_BF16(1) K6_STEP_BF16(2) K6_STEP_BF16(3)
+            : K6_OUTPUTS
+            : [a] "r"(a), [b] "r"(b), "m"(*(const float(*)[4 * MR])a), "m"(*(const uint16_t(*)[4 * NP])b)
+            : "xmm0", "xmm1", "xmm2", "xmm3");
+}
+
+/* mr is a constant in each inlined kernel: full blocks take the asm, the others the intrinsics */
+#define FMA_FOUR(K_)                                                                      \
+    do {                                                                                  \
+        if (mr == MR && (bf & BF_B)) {                                                    \
+            k6_four_bf16(a + (K_) * MR, bh + (K_) * NP, acc);                             \
+        } else if (mr == MR) {                                                            \
+            k6_four(a + (K_) * MR, bs + (K_) * NP, acc);                                  \
+        } else {                                                                          \
+            FMA_ROWS(K_); FMA_ROWS((K_) + 1); FMA_ROWS((K_) + 2); FMA_ROWS((K_) + 3);     \
+        }                                                                                 \
+    } while (0)
+
+/* all-ones lanes for columns lo .. lo + 7 that are below nc */
+static inline __m256i lane_mask(int nc, int lo) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(nc - lo), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* 8 fp32 -> 8 bf16, round to nearest even, NaN kept a quiet NaN (bf16.h's f32_to_bf16) */
+static inline __m128i bf16x8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v), one = _mm256_set1_epi32(1);
+    const __m256i rne = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                               _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i h = _mm256_blendv_epi8(_mm256_srli_epi32(rne, 16),
+                                         _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)); /* h <= 0xffff */
+}
+
+/* dst[0:n] = bf16 of the 16 lanes v0, v1 (n <= 16) */
+static inline void store_bf16(uint16_t *dst, __m256 v0, __m256 v1, int n) {
+    const __m128i lo = bf16x8(v0), hi = bf16x8(v1);
+    if (n >= 16) {
+        _mm_storeu_si128((__m128i *)dst, lo);
+        _mm_storeu_si128((__m128i *)(dst + 8), hi);
+    } else {
+        uint16_t t[16];
+        _mm_storeu_si128((__m128i *)t, lo);
+        _mm_storeu_si128((__m128i *)(t + 8), hi);
+        memcpy(dst, t, (size_t)n * 2);
+    }
+}
+
+/* c[0:mr, 0:nc] = a[0:mr, 0:K] @ b[0:K, 0:48] (+ bias[0:nc]) in passes over 16 columns (as
+ * many as nc needs), pass h reading sub-panel b + h * K ([K][16]); a packed [K][MR]; the first
+ * pass prefetches q lines of pf (NULL: none) every 4 k. b and c are fp32, or bf16 when bf (b
+ * widened exactly, each element of c rounded once). */
+static inline __attribute__((always_inline)) void kernel(
+    const int mr, const float *a, int64_t lda, const void *b, int64_t K, void *cv, int64_t ldc,
+    int nc, const float *bias, const char *pf, int q, const int bf) {
+    (void)lda;
+    float *c = (float *)cv;
+    for (int h = 0; h < nc; h += NP) {
+        __m256 acc[MR][2];
+        const __m256i m0 = lane_mask(nc, h), m1 = lane_mask(nc, h + 8);
+        __m256 b0 = _mm256_setzero_ps(), b1 = b0;
+        if (bias) { /* masked-off lanes are not read */
+            b0 = _mm256_maskload_ps(bias + h, m0);
+            b1 = _mm256_maskload_ps(bias + h + 8, m1);
+        }
+        _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) {
+            acc[r][0] = b0;
+            acc[r][1] = b1;
+        }
+        const char *p = h == 0 ? pf : 0;
+        const float *bs = (const float *)b + (int64_t)h * K;
+        const uint16_t *bh = (const uint16_t *)b + (int64_t)h * K;
+        K_LOOP(p);
+        if (bf & BF_C) {
+            _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++)
+                store_bf16((uint16_t *)cv + r * ldc + h, acc[r][0], acc[r][1], nc - h);
+        } else {
+            _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) {
+                _mm256_maskstore_ps(c + r * ldc + h, m0, acc[r][0]);
+                _mm256_maskstore_ps(c + r * ldc + h + 8, m1, acc[r][1]);
+            }
+        }
+    }
+}

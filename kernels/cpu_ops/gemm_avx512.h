@@ -1,0 +1,57 @@
+/* gemm.c's AVX-512 micro-kernel: 8 x 48 with 24 zmm accumulators. Included by gemm.c only,
+ * after its NR, MC and K_LOOP. */
+#include <immintrin.h>
+#define GEMM_F32 1
+#define MR 8 /* rows per micro-kernel */
+
+#define FMA_ROWS(K_)                                                                      \
+    do {                                                                                  \
+        const float *bk = b + (K_) * NR;                                                  \
+        const __m512 w0 = _mm512_load_ps(bk), w1 = _mm512_load_ps(bk + 16),               \
+                     w2 = _mm512_load_ps(bk + 32);                                        \
+        _Pragma("GCC unroll 8") for (int r = 0; r < mr; r++) {                            \
+            const __m512 av = _mm512_set1_ps(a[r * lda + (K_)]);                          \
+            acc[r][0] = _mm512_fmadd_ps(av, w0, acc[r][0]);                               \
+            acc[r][1] = _mm512_fmadd_ps(av, w1, acc[r][1]);                               \
+            acc[r][2] = _mm512_fmadd_ps(av, w2, acc[r][2]);                               \
+        }                                                                                 \
+    } while (0)
+
+#define FMA_FOUR(K_)                                                                      \
+    do {                                                                                  \
+        FMA_ROWS(K_); FMA_ROWS((K_) + 1); FMA_ROWS((K_) + 2); FMA_ROWS((K_) + 3);         \
+    } while (0)
+
+static inline __mmask16 lane_mask(int nc, int lo) {
+    const int n = nc - lo;
+    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* c[0:mr, 0:nc] = a[0:mr, 0:K] @ b[0:K, 0:48] (+ bias[0:nc]); prefetches q lines of pf
+ * (NULL: none) every 4 k */
+static inline __attribute__((always_inline)) void kernel(
+    const int mr, const float *a, int64_t lda, const void *bv, int64_t K, void *cv, int64_t ldc,
+    int nc, const float *bias, const char *pf, int q, const int bf) {
+    (void)bf; /* fp32 only: no bf16 entry on AVX-512 (gemm_bf16.c has its own kernels) */
+    const float *b = (const float *)bv;
+    float *c = (float *)cv;
+    __m512 acc[MR][3];
+    const __mmask16 m0 = lane_mask(nc, 0), m1 = lane_mask(nc, 16), m2 = lane_mask(nc, 32);
+    __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0;
+    if (bias) {
+        b0 = _mm512_maskz_loadu_ps(m0, bias);
+        b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+        b2 = _mm512_maskz_loadu_ps(m2, bias + 32);
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < mr; r++) {
+        acc[r][0] = b0;
+        acc[r][1] = b1;
+        acc[r][2] = b2;
+    }
+    K_LOOP(pf);
+    _Pragma("GCC unroll 8") for (int r = 0; r < mr; r++) {
+        _mm512_mask_storeu_ps(c + r * ldc, m0, acc[r][0]);
+        _mm512_mask_storeu_ps(c + r * ldc + 16, m1, acc[r][1]);
+        _mm512_mask_storeu_ps(c + r * ldc + 32, m2, acc[r][2]);
+    }
+}
