@@ -124,6 +124,17 @@ def test_ceiling_from_parameter_counts(tmp_path):
     assert r["min_seconds"] == pytest.approx(total / 1e9) and r["output_tok_s"] == pytest.approx(10 / r["min_seconds"])
 
 
+def test_ceiling_rate_is_that_of_the_arithmetic_the_cpu_engine_runs():
+    # bf16 on a CPU without bf16 arithmetic computes in fp32 (gemm.c widens it): the ceiling
+    # is the fp32 rate there, not torch's slow bf16 fallback
+    import torch
+
+    from llmsvc.bench.ceiling import arithmetic_dtype
+    assert arithmetic_dtype("float32", "cpu") == "float32"
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert arithmetic_dtype("bfloat16", "cpu") == ("bfloat16" if native else "float32")
+
+
 def test_memory_floor_counts_weights_per_decode_step_and_every_kv_read(tmp_path):
     d = make_tiny_model_dir(tmp_path, arch="llama", tie=True)
     cfg = json.loads((Path(d) / "config.json").read_text())

@@ -65,6 +65,19 @@ def _best_seconds(fn, sync, repeats: int) -> float:
     return best
 
 
+def arithmetic_dtype(dtype: str, device: str = "auto") -> str:
+    """The dtype the engine's GEMMs compute in: `dtype`, except bf16 on a CPU without bf16
+    arithmetic (no AVX512-BF16 / AMX, where oneDNN has no bf16 either), whose packed GEMM widens
+    bf16 to fp32 (kernels/cpu_ops/gemm.c): there torch.mm in bf16 runs a slow fallback, and the
+    fp32 rate is the ceiling."""
+    import torch
+
+    dev, _ = bench_device(device)
+    if dtype == "bfloat16" and dev.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "float32"
+    return dtype
+
+
 def gemm_flops(dtype: str = "float32", n: int = 4096, repeats: int = 3, device: str = "auto") -> float:
     """Best-of-`repeats` FLOP/s of an n x n x n matmul in `dtype` on the engine's device (auto:
     the GPU where there is one, else the CPU with all its threads). fp32 on a GPU is plain

@@ -195,14 +195,17 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
               f"tok/s = {res['prefix_caching_prefill_speedup']:.2f}x")
     print_ratios(w, res, a.baseline)
     if a.ceiling:
-        from llmsvc.bench.ceiling import (ceiling, decode_step, gemm_flops, kv_bytes_per_token,
-                                          memory_floor, param_counts, read_bandwidth)
+        from llmsvc.bench.ceiling import (arithmetic_dtype, ceiling, decode_step, gemm_flops,
+                                          kv_bytes_per_token, memory_floor, param_counts, read_bandwidth)
 
         counts = param_counts(model_dir)
-        c = ceiling(w, counts, gemm_flops(a.dtype))
+        arith = arithmetic_dtype(a.dtype)
+        c = ceiling(w, counts, gemm_flops(arith))
         c["fraction"] = ours["output_tok_s"] / c["output_tok_s"]
+        c["gemm_dtype"] = arith
         res["ceiling"] = c
-        print(f"  ceiling ({a.dtype} GEMM {c['gemm_gflops']:.0f} GFLOP/s, {c['workload_tflop']:.2f} TFLOP): "
+        label = a.dtype if arith == a.dtype else f"{arith}, as {a.dtype} computes on this CPU,"
+        print(f"  ceiling ({label} GEMM {c['gemm_gflops']:.0f} GFLOP/s, {c['workload_tflop']:.2f} TFLOP): "
               f"{c['output_tok_s']:.0f} out tok/s; llmsvc reaches {100 * c['fraction']:.0f}%")
         nb = 4 if a.dtype == "float32" else 2
         m = memory_floor(w, counts, kv_bytes_per_token(model_dir, nb), nb, read_bandwidth())
