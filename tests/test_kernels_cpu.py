@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kernels import ops, reference as ref
 from kernels.cpu_ops import attention, build, elementwise, linear
-from kernel_utils import TOL, PagedBatch
+from kernel_utils import TOL, PagedBatch, run_avx2_build_probe
 
 
 def test_native_kernels_build_here():
@@ -511,13 +511,7 @@ def test_gemm_and_attention_built_for_avx2(tmp_path):
     -mno-avx512f through LLMSVC_CPU_CFLAGS, in a fresh process and cache), against F.linear and
     the reference: ragged panels, 6-row blocks and their remainders, GQA decodes and prefill
     tiles, sliding windows, fp32 and bf16."""
-    flags = build._cpu_flags() + " "
-    if build._compiler() is None or not (" avx2 " in flags and " fma " in flags):
-        pytest.skip("no C compiler, or no AVX2 + FMA on this CPU")
-    env = {**os.environ, "LLMSVC_CPU_CFLAGS": "-mno-avx512f", "LLMSVC_CACHE": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-c", _AVX2_PROBE], capture_output=True, text=True, timeout=600,
-                       env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    run_avx2_build_probe(tmp_path, _AVX2_PROBE)
 
 
 # x86-64 feature levels the C sources branch on: SSE4.2 only, AVX2 + FMA, AVX-512F,

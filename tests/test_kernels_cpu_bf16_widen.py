@@ -7,17 +7,13 @@ On a CPU with AVX-512 the in-process library does not build this entry; the last
 the library with -mno-avx512f in a fresh process, as an AVX2-only CPU would."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import ops
 from kernels.cpu_ops import build, linear
-from kernel_utils import TOL
+from kernel_utils import TOL, run_avx2_build_probe
 
 
 def _widen_or_skip():
@@ -138,10 +134,4 @@ print("ok")
 
 
 def test_widen_gemm_built_without_avx512(tmp_path):
-    flags = build._cpu_flags() + " "
-    if build._compiler() is None or not (" avx2 " in flags and " fma " in flags):
-        pytest.skip("no C compiler, or no AVX2 + FMA on this CPU")
-    env = {**os.environ, "LLMSVC_CPU_CFLAGS": "-mno-avx512f", "LLMSVC_CACHE": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=600,
-                       env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    run_avx2_build_probe(tmp_path, _PROBE)
