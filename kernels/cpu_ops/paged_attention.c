@@ -37,6 +37,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "bf16.h"
 #ifdef __AVX512F__
@@ -101,6 +102,7 @@ typedef struct {
     float scale, soft_cap;
     int64_t window; /* 0: none */
     int bf16;
+    int64_t pf_bytes; /* pf_bytes() */
 } args_t;
 
 /* Keys the item's last query row sees: the cache rows the item reads. */
@@ -154,12 +156,11 @@ static inline __attribute__((always_inline)) void prefetch_next_row(
 }
 
 /* The item a thread runs next, prefetched into L2 while this item's softmax and pass 2 run
- * from cache: its K rows (up to PF_BYTES of them), then its first 16 V rows, a few lines per
+ * from cache: its K rows (up to pf_bytes() of them), then its first 16 V rows, a few lines per
  * pass-2 key, walking its block table incrementally (no division per line). Pass 1 then reads
  * K from L2 while its own prefetches stream V, so memory stays busy through both passes
  * instead of idling through pass 2. Not when the next item is this one's next row tile: those
  * rows are in cache already, and the prefetches made prefill steps slower. */
-#define PF_BYTES (256 << 10)
 typedef struct {
     const char *base, *row;
     const int32_t *table;
@@ -416,7 +417,7 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
         pf.row_bytes = row_bytes;
         pf.off = nx->head >= 0 ? nx->head * head_bytes : 0;
         pf.lines = ((nx->head >= 0 ? head_bytes : row_bytes) + 63) / 64;
-        const int64_t cap = PF_BYTES / (64 * pf.lines), krows = nkeys < cap ? nkeys : cap;
+        const int64_t cap = A->pf_bytes / (64 * pf.lines), krows = nkeys < cap ? nkeys : cap;
         pf.vbase = vbase;
         pf.first = nfirst;
         pf.vrows = nkeys < 16 ? nkeys : 16;
@@ -508,6 +509,22 @@ DEFINE_RUN_ITEM(run_item_4, 4)
 DEFINE_RUN_ITEM(run_item_8, 8)
 DEFINE_RUN_ITEM(run_item_any, A->D / 16)
 
+/* How many bytes of the next item's K rows pf_t prefetches: 256 KB with 1 MB or more of L2 per
+ * core (measured on the Intel and Zen 4 boxes). With 512 KB (Zen 3), which an item's own K/V
+ * (~200 keys x 3 heads: 300 KB in fp32) mostly fills, that much evicted the item's V rows
+ * before pass 2 read them: 16 KB made 64-sequence decodes 5-14% faster there, fp32 and bf16,
+ * with 0 and 64 KB within 2% of 16 KB (benchmarks.attention_ab, docs/cpu-kernels.md). */
+static int64_t pf_bytes(void) {
+    static int64_t cached; /* 0: not asked yet; every thread computes the same value */
+    int64_t v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v == 0) {
+        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE); /* per core; 0 or -1 when unknown */
+        v = l2 > 0 && l2 < (1l << 20) ? 16 << 10 : 256 << 10;
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
 /* Returns 0 on success, -1 on a bad argument or no memory (the wrapper checks shapes first). */
 int llmsvc_paged_attention(int dtype /* 0 = f32, 1 = bf16 */, const void *q, int64_t q_stride,
                            const void *k_cache, const void *v_cache, const int32_t *block_table,
@@ -516,7 +533,7 @@ int llmsvc_paged_attention(int dtype /* 0 = f32, 1 = bf16 */, const void *q, int
                            float scale, int64_t window, float soft_cap, void *out, int num_threads) {
     if (D <= 0 || D % 16 || D / 16 > MAX_NC || BS <= 0 || Hkv <= 0 || Hq % Hkv) return -1;
     const args_t A = {q, k_cache, v_cache, out, block_table, qsl, seq_lens,
-                      q_stride, bt_stride, Hq, Hkv, D, BS, scale, soft_cap, window, dtype == 1};
+                      q_stride, bt_stride, Hq, Hkv, D, BS, scale, soft_cap, window, dtype == 1, pf_bytes()};
     int64_t n_items = 0, max_keys = 1;
     for (int64_t i = 0; i < num_seqs; i++) {
         const int64_t q_len = qsl[i + 1] - qsl[i];
