@@ -93,9 +93,12 @@ int llmsvc_gemm_f32_subpanel(void) { return NP; }
 
 #define KERNEL_CASE(R)                                                                     \
     case R:                                                                                \
-        if (BF16_WIDEN && bf == (BF_B | BF_C)) kernel(R, a, lda, b, K, c, ldc, nc, bias, pf, q, BF_B | BF_C); \
-        else if (BF16_WIDEN && bf == BF_C) kernel(R, a, lda, b, K, c, ldc, nc, bias, pf, q, BF_C); \
-        else kernel(R, a, lda, b, K, c, ldc, nc, bias, pf, q, 0);                          \
+        if (BF16_WIDEN && bf == (BF_B | BF_C))                                             \
+            kernel(R, a, lda, b, K, c, ldc, nc, bias, pf, q, BF_B | BF_C);                 \
+        else if (BF16_WIDEN && bf == BF_C)                                                 \
+            kernel(R, a, lda, b, K, c, ldc, nc, bias, pf, q, BF_C);                        \
+        else                                                                               \
+            kernel(R, a, lda, b, K, c, ldc, nc, bias, pf, q, 0);                           \
         break;
 
 /* bf: BF_B (b bf16) and / or BF_C (c bf16); a constant in each kernel instance */

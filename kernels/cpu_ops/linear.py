@@ -147,11 +147,10 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor:
 
 def pack_panels(weight: torch.Tensor, subpanel: Optional[int] = None) -> torch.Tensor:
     """weight [N, K] fp32 (or bf16, for gemm.c's widening bf16 entry) -> [ceil(N / 48), K, 48]:
-    panel p holds W[48p : 48p + 48, :]^T,
-    zero-padded past N, 64-byte aligned. Each panel is stored as 48 / subpanel blocks
-    [K][subpanel] (column block j: W[48p + subpanel j + c, k] at [j][k][c]); subpanel None asks
-    the built gemm.c (16 on AVX2, where each pass of its micro-kernel reads one block; 48 on
-    AVX-512, plain [K][48])."""
+    panel p holds W[48p : 48p + 48, :]^T, zero-padded past N, 64-byte aligned. Each panel is
+    stored as 48 / subpanel blocks [K][subpanel] (column block j: W[48p + subpanel j + c, k] at
+    [j][k][c]); subpanel None asks the built gemm.c (16 on AVX2, where each pass of its
+    micro-kernel reads one block; 48 on AVX-512, plain [K][48])."""
     n, k = weight.shape
     sub = subpanel or load().llmsvc_gemm_f32_subpanel()
     if sub not in (16, 48):
