@@ -4,8 +4,9 @@
                                  [--rows 1,16,64] [--threads 2] [--rounds 25]
 
 Compiles the GEMM's source (`gemm_bf16dp.c`, AVX512-BF16 dot products; `gemm.c`, fp32 panels,
-or its bf16 entry that widens bf16 panels on AVX2, `bfloat16-widen`) as committed at --base (default HEAD) and as it is in the working tree, each into its
-own library with the engine's flags, and multiplies an [M, K] activation through the default
+or its bf16 entry that widens bf16 panels on AVX2, `bfloat16-widen`) as committed at --base
+(default HEAD) and as it is in the working tree, each into its own library with the engine's
+flags, and multiplies an [M, K] activation through the default
 model's 30 layers of packed weights (qkv, o, gate_up, down) and its LM head, as a decode step
 does (weights from DRAM), the two builds taking turns round by round. Prints, per M, the min
 and median ms of each projection's 30 calls and of the whole pass, and whether the two builds'

@@ -190,7 +190,9 @@ static int gemm_run(const void *a, int64_t lda, const void *packed, const float 
     nt = nt < 1 ? 1 : nt > MAX_NT ? MAX_NT : nt;
     float *apack = 0, *wide = 0;
     if (PACK_A && M > 0 && !(apack = scratch(0, ((M < MC ? M : MC) + MR - 1) / MR * MR * K))) return -1;
-    if (esz == 2 && !(wide = scratch(2, nt * K * NR))) return -1;
+    /* the panel buffers only where a chunk has the row blocks do_panel widens into them for */
+    if (esz == 2 && ((M < MC ? M : MC) + MR - 1) / MR >= WIDEN_MIN_BLOCKS && !(wide = scratch(2, nt * K * NR)))
+        return -1;
     const char *end = (const char *)packed + np * K * NR * esz;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         gemm_t g = {a, packed, bias, apack, wide, c, lda, ldc, N, K, m0, 0, 0, 0, 0, esz, end, 0};

@@ -71,8 +71,8 @@ class HFConfig:
 
 def load_hf_config(model_dir: str, cache_dir: str | None) -> HFConfig:
     """model_dir's config: read from cache_dir when this config.json in this directory was
-    resolved before by this transformers version, else through `AutoConfig.from_pretrained` and then stored there
-    (cache_dir None: no cache)."""
+    resolved before by this transformers version, else through `AutoConfig.from_pretrained`
+    and then stored there (cache_dir None: no cache)."""
     path = None
     if cache_dir is not None:
         path = json_cache.entry_path(cache_dir, "config", [os.path.join(model_dir, "config.json")],

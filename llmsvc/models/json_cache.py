@@ -3,8 +3,8 @@
 An entry's name hashes the bytes of the files the fact depends on, their directory, the
 transformers version that derived it and CACHE_VERSION, so an edited file or an upgraded
 transformers finds no entry and derives the fact again. Writes are atomic (temporary file +
-rename): concurrent processes see no entry or a whole one. A cache directory that cannot be written only means no cache.
-Imports neither torch nor transformers.
+rename): concurrent processes see no entry or a whole one. A cache directory that cannot be
+written only means no cache. Imports neither torch nor transformers.
 """
 from __future__ import annotations
 
