@@ -16,6 +16,8 @@ _MEMORY_UNITS = {"": 1, "b": 1}
 for _i, _p in enumerate("kmgt", start=1):
     _MEMORY_UNITS.update({_p: 1024 ** _i, _p + "ib": 1024 ** _i, _p + "b": 1000 ** _i})
 DTYPES = ("float32", "bfloat16", "float16")  # ModelConfig.dtype names; torch's via models.llama.to_torch_dtype
+# what --dtype accepts: "auto" is the checkpoint's own dtype, resolved by resolve_model_config
+DTYPE_CHOICES = ("auto", *DTYPES)
 MEMORY_SIZE_HELP = "K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000"
 
 
@@ -32,7 +34,7 @@ def parse_memory(value: int | str) -> int:
 @dataclass
 class ModelConfig:
     model: str | None = None  # HF directory or .gguf file; None = default SmolLM2-135M-Instruct GGUF
-    dtype: str = "float32"  # one of DTYPES
+    dtype: str = "auto"  # one of DTYPE_CHOICES; resolved to one of DTYPES (models/resolve.py)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
     enforce_eager: bool = False  # CUDA: never capture decode steps in CUDA graphs

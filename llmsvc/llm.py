@@ -19,7 +19,7 @@ class LLM:
     (e.g. block_size, num_kv_blocks_override, policy, enable_chunked_prefill, device,
     async_scheduling=True: schedule the next step while the model runs this one)."""
 
-    def __init__(self, model: str | None = None, dtype: str = "float32", executor: str = "uniproc",
+    def __init__(self, model: str | None = None, dtype: str = "auto", executor: str = "uniproc",
                  tensor_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 1024, kv_cache_memory: int | str | None = None,
                  enable_prefix_caching: bool = True, seed: int = 0, **kw) -> None:

@@ -83,6 +83,37 @@ def test_hf_directory_resolution(tmp_path):
     assert mc.max_model_len == 256
 
 
+def test_dtype_auto_is_the_checkpoints_own(tmp_path):
+    """--dtype auto (the default): config.json's dtype, else the weights' most common float
+    dtype; float16 runs as bfloat16 unless the device is configured as cuda (the CPU kernels
+    have no fp16 path); an explicit dtype is kept."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from llmsvc.models.resolve import checkpoint_dtype, resolve_dtype
+
+    assert ModelConfig().dtype == "auto"
+    d = make_tiny_model_dir(tmp_path, "llama")
+    assert resolve_model_config(ModelConfig(model=d)).dtype == "float32"
+    cfg_path, weights = os.path.join(d, "config.json"), os.path.join(d, "model.safetensors")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    for key, name in (("dtype", "bfloat16"), ("torch_dtype", "float16")):  # transformers v5 / v4 keys
+        with open(cfg_path, "w") as f:
+            json.dump({**{k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}, key: name}, f)
+        assert checkpoint_dtype(d) == name
+    assert resolve_model_config(ModelConfig(model=d)).dtype == "bfloat16"  # float16 off CUDA
+    assert resolve_model_config(ModelConfig(model=d), device="cuda").dtype == "float16"
+    assert resolve_model_config(ModelConfig(model=d, dtype="float32")).dtype == "float32"
+    with open(cfg_path, "w") as f:  # nothing declared: the weights decide
+        json.dump({k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}, f)
+    save_file({k: t.to(torch.bfloat16) for k, t in load_file(weights).items()}, weights)
+    assert checkpoint_dtype(d) == "bfloat16"
+    assert resolve_dtype("auto", d) == "bfloat16" and resolve_dtype("float16", d) == "float16"
+    with pytest.raises(ValueError, match="auto, float32, bfloat16, float16"):
+        resolve_dtype("half", d)
+
+
 def test_resolution_errors(tmp_path):
     with pytest.raises(FileNotFoundError):
         resolve_model_dir(str(tmp_path / "nope"))

@@ -193,6 +193,7 @@ def test_dtype_names_have_one_source():
     assert [to_torch_dtype(name) for name in DTYPES] == [torch.float32, torch.bfloat16, torch.float16]
     for name in DTYPES:
         assert cli.build_config(parse(["--dtype", name])).model_config.dtype == name
+    assert cli.build_config(parse([])).model_config.dtype == "auto"  # resolved with the model
     with pytest.raises(SystemExit):
         parse(["--dtype", "half"])
     with pytest.raises(ValueError, match="float32, bfloat16, float16"):

@@ -61,7 +61,7 @@ def run_engine_core(config, in_addr: str, out_addr: str, death_reader, log_level
         if config.model_config.model_dir is None:  # spawned before the front end resolved it
             from llmsvc.models.resolve import resolve_model_config
 
-            config = config.replace(model_config=resolve_model_config(config.model_config))
+            config = config.replace(model_config=resolve_model_config(config.model_config, config.device))
         config = config.replace(device=resolve_device_type(config.device))
         executor = create_executor(config)
         try:

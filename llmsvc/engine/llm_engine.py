@@ -183,7 +183,7 @@ def _resolved(config: EngineConfig) -> EngineConfig:
 
     if config.engine_core not in ("inline", "process"):
         raise ValueError(f"engine_core must be 'inline' or 'process', got {config.engine_core!r}")
-    config = config.replace(model_config=resolve_model_config(config.model_config))
+    config = config.replace(model_config=resolve_model_config(config.model_config, config.device))
     if config.engine_core == "inline":
         from llmsvc.worker.device import resolve_device_type
 

@@ -179,19 +179,66 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
-def resolve_model_config(mc: ModelConfig) -> ModelConfig:
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def checkpoint_dtype(model_dir: str) -> str:
+    """The dtype a checkpoint declares: config.json's `dtype` (transformers v5) or
+    `torch_dtype` (v4) when it names one of DTYPES, else the most common floating dtype of its
+    safetensors weights (a GGUF checkpoint's derived directory holds its weights dequantized to
+    fp32), else float32."""
+    import collections
+
+    from llmsvc.config import DTYPES
+
+    cfg = _read_json(os.path.join(model_dir, "config.json"))
+    for key in ("dtype", "torch_dtype"):
+        name = str(cfg.get(key) or "").removeprefix("torch.")
+        if name in DTYPES:
+            return name
+    counts: collections.Counter = collections.Counter()
+    from safetensors import safe_open
+
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(path, framework="numpy") as f:
+            for name in f.keys():
+                dt = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+                if dt:
+                    counts[dt] += 1
+    return counts.most_common(1)[0][0] if counts else "float32"
+
+
+def resolve_dtype(requested: str, model_dir: str, device: str = "auto") -> str:
+    """One of DTYPES for --dtype `requested` (one of DTYPE_CHOICES). "auto" is the checkpoint's
+    dtype (checkpoint_dtype), except float16, which runs as bfloat16 unless the device is
+    "cuda": the CPU kernels compute fp32 and bf16 only (as vLLM's CPU backend does with fp16
+    checkpoints). Kept to the device as configured, not as detected, so that the front end
+    (no torch) and the engine-core process resolve the same."""
+    from llmsvc.config import DTYPE_CHOICES
+
+    if requested not in DTYPE_CHOICES:
+        raise ValueError(f"unsupported dtype {requested!r}; use one of {', '.join(DTYPE_CHOICES)}")
+    if requested != "auto":
+        return requested
+    dtype = checkpoint_dtype(model_dir)
+    return "bfloat16" if dtype == "float16" and device != "cuda" else dtype
+
+
+def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
     """A copy of mc with model_dir, hf_config, architecture, vocab_size, eos/bos/pad ids,
-    generation_defaults and max_model_len filled. Raises ValueError when max_model_len
+    generation_defaults and max_model_len filled, and dtype "auto" resolved (resolve_dtype,
+    for `device` as configured). Raises ValueError when max_model_len
     exceeds the model's max_position_embeddings (or, for longrope, its
     original_max_position_embeddings; sliding windows do not limit it: they are honoured by
     every attention path)."""
-    from llmsvc.config import DTYPES
+    from llmsvc.config import DTYPE_CHOICES
     from llmsvc.models.hf_config import load_hf_config
     from llmsvc.models.loader_names import MODEL_TYPES, SUPPORTED_ARCHITECTURES
 
-    if mc.dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {mc.dtype!r}; use one of {', '.join(DTYPES)}")
+    if mc.dtype not in DTYPE_CHOICES:  # before the model is looked for: the cheaper error first
+        raise ValueError(f"unsupported dtype {mc.dtype!r}; use one of {', '.join(DTYPE_CHOICES)}")
     model_dir = resolve_model_dir(mc.model)
+    dtype = resolve_dtype(mc.dtype, model_dir, device)
     hf_config = load_hf_config(model_dir, derived_cache_dir())
     archs = list(getattr(hf_config, "architectures", None) or [])
     archs.append(MODEL_TYPES.get(hf_config.model_type, ""))
@@ -222,6 +269,7 @@ def resolve_model_config(mc: ModelConfig) -> ModelConfig:
     pad = gen.get("pad_token_id", getattr(hf_config, "pad_token_id", None))
     return dataclasses.replace(
         mc,
+        dtype=dtype,
         model_dir=model_dir,
         hf_config=hf_config,
         architecture=architecture,

@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 
-from llmsvc.config import DTYPES, MEMORY_SIZE_HELP, parse_memory
+from llmsvc.config import DTYPE_CHOICES, MEMORY_SIZE_HELP, parse_memory
 from llmsvc.server import event_loop
 
 def parse_bytes(text: str) -> int:
@@ -71,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--node-rank", int, 0, help="this machine's index; 0 serves gRPC, the others run headless workers")
     opt("--master-addr", str, "127.0.0.1", help="address of node 0, where ranks rendezvous (multi-node)")
     opt("--master-port", int, 0, help="rendezvous port on node 0; required when --nnodes > 1")
-    opt("--dtype", str, "float32", choices=list(DTYPES), help="model dtype")
+    opt("--dtype", str, "auto", choices=list(DTYPE_CHOICES),
+        help="compute and KV-cache dtype; auto: the checkpoint's own (float16 runs as bfloat16 off CUDA)")
     opt("--max-model-len", int, None, help="context length (default: the model's)")
     opt("--max-num-seqs", int, 128, help="max requests running at once")
     opt("--max-num-batched-tokens", int, 1024, help="token budget per step")
