@@ -12,6 +12,7 @@ queue empty: the next step() schedules after the update, as the synchronous core
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import FIRST_COMPLETED, wait
 
 from executors.base import Executor
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 _UNBOUNDED_LEN = 1 << 31
 _FSM_POLL_S = 0.005  # an idle step waits this long at most for a grammar compile
+_COST_MIN_TOKENS = 256  # steps this large feed seconds_per_token (smaller ones are mostly fixed cost)
 
 
 class EngineCore:
@@ -54,6 +56,9 @@ class EngineCore:
         scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(config.scheduler_config, cache, self.kv_cache_manager, max_model_len)
         self.num_steps = 0
+        # model seconds per scheduled token of recent prefill-sized synchronous steps (None: none
+        # yet); what a step of n prompt tokens will take, for the core loop's burst wait
+        self.seconds_per_token: float | None = None
         # async scheduling: the step submitted and not yet updated from, with its output's future
         self._in_flight = None
 
@@ -85,7 +90,12 @@ class EngineCore:
             return [], False
         so = self._schedule()
         executed = so.total_num_scheduled_tokens > 0
+        t0 = time.perf_counter()
         runner_output = self.executor.execute_model(so) if executed else ModelRunnerOutput.make_empty()
+        if so.total_num_scheduled_tokens >= _COST_MIN_TOKENS:  # prefill-sized: the per-token cost shows
+            cost = (time.perf_counter() - t0) / so.total_num_scheduled_tokens
+            prev = self.seconds_per_token
+            self.seconds_per_token = cost if prev is None else 0.5 * (prev + cost)
         self.num_steps += executed
         return self.scheduler.update_from_output(so, runner_output), executed
 

@@ -35,6 +35,13 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _non_negative_float(text: str) -> float:
+    v = float(text)
+    if not v >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
 def _env(name: str, default, type_=str):
     v = os.environ.get("LLMSVC_" + name.upper().replace("-", "_"))
     if v is None:
@@ -91,6 +98,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="new tokens per streamed message (the first token and the end go at once); larger values cost "
              "the server less CPU per token, which on a small CPU box the model gets back (a request's "
              "OutputOptions.stream_interval may ask for more)")
+    opt("--burst-wait-ms", _non_negative_float, 5.0,
+        help="after an idle spell, the engine core takes requests while they keep arriving within this many "
+             "ms of each other (or 2%% of their step's expected time, if less; 10 gaps at most, until a "
+             "step's token budget is queued) before its first step, so that a client's batch starts as one "
+             "step; 0: step at the first request")
     opt("--event-loop", str, "auto", choices=["auto", "uvloop", "asyncio"],
         help="the server's asyncio event loop: uvloop (less CPU per streamed message) or asyncio's own; auto: "
              "uvloop where installed")
@@ -123,7 +135,8 @@ def build_config(args):
         max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy, executor=executor_name(args),
         tensor_parallel_size=args.tensor_parallel_size, device=args.device, engine_core=args.engine_core,
         grammar_compile_timeout_s=args.grammar_compile_timeout, grammar_cache_size=args.grammar_cache_size,
-        async_scheduling=args.async_scheduling, stream_interval=args.stream_interval, **_multi_node(args))
+        async_scheduling=args.async_scheduling, stream_interval=args.stream_interval,
+        burst_wait_ms=args.burst_wait_ms, **_multi_node(args))
 
 
 def executor_name(args) -> str:
