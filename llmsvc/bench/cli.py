@@ -17,6 +17,7 @@ from llmsvc.bench.probe import RpcProbe, merged_summary, print_latency
 from llmsvc.bench.repeat import System, alternate
 from llmsvc.bench.vllm_peer import PeerError
 from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, get_workload, load_workloads, ordinary_vocab
+from llmsvc.config import DTYPES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "unconstrained once more (same mode): print its output tok/s against the mean "
                         "of the unconstrained runs, and the schema's compile time")
     e = p.add_argument_group("engine (passed to the server it starts, or used offline)")
-    e.add_argument("--dtype", default="float32")
+    # explicit: the peers (HF, vLLM) and the ceiling run in the dtype named here
+    e.add_argument("--dtype", default="float32", choices=list(DTYPES))
     e.add_argument("--executor", default="auto", help="as `llmsvc serve`'s; auto: its default when serving, "
                    "uniproc (the model in this process, as LLM) offline")
     e.add_argument("--engine-core", default="process", choices=["process", "inline"],
