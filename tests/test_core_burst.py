@@ -4,6 +4,7 @@ shrinks to 2% of the queued step's expected time where steps are cheap. Virtual 
 input socket advances a clock instead of sleeping, so the arrival pattern is exact."""
 from __future__ import annotations
 
+import pytest
 import zmq
 
 from llmsvc.config import SchedulerConfig
@@ -135,3 +136,41 @@ def test_a_lone_request_waits_one_gap_scaled_to_the_step_cost(monkeypatch):
     # 2 ms per token (two CPU cores in fp32): 2% is 5.1 ms, so burst_wait_ms caps it
     core, inp = _run(monkeypatch, [(1.0, _add(0))], seconds_per_token=2e-3)
     assert core.steps[0][0] == 1.005
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_core_learns_its_seconds_per_token_from_prefill_sized_steps(monkeypatch, async_scheduling):
+    """EngineCore.seconds_per_token, the burst gap's scale: the model's time per token of steps of
+    256 tokens or more (a fake model taking 1 ms per token on a virtual clock), in both modes;
+    decode-sized steps leave it alone."""
+    from engine_fakes import FakeExecutor, make_config
+    from llmsvc.core import engine_core
+    from llmsvc.core.engine_core import EngineCore
+    from test_scheduler import run as run_core
+
+    clock = Clock()
+    monkeypatch.setattr(engine_core.time, "perf_counter", clock.monotonic)
+
+    class TimedExecutor(FakeExecutor):
+        def execute_model(self, so, non_block=False):
+            out, cost = super().execute_model(so, non_block), 1e-3 * so.total_num_scheduled_tokens
+            if not non_block:
+                clock.t += cost
+                return out
+
+            class Running:  # the model computes while the host waits on the result
+                def result(self):
+                    clock.t += cost
+                    return out.result()
+            return Running()
+
+    cfg = make_config(num_blocks=400, max_num_batched_tokens=512, max_num_seqs=4)
+    cfg.scheduler_config.async_scheduling = async_scheduling
+    core = EngineCore(cfg, TimedExecutor(cfg, num_blocks=400))
+    core.add_request(Request("short", list(range(1, 40)), SamplingParams(max_tokens=3)))
+    run_core(core)
+    assert core.seconds_per_token is None  # 39-token steps only
+    for i in range(2):
+        core.add_request(Request(f"long{i}", list(range(1, 300)), SamplingParams(max_tokens=3)))
+    run_core(core)
+    assert core.seconds_per_token == pytest.approx(1e-3)

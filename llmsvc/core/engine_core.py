@@ -56,11 +56,13 @@ class EngineCore:
         scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(config.scheduler_config, cache, self.kv_cache_manager, max_model_len)
         self.num_steps = 0
-        # model seconds per scheduled token of recent prefill-sized synchronous steps (None: none
-        # yet); what a step of n prompt tokens will take, for the core loop's burst wait
+        # model seconds per scheduled token of recent prefill-sized steps (None: none yet); what a
+        # step of n prompt tokens will take, for the core loop's burst wait (proc.py)
         self.seconds_per_token: float | None = None
         # async scheduling: the step submitted and not yet updated from, with its output's future
+        # and when it was submitted; when the last step's output came in
         self._in_flight = None
+        self._last_result_at = 0.0
 
     @property
     def max_len(self) -> int:
@@ -92,10 +94,7 @@ class EngineCore:
         executed = so.total_num_scheduled_tokens > 0
         t0 = time.perf_counter()
         runner_output = self.executor.execute_model(so) if executed else ModelRunnerOutput.make_empty()
-        if so.total_num_scheduled_tokens >= _COST_MIN_TOKENS:  # prefill-sized: the per-token cost shows
-            cost = (time.perf_counter() - t0) / so.total_num_scheduled_tokens
-            prev = self.seconds_per_token
-            self.seconds_per_token = cost if prev is None else 0.5 * (prev + cost)
+        self._note_cost(so, time.perf_counter() - t0)
         self.num_steps += executed
         return self.scheduler.update_from_output(so, runner_output), executed
 
@@ -119,15 +118,25 @@ class EngineCore:
             so = self._schedule()
             if so.total_num_scheduled_tokens == 0:
                 return self.scheduler.update_from_output(so, ModelRunnerOutput.make_empty()), False
-            batch = (so, self.executor.execute_model(so, non_block=True))
-        so, future = batch
+            batch = (so, self.executor.execute_model(so, non_block=True), time.perf_counter())
+        so, future, submitted = batch
         if self._may_schedule_ahead(so):
             ahead = self._schedule(idle_wait=False)
             if ahead.total_num_scheduled_tokens > 0:  # else its finished ids stay for the next step
-                self._in_flight = (ahead, self.executor.execute_model(ahead, non_block=True))
+                self._in_flight = (ahead, self.executor.execute_model(ahead, non_block=True), time.perf_counter())
         runner_output = future.result()
+        now = time.perf_counter()  # the model ran from its submission or the step before's end
+        self._note_cost(so, now - max(submitted, self._last_result_at))
+        self._last_result_at = now
         self.num_steps += 1
         return self.scheduler.update_from_output(so, runner_output), True
+
+    def _note_cost(self, so: SchedulerOutput, seconds: float) -> None:
+        """Fold a prefill-sized step's seconds per token into seconds_per_token (smaller steps'
+        time is mostly fixed cost, and says little about a prompt's)."""
+        if so.total_num_scheduled_tokens >= _COST_MIN_TOKENS:
+            cost, prev = seconds / so.total_num_scheduled_tokens, self.seconds_per_token
+            self.seconds_per_token = cost if prev is None else 0.5 * (prev + cost)
 
     def _may_schedule_ahead(self, so: SchedulerOutput) -> bool:
         """Whether step N+1 may be scheduled before step N's output is in. Not when N samples
