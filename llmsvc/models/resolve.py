@@ -15,6 +15,7 @@ imports neither.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import fcntl
@@ -187,8 +188,6 @@ def checkpoint_dtype(model_dir: str) -> str:
     `torch_dtype` (v4) when it names one of DTYPES, else the most common floating dtype of its
     safetensors weights (a GGUF checkpoint's derived directory holds its weights dequantized to
     fp32), else float32."""
-    import collections
-
     from llmsvc.config import DTYPES
 
     cfg = _read_json(os.path.join(model_dir, "config.json"))
