@@ -19,4 +19,13 @@ static inline uint16_t f32_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+/* 8 bf16 at p (any alignment) -> 8 fp32, exact: zero-extend, shift into the high half */
+static inline __m256 bf16x8_to_f32(const void *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
 #endif

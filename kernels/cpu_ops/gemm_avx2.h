@@ -10,16 +10,7 @@
 
 /* dst[0:n] = src[0:n] widened to fp32 (exact); n % 8 == 0, dst 32-byte aligned */
 static void widen_panel(float *dst, const uint16_t *src, int64_t n) {
-    for (int64_t i = 0; i < n; i += 8) {
-        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
-        _mm256_store_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-    }
-}
-
-/* 8 bf16 at p -> 8 fp32, exact */
-static inline __m256 widen8(const uint16_t *p) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    for (int64_t i = 0; i < n; i += 8) _mm256_store_ps(dst + i, bf16x8_to_f32(src + i));
 }
 
 /* bs / bh: this pass's sub-panel [K][16] as fp32 / bf16 (bf, a constant in each kernel) */
@@ -27,8 +18,8 @@ static inline __m256 widen8(const uint16_t *p) {
     do {                                                                                  \
         __m256 w0, w1;                                                                    \
         if (bf & BF_B) {                                                                  \
-            w0 = widen8(bh + (K_) * NP);                                                  \
-            w1 = widen8(bh + (K_) * NP + 8);                                              \
+            w0 = bf16x8_to_f32(bh + (K_) * NP);                                           \
+            w1 = bf16x8_to_f32(bh + (K_) * NP + 8);                                       \
         } else {                                                                          \
             w0 = _mm256_load_ps(bs + (K_) * NP);                                          \
             w1 = _mm256_load_ps(bs + (K_) * NP + 8);                                      \

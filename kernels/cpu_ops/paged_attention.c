@@ -261,19 +261,14 @@ static inline __attribute__((always_inline)) void pass1_direct(
 }
 
 #if P2_HALVES
-/* 8 bf16 at p -> 8 fp32, exact */
-static inline __m256 widen8_bf16(const char *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
 /* q . k over D = 16 nc as 8 partial sums; q: 2 nc ymm (in registers across the caller's
  * loop), k: one head's bf16 slice of a K row. Two accumulators: 4-cycle FMA latency. */
 static inline __attribute__((always_inline)) __m256 dot8_bf16(const __m256 *q, const char *k, const int64_t nc) {
-    __m256 s0 = _mm256_mul_ps(q[0], widen8_bf16(k)), s1 = _mm256_mul_ps(q[1], widen8_bf16(k + 16));
+    __m256 s0 = _mm256_mul_ps(q[0], bf16x8_to_f32(k)), s1 = _mm256_mul_ps(q[1], bf16x8_to_f32(k + 16));
 #pragma GCC unroll 8
     for (int64_t i = 2; i < 2 * nc; i += 2) {
-        s0 = _mm256_fmadd_ps(q[i], widen8_bf16(k + 16 * i), s0);
-        s1 = _mm256_fmadd_ps(q[i + 1], widen8_bf16(k + 16 * (i + 1)), s1);
+        s0 = _mm256_fmadd_ps(q[i], bf16x8_to_f32(k + 16 * i), s0);
+        s1 = _mm256_fmadd_ps(q[i + 1], bf16x8_to_f32(k + 16 * (i + 1)), s1);
     }
     return _mm256_add_ps(s0, s1);
 }
@@ -395,10 +390,8 @@ static inline __attribute__((always_inline)) void pass2(
                         const __m256 pv = _mm256_set1_ps(g < ga ? scores[(a0 + g) * sstride + s] : 0.f);
 #pragma GCC unroll 8
                         for (int64_t i = 0; i < 2 * nc; i++) {
-                            const __m256 v = A->bf16
-                                ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-                                      _mm_loadu_si128((const __m128i *)((const uint16_t *)vr + 8 * i))), 16))
-                                : _mm256_loadu_ps((const float *)vr + 8 * i);
+                            const __m256 v = A->bf16 ? bf16x8_to_f32((const uint16_t *)vr + 8 * i)
+                                                     : _mm256_loadu_ps((const float *)vr + 8 * i);
                             ah[g * 2 * nc + i] = _mm256_fmadd_ps(pv, v, ah[g * 2 * nc + i]);
                         }
                     }
