@@ -207,16 +207,20 @@ def checkpoint_dtype(model_dir: str) -> str:
     return counts.most_common(1)[0][0] if counts else "float32"
 
 
+def _check_dtype(requested: str) -> None:
+    from llmsvc.config import DTYPE_CHOICES
+
+    if requested not in DTYPE_CHOICES:
+        raise ValueError(f"unsupported dtype {requested!r}; use one of {', '.join(DTYPE_CHOICES)}")
+
+
 def resolve_dtype(requested: str, model_dir: str, device: str = "auto") -> str:
     """One of DTYPES for --dtype `requested` (one of DTYPE_CHOICES). "auto" is the checkpoint's
     dtype (checkpoint_dtype), except float16, which runs as bfloat16 unless the device is
     "cuda": the CPU kernels compute fp32 and bf16 only (as vLLM's CPU backend does with fp16
     checkpoints). Kept to the device as configured, not as detected, so that the front end
     (no torch) and the engine-core process resolve the same."""
-    from llmsvc.config import DTYPE_CHOICES
-
-    if requested not in DTYPE_CHOICES:
-        raise ValueError(f"unsupported dtype {requested!r}; use one of {', '.join(DTYPE_CHOICES)}")
+    _check_dtype(requested)
     if requested != "auto":
         return requested
     dtype = checkpoint_dtype(model_dir)
@@ -230,12 +234,10 @@ def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
     exceeds the model's max_position_embeddings (or, for longrope, its
     original_max_position_embeddings; sliding windows do not limit it: they are honoured by
     every attention path)."""
-    from llmsvc.config import DTYPE_CHOICES
     from llmsvc.models.hf_config import load_hf_config
     from llmsvc.models.loader_names import MODEL_TYPES, SUPPORTED_ARCHITECTURES
 
-    if mc.dtype not in DTYPE_CHOICES:  # before the model is looked for: the cheaper error first
-        raise ValueError(f"unsupported dtype {mc.dtype!r}; use one of {', '.join(DTYPE_CHOICES)}")
+    _check_dtype(mc.dtype)  # before the model is looked for: the cheaper error first
     model_dir = resolve_model_dir(mc.model)
     dtype = resolve_dtype(mc.dtype, model_dir, device)
     hf_config = load_hf_config(model_dir, derived_cache_dir())
