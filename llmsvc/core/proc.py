@@ -27,6 +27,7 @@ import zmq
 
 from executors.worker_proc import name_os_thread, watch_parent
 from llmsvc.core import messages as m
+from llmsvc.core.burst import BurstWindow
 from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.core.errors import PromptTooLongError, QueueFullError
 from llmsvc.outputs import ABORT
@@ -34,7 +35,6 @@ from llmsvc.outputs import ABORT
 logger = logging.getLogger("llmsvc.core")
 
 IDLE_HEALTH_CHECK_MS = 1000
-_BURST_GAP_SHARE = 0.02  # of the queued requests' step time: what a lone request may wait
 PROCESS_NAME = "llmsvc-core"  # /proc/PID/comm: what top and `ps -o comm` show
 
 
@@ -114,9 +114,7 @@ class EngineCoreLoop:
         self.core = core
         self.inp, self.out = inp, out
         sc = scheduler_config
-        self.burst_wait_s = max(0.0, sc.burst_wait_ms / 1e3) if sc is not None else 0.0
-        self.budget = (sc.max_num_batched_tokens, sc.max_num_seqs) if sc is not None else (0, 0)
-        self._queued = [0, 0]  # prompt tokens and requests added since the burst began
+        self.burst = BurstWindow(sc.burst_wait_ms, sc.max_num_batched_tokens, sc.max_num_seqs) if sc else None
 
     def run(self) -> int:
         """Returns the exit code: 0 after a shutdown command, 1 after a failure."""
@@ -128,7 +126,8 @@ class EngineCoreLoop:
                     core.executor.check_health()
                     continue
                 aborted, utility, refused = [], [], []
-                self._queued = [0, 0]
+                if self.burst is not None:
+                    self.burst.reset()
                 if self._drain_inputs(aborted, utility, refused) or (
                         idle and self._gather_burst(aborted, utility, refused)):
                     core.shutdown()
@@ -147,25 +146,13 @@ class EngineCoreLoop:
             return 1
 
     def _gather_burst(self, aborted: list, utility: list, refused: list) -> bool:
-        """The first requests after an idle spell: keep taking requests while they arrive
-        within a gap of each other (10 gaps in all) and a step's budget is not queued yet. A
-        client submitting a batch over gRPC delivers it over milliseconds (W1 and W2 on the
-        2-core box: 0.3-1.7 ms apart); stepping at the first one ran it alone, a 128-token
-        prefill of ~250 ms there that the others then queued behind, and split the rest over
-        more, smaller steps. The gap is burst_wait_s, or 2% of what the step of the requests
-        queued so far would take (seconds_per_token, once a prefill-sized step has run) if
-        less: where steps are cheap (a GPU) a lone request barely waits. Returns True on a
-        shutdown command."""
-        if self.burst_wait_s <= 0 or not self.core.has_unfinished():
+        """The loop was idle: take the rest of a burst before the first step (burst.py).
+        Returns True on a shutdown command."""
+        burst = self.burst
+        if burst is None or not burst.start(time.monotonic(), self.core.seconds_per_token):
             return False
-        max_tokens, max_seqs = self.budget
-        gap = self.burst_wait_s
-        if self.core.seconds_per_token is not None:
-            gap = min(gap, _BURST_GAP_SHARE * self.core.seconds_per_token * self._queued[0])
-        deadline = time.monotonic() + 10 * gap
-        while self._queued[0] < max_tokens and self._queued[1] < max_seqs:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.inp.poll(1e3 * min(gap, left)):
+        while (wait := burst.wait_s(time.monotonic())) > 0:
+            if not self.inp.poll(1e3 * wait):
                 return False
             if self._drain_inputs(aborted, utility, refused):
                 return True
@@ -185,8 +172,8 @@ class EngineCoreLoop:
                 request = msg[1]
                 try:
                     core.add_request(request)
-                    self._queued[0] += request.num_prompt_tokens
-                    self._queued[1] += 1
+                    if self.burst is not None:
+                        self.burst.add(request.num_prompt_tokens)
                 except (PromptTooLongError, QueueFullError) as e:  # the front end checked; a race at most
                     logger.warning("request %s refused by the engine core: %s", request.request_id, e)
                     refused.append(EngineCoreOutput(request.request_id, [], finish_reason=ABORT))

@@ -23,8 +23,10 @@ import time
 from collections import deque
 from typing import AsyncIterator
 
-from executors.worker_proc import name_os_thread
 from llmsvc.core.errors import DuplicateRequestError, QueueFullError
+from llmsvc.engine.engine_thread import EngineThreadMixin
+from llmsvc.engine.errors import (  # noqa: F401 - importable from here too, as the servicer does
+    AsyncEngineError, EngineDeadError, EngineStepError, EngineStoppedError, OutputBacklogError, is_worker_failure)
 from llmsvc.engine.output_stream import RequestStream
 from llmsvc.outputs import EngineStats, RequestOutput
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
@@ -33,33 +35,7 @@ from llmsvc.structured.errors import COMPILE_TIMEOUT, ConstraintError
 logger = logging.getLogger(__name__)
 
 
-class AsyncEngineError(RuntimeError):
-    """Base of the errors AsyncEngine itself raises."""
-
-
-class EngineDeadError(AsyncEngineError):
-    """The engine loop died; nothing can be served by this engine any more (UNAVAILABLE)."""
-
-
-class EngineStepError(EngineDeadError):
-    """A step raised something other than a worker failure (a bug, bad state): the requests in
-    flight failed mid-stream (INTERNAL); the engine is dead like for EngineDeadError."""
-
-
-def is_worker_failure(exc: BaseException) -> bool:
-    """executors.base.ExecutorError (a worker died or failed), recognised without importing executors."""
-    return any(c.__name__ == "ExecutorError" for c in type(exc).__mro__)
-
-
-class EngineStoppedError(AsyncEngineError):
-    """The engine is shutting down and takes no new requests (UNAVAILABLE)."""
-
-
-class OutputBacklogError(AsyncEngineError):
-    """The consumer read too slowly; the request was aborted (RESOURCE_EXHAUSTED)."""
-
-
-class AsyncEngine:
+class AsyncEngine(EngineThreadMixin):
     def __init__(self, engine, *, max_waiting_requests: int | None = None,
                  max_backlog_bytes: int = 4 << 20, max_backlog_age_s: float = 60.0) -> None:
         self.engine = engine
@@ -284,84 +260,3 @@ class AsyncEngine:
         for s in list(self._streams.values()):
             s.fail(err)
         self._streams.clear()
-
-    # ---- engine thread ----------------------------------------------------------------------
-    def _safe_stats(self) -> EngineStats:
-        try:
-            return self.engine.get_stats()
-        except Exception:  # stats are best effort
-            return self._stats
-
-    def _post(self, fn, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # loop closed: nobody is listening any more
-            pass
-
-    def _run(self) -> None:
-        engine = self.engine
-        name_os_thread("llmsvc-engine")
-        try:
-            self._post(self._on_stats, self._safe_stats())
-            while True:
-                with self._cond:
-                    idle = False
-                    while not self._commands and not self._stop and not engine.has_unfinished_requests():
-                        if not self._cond.wait(self.health_check_interval_s):
-                            idle = True
-                            break
-                    if self._stop:
-                        break
-                    cmds, self._commands = list(self._commands), deque()
-                if idle and not cmds:  # nothing to do for a while: make sure the workers still live
-                    check = getattr(engine, "check_health", None)
-                    if check is not None:
-                        check()
-                    continue
-                had_abort = False
-                for cmd in cmds:
-                    if cmd[0] == "add":
-                        _, kw, fut = cmd
-                        try:
-                            engine.add_request(kw["request_id"], kw["prompt_token_ids"], kw["params"],
-                                               prompt=kw["prompt"], priority=kw["priority"],
-                                               arrival_time=kw["arrival_time"])
-                        except Exception as e:  # validation: goes back to the caller
-                            if is_worker_failure(e):  # the engine core died (seen on the send): all fail
-                                self._post(_set_future, fut, EngineDeadError(f"engine loop died: {e}"))
-                                raise
-                            self._post(_set_future, fut, e)
-                        else:
-                            self._post(_set_future, fut, None)
-                    else:
-                        engine.abort_request(cmd[1])
-                        had_abort = True
-                if had_abort or engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    self._post(self._on_outputs, outputs, self._safe_stats())
-                else:
-                    self._post(self._on_stats, self._safe_stats())
-        except BaseException as e:  # noqa: BLE001 - any failure kills the loop; streams are told
-            logger.exception("engine loop died")
-            with self._cond:
-                pending, self._commands = list(self._commands), deque()
-            err = EngineDeadError(f"engine loop died: {type(e).__name__}: {e}")
-            for cmd in pending:
-                if cmd[0] == "add":
-                    self._post(_set_future, cmd[2], err)
-            self._dead = e
-            self._post(self._on_dead, e)
-        finally:
-            try:
-                engine.shutdown()
-            except Exception:
-                logger.exception("engine shutdown failed")
-
-
-def _set_future(fut: asyncio.Future, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(exc)

@@ -1,0 +1,149 @@
+"""The engine thread of AsyncEngine: the only caller of the wrapped LLMEngine.
+
+It sleeps on AsyncEngine's condition while there is nothing to do (health-checking the engine
+once per `health_check_interval_s`), applies the queued commands (adds, aborts), runs one
+engine step and posts its outputs to the event loop in one callback. With an inline engine
+core, a burst of requests that finds the engine idle is gathered before the first step
+(llmsvc/core/burst.py), as the engine-core process does for its own core.
+
+The mixin owns no state of its own beyond `_burst`; it uses AsyncEngine's engine, _cond,
+_commands, _stop, _loop, _stats, _dead and its event-loop callbacks (_on_outputs, _on_stats,
+_on_dead).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+from executors.worker_proc import name_os_thread
+from llmsvc.core.burst import BurstWindow
+from llmsvc.engine.errors import EngineDeadError, is_worker_failure
+from llmsvc.outputs import EngineStats
+
+logger = logging.getLogger("llmsvc.engine.async_engine")  # the engine thread logs as AsyncEngine did
+
+
+class EngineThreadMixin:
+    def _make_burst(self) -> BurstWindow | None:
+        """A burst window when the core runs inline (a core process keeps its own)."""
+        config = self.engine.config
+        if config.engine_core != "inline":  # the core process gathers bursts itself (proc.py)
+            return None
+        sc = config.scheduler_config
+        return BurstWindow(sc.burst_wait_ms, sc.max_num_batched_tokens, sc.max_num_seqs)
+
+    def _safe_stats(self) -> EngineStats:
+        try:
+            return self.engine.get_stats()
+        except Exception:  # stats are best effort
+            return self._stats
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed: nobody is listening any more
+            pass
+
+    def _take_commands(self, timeout: float | None = None) -> list:
+        """The queued commands, after waiting up to timeout for one (None: do not wait)."""
+        with self._cond:
+            if timeout and not self._commands and not self._stop:
+                self._cond.wait(timeout)
+            cmds, self._commands = list(self._commands), deque()
+            return cmds
+
+    def _apply(self, cmds: list, burst: BurstWindow | None) -> bool:
+        """Apply adds and aborts in order. Returns whether any was an abort."""
+        engine, had_abort = self.engine, False
+        for cmd in cmds:
+            if cmd[0] != "add":
+                engine.abort_request(cmd[1])
+                had_abort = True
+                continue
+            _, kw, fut = cmd
+            try:
+                engine.add_request(kw["request_id"], kw["prompt_token_ids"], kw["params"],
+                                   prompt=kw["prompt"], priority=kw["priority"], arrival_time=kw["arrival_time"])
+            except Exception as e:  # validation: goes back to the caller
+                if is_worker_failure(e):  # the engine core died (seen on the send): all fail
+                    self._post(_set_future, fut, EngineDeadError(f"engine loop died: {e}"))
+                    raise
+                self._post(_set_future, fut, e)
+            else:
+                self._post(_set_future, fut, None)
+                if burst is not None:
+                    burst.add(len(kw["prompt_token_ids"]))
+        return had_abort
+
+    def _gather_burst(self, burst: BurstWindow) -> bool:
+        """The engine was idle: take the rest of a burst before the first step. Returns whether
+        an abort came meanwhile."""
+        had_abort = False
+        core = getattr(self.engine, "core", None)  # test fakes have none: no step cost known
+        if not burst.start(time.monotonic(), getattr(core, "seconds_per_token", None)):
+            return False
+        while not self._stop and (wait := burst.wait_s(time.monotonic())) > 0:
+            cmds = self._take_commands(wait)
+            if not cmds:
+                break
+            had_abort |= self._apply(cmds, burst)
+        return had_abort
+
+    def _run(self) -> None:
+        engine = self.engine
+        name_os_thread("llmsvc-engine")
+        burst = self._make_burst()
+        try:
+            self._post(self._on_stats, self._safe_stats())
+            while True:
+                with self._cond:
+                    idle = False
+                    while not self._commands and not self._stop and not engine.has_unfinished_requests():
+                        if not self._cond.wait(self.health_check_interval_s):
+                            idle = True
+                            break
+                    if self._stop:
+                        break
+                    cmds, self._commands = list(self._commands), deque()
+                if idle and not cmds:  # nothing to do for a while: make sure the workers still live
+                    check = getattr(engine, "check_health", None)
+                    if check is not None:
+                        check()
+                    continue
+                was_idle = not engine.has_unfinished_requests()
+                if burst is not None:
+                    burst.reset()
+                had_abort = self._apply(cmds, burst)
+                if burst is not None and was_idle:
+                    had_abort |= self._gather_burst(burst)
+                if had_abort or engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    self._post(self._on_outputs, outputs, self._safe_stats())
+                else:
+                    self._post(self._on_stats, self._safe_stats())
+        except BaseException as e:  # noqa: BLE001 - any failure kills the loop; streams are told
+            logger.exception("engine loop died")
+            with self._cond:
+                pending, self._commands = list(self._commands), deque()
+            err = EngineDeadError(f"engine loop died: {type(e).__name__}: {e}")
+            for cmd in pending:
+                if cmd[0] == "add":
+                    self._post(_set_future, cmd[2], err)
+            self._dead = e
+            self._post(self._on_dead, e)
+        finally:
+            try:
+                engine.shutdown()
+            except Exception:
+                logger.exception("engine shutdown failed")
+
+
+def _set_future(fut: asyncio.Future, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
