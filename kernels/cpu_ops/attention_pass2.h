@@ -1,0 +1,68 @@
+/* Paged attention (paged_attention.c), pass 2: acc[a] = sum_s p[a, s] * v_s. Included by
+ * paged_attention.c after its types and attention_rows.h (pf_step prefetches the next item
+ * as the keys go by). */
+#pragma once
+
+/* Pass 2 of an item: acc[a] += sum_s p[a, s] * v_s, 16 keys at a time (their V rows stay in
+ * L1 across heads), GA vectors of one head at a time with their accumulators in registers
+ * across the 16 keys (GA * nc <= 24). */
+static inline __attribute__((always_inline)) void pass2(
+    const args_t *A, const int32_t *table, int64_t h0, int64_t nh, int64_t nqh, int64_t s_begin,
+    int64_t n_max, const int64_t nc, const int64_t GA, const float *scores, int64_t sstride, v16 *acc,
+    pf_t *pf, int64_t pf_per, const char **vrow) {
+    const int64_t esz = A->bf16 ? 2 : 4, head_bytes = esz * 16 * nc, row_bytes = head_bytes * A->Hkv;
+    const char *vbase = (const char *)A->v_cache;
+    for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
+        const int64_t s1 = n_max - s0 < 16 ? n_max : s0 + 16;
+        row_ptrs(vbase, table, A->BS, row_bytes, s0, s1 - s0, vrow);
+        for (int64_t hh = 0; hh < nh; hh++) {
+            for (int64_t a0 = hh * nqh; a0 < (hh + 1) * nqh; a0 += GA) {
+                const int64_t ga = (hh + 1) * nqh - a0 < GA ? (hh + 1) * nqh - a0 : GA;
+#if P2_HALVES
+                /* AVX2: GCC keeps an array of 64-byte vectors on the stack, a store and a reload
+                 * per key; 8-lane halves with constant indexes stay in ymm. ah[g * 2nc + i]:
+                 * lanes 8i .. 8i + 7 of vector a0 + g. */
+                __m256 ah[2 * MAX_NC]; /* 2 GA nc <= 2 P2_VECS, or 2 nc (GA = 1) */
+                float *accf = (float *)(acc + a0 * nc);
+#pragma GCC unroll 8
+                for (int64_t i = 0; i < 2 * GA * nc; i++)
+                    ah[i] = i < 2 * ga * nc ? _mm256_loadu_ps(accf + 8 * i) : _mm256_setzero_ps();
+                for (int64_t s = s0; s < s1; s++) {
+                    pf_step(pf, pf_per);
+                    const char *vr = vrow[s - s0] + (h0 + hh) * head_bytes;
+#pragma GCC unroll 4
+                    for (int64_t g = 0; g < GA; g++) {
+                        const __m256 pv = _mm256_set1_ps(g < ga ? scores[(a0 + g) * sstride + s] : 0.f);
+#pragma GCC unroll 8
+                        for (int64_t i = 0; i < 2 * nc; i++) {
+                            const __m256 v = A->bf16 ? bf16x8_to_f32((const uint16_t *)vr + 8 * i)
+                                                     : _mm256_loadu_ps((const float *)vr + 8 * i);
+                            ah[g * 2 * nc + i] = _mm256_fmadd_ps(pv, v, ah[g * 2 * nc + i]);
+                        }
+                    }
+                }
+#pragma GCC unroll 8
+                for (int64_t i = 0; i < 2 * ga * nc; i++) _mm256_storeu_ps(accf + 8 * i, ah[i]);
+#else
+                v16 ac[MAX_NC]; /* GA * nc <= 24, or nc alone (GA = 1) up to MAX_NC */
+#pragma GCC unroll 24
+                for (int64_t i = 0; i < GA * nc; i++) ac[i] = i < ga * nc ? acc[a0 * nc + i] : (v16){0};
+                for (int64_t s = s0; s < s1; s++) {
+                    pf_step(pf, pf_per);
+                    v16 v[MAX_NC];
+                    load_row(vrow[s - s0] + (h0 + hh) * head_bytes, A->bf16, nc, v);
+#pragma GCC unroll 16
+                    for (int64_t g = 0; g < GA; g++) {
+                        const float p = g < ga ? scores[(a0 + g) * sstride + s] : 0.f;
+#pragma GCC unroll 16
+                        for (int64_t c = 0; c < nc; c++) ac[g * nc + c] += p * v[c];
+                    }
+                }
+#pragma GCC unroll 24
+                for (int64_t i = 0; i < GA * nc; i++)
+                    if (i < ga * nc) acc[a0 * nc + i] = ac[i];
+#endif
+            }
+        }
+    }
+}
