@@ -12,8 +12,9 @@ import time
 
 from llmsvc.bench.compare import (check_peer_args, parse_baselines, peer_systems, print_ratios, print_spreads,
                                    record_runs, vllm_peer)
-from llmsvc.bench.metrics import fmt_ms, summarize
+from llmsvc.bench.metrics import summarize
 from llmsvc.bench.probe import RpcProbe, merged_summary, print_latency
+from llmsvc.bench.report import result_line
 from llmsvc.bench.repeat import System, alternate
 from llmsvc.bench.vllm_peer import PeerError
 from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, get_workload, load_workloads, ordinary_vocab
@@ -102,32 +103,6 @@ def _offline_engine(a, prefix_caching: bool = True):
         async_scheduling=a.async_scheduling, stream_interval=a.stream_interval))
 
 
-def _line(tag: str, s: dict) -> str:
-    return (f"  {tag:<28} {s['output_tok_s']:8.1f} out tok/s  {s['input_tok_s']:8.1f} in tok/s  "
-            f"{s['request_throughput']:6.2f} req/s  TTFT {fmt_ms(s['ttft_s'])}  TPOT {fmt_ms(s['tpot_s'])}"
-            + (f"  FAILED {s['failed']}: {s['errors']}" if s["failed"] else "")
-            + _cached_note(s) + _engine_note(s))
-
-
-def _engine_note(s: dict) -> str:
-    """Where TTFT went inside the engine (queue, then the prefill step), when it reported it."""
-    q, p = s.get("engine_queue_s"), s.get("engine_prefill_s")
-    if not q or q["p50"] is None or not p or p["p50"] is None:
-        return ""
-    return (f"\n  {'':<28} TTFT inside the engine: queue p50 {1e3 * q['p50']:.0f} / p99 {1e3 * q['p99']:.0f} ms,"
-            f" prefill p50 {1e3 * p['p50']:.0f} / p99 {1e3 * p['p99']:.0f} ms")
-
-
-def _cached_note(s: dict) -> str:
-    """Prompt tokens served from the prefix cache: a shared prefix, or an earlier run's prompts
-    still cached in a long-running server (--server), which flatters prefill figures."""
-    cached, total = s.get("cached_prompt_tokens", 0), s.get("prompt_tokens", 0)
-    if not (cached and total):
-        return ""
-    return (f"\n  {'':<28} {cached} of {total} prompt tokens ({100 * cached / total:.0f}%) came from "
-            "the prefix cache")
-
-
 def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict, vllm=None) -> None:
     from llmsvc.bench.runners import run_offline, run_serving
     from llmsvc.bench.server_proc import running_server, wait_serving
@@ -172,7 +147,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
         systems.append(System("serve", "llmsvc gRPC", lambda: serve(probe=True)[1]))
     systems += peer_systems(a, w, prompts, offsets, model_dir, vllm)
     runs = alternate(systems, a.repeat, lambda s, i, summary: print(
-        _line(s.label + (f" [{i + 1}/{a.repeat}]" if a.repeat > 1 else ""), summary)))
+        result_line(s.label + (f" [{i + 1}/{a.repeat}]" if a.repeat > 1 else ""), summary)))
     record_runs(res, systems, runs)
     print_spreads(res, systems)
     if len(probes) > 1:
@@ -192,7 +167,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
         res[f"{kind}_no_prefix_caching"] = off
         on = ours["prefill_tok_s"]
         res["prefix_caching_prefill_speedup"] = on / off["prefill_tok_s"] if off["prefill_tok_s"] else float("nan")
-        print(_line(f"llmsvc {'offline' if kind == 'offline' else 'gRPC'}, no prefix cache", off))
+        print(result_line(f"llmsvc {'offline' if kind == 'offline' else 'gRPC'}, no prefix cache", off))
         print(f"  prefill throughput with / without prefix caching: {on:.0f} / {off['prefill_tok_s']:.0f} "
               f"tok/s = {res['prefix_caching_prefill_speedup']:.2f}x")
     print_ratios(w, res, a.baseline)
@@ -224,7 +199,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
             for v in [float(x) for x in values.split(",")]:
                 _, s = serve(**{kind: v if kind == "rate" else int(v)})
                 sweep[str(v)] = s
-                print(_line(f"{kind}={v:g}", s))
+                print(result_line(f"{kind}={v:g}", s))
 
 
 def _structured_run(a, res: dict, model_dir: str, offline, serve) -> None:
@@ -246,10 +221,10 @@ def _structured_run(a, res: dict, model_dir: str, offline, serve) -> None:
         tag = "offline" if kind == "offline" else "gRPC"
         _, s = run(json_schema=schema)
         res[f"{kind}_json_schema"] = s
-        print(_line(f"llmsvc {tag}, JSON Schema", s))
+        print(result_line(f"llmsvc {tag}, JSON Schema", s))
         _, after = run()
         res[f"{kind}_after_json_schema"] = after
-        print(_line(f"llmsvc {tag}, again", after))
+        print(result_line(f"llmsvc {tag}, again", after))
         base = (res[kind]["output_tok_s"] + after["output_tok_s"]) / 2
         ratio = s["output_tok_s"] / base if base else float("nan")
         res["json_schema"][f"{kind}_ratio"] = ratio
