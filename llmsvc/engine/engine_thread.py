@@ -6,9 +6,9 @@ engine step and posts its outputs to the event loop in one callback. With an inl
 core, a burst of requests that finds the engine idle is gathered before the first step
 (llmsvc/core/burst.py), as the engine-core process does for its own core.
 
-The mixin owns no state of its own beyond `_burst`; it uses AsyncEngine's engine, _cond,
-_commands, _stop, _loop, _stats, _dead and its event-loop callbacks (_on_outputs, _on_stats,
-_on_dead).
+The mixin keeps no state of its own (the burst window is a local of the thread); it uses
+AsyncEngine's engine, _cond, _commands, _stop, _loop, _stats, _dead and its event-loop
+callbacks (_on_outputs, _on_stats, _on_dead).
 """
 from __future__ import annotations
 
