@@ -364,3 +364,15 @@ def test_warm_start_times_a_server_to_serving_and_reads_its_phases(tmp_path):
     assert set(order) <= set(phases), phases  # the log lines it reads still say what it looks for
     assert [phases[k] for k in order] == sorted(phases[k] for k in order)
     assert phases["ready"] <= total
+
+
+def test_pipe_roundtrip_sends_a_decode_step_and_gets_its_output_back():
+    import pickle
+
+    from benchmarks import pipe_roundtrip
+    so, mo = pipe_roundtrip.step_messages(8)
+    back = pickle.loads(pickle.dumps(so, protocol=pickle.HIGHEST_PROTOCOL))
+    assert back.num_scheduled_tokens == so.num_scheduled_tokens and back.total_num_scheduled_tokens == 8
+    assert mo.req_ids == so.scheduled_cached_reqs.req_ids
+    times = pipe_roundtrip.round_trips(8, 20)
+    assert len(times) == 18 and all(t > 0 for t in times)
