@@ -74,7 +74,8 @@ class SchedulerConfig:
     # streamed outputs carry this many new tokens each (the first token and the end go at once);
     # larger values trade streaming granularity for front-end CPU (docs/engine-core.md)
     stream_interval: int = 1
-    # after an idle spell the engine-core process takes requests while they keep arriving within
+    # after an idle spell the engine core (its process, or the inline core's engine thread; both
+    # through llmsvc/core/burst.py) takes requests while they keep arriving within
     # this long of each other (or 2% of their step's expected time, if less; 10 gaps at most,
     # until a step's budget is queued) before its first step, so a burst starts as one batch;
     # 0: step at the first request (docs/engine-core.md)

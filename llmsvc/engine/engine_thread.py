@@ -46,13 +46,17 @@ class EngineThreadMixin:
         except RuntimeError:  # loop closed: nobody is listening any more
             pass
 
-    def _take_commands(self, timeout: float | None = None) -> list:
-        """The queued commands, after waiting up to timeout for one (None: do not wait)."""
+    def _swap_commands(self) -> list:
+        """The queued commands, leaving the queue empty; the caller holds _cond."""
+        cmds, self._commands = list(self._commands), deque()
+        return cmds
+
+    def _take_commands(self, timeout: float) -> list:
+        """The queued commands, after waiting up to timeout seconds for one."""
         with self._cond:
-            if timeout and not self._commands and not self._stop:
+            if not self._commands and not self._stop:
                 self._cond.wait(timeout)
-            cmds, self._commands = list(self._commands), deque()
-            return cmds
+            return self._swap_commands()
 
     def _apply(self, cmds: list, burst: BurstWindow | None) -> bool:
         """Apply adds and aborts in order. Returns whether any was an abort."""
@@ -106,7 +110,7 @@ class EngineThreadMixin:
                             break
                     if self._stop:
                         break
-                    cmds, self._commands = list(self._commands), deque()
+                    cmds = self._swap_commands()
                 if idle and not cmds:  # nothing to do for a while: make sure the workers still live
                     check = getattr(engine, "check_health", None)
                     if check is not None:
@@ -126,7 +130,7 @@ class EngineThreadMixin:
         except BaseException as e:  # noqa: BLE001 - any failure kills the loop; streams are told
             logger.exception("engine loop died")
             with self._cond:
-                pending, self._commands = list(self._commands), deque()
+                pending = self._swap_commands()
             err = EngineDeadError(f"engine loop died: {type(e).__name__}: {e}")
             for cmd in pending:
                 if cmd[0] == "add":
