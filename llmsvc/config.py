@@ -34,11 +34,13 @@ def parse_memory(value: int | str) -> int:
 @dataclass
 class ModelConfig:
     model: str | None = None  # HF directory or .gguf file; None = default SmolLM2-135M-Instruct GGUF
+    served_name: str | None = None  # the name clients see (GetModelInfo, logs); None = `model` as given
     dtype: str = "auto"  # one of DTYPE_CHOICES; resolved to one of DTYPES (models/resolve.py)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
     enforce_eager: bool = False  # CUDA: never capture decode steps in CUDA graphs
     # resolved (filled by resolve_model_config; never set by users)
+    model_source: str = ""  # `model` as given, or the default GGUF's path: what GetModelInfo.model_id names
     model_dir: str | None = None  # HF-style directory: config.json, *.safetensors, tokenizer files
     hf_config: Any = None  # llmsvc.models.hf_config.HFConfig (or a transformers config, in tests)
     architecture: str = ""
@@ -50,7 +52,7 @@ class ModelConfig:
 
     @property
     def served_model_name(self) -> str:
-        return self.model or "SmolLM2-135M-Instruct"
+        return self.served_name or self.model or "SmolLM2-135M-Instruct"
 
 
 @dataclass

@@ -24,7 +24,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
-    config = EngineConfig(model_config=ModelConfig(model=tiny_dir, max_model_len=256),
+    config = EngineConfig(model_config=ModelConfig(model=tiny_dir, served_name="tiny-llama", max_model_len=256),
                           cache_config=CacheConfig(block_size=16, num_kv_blocks_override=64),
                           scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
                           device="cpu", log_stats_interval_s=0.0)
@@ -40,6 +40,12 @@ def test_stream_equals_unary_greedy(tiny):
     assert "".join(m.text for m in msgs) == final.text
     assert [t for m in msgs for t in m.token_ids] == list(final.token_ids) and len(final.token_ids) == 24
     assert final.finish.reason == pb.FinishInfo.REASON_LENGTH
+
+
+def test_model_info_names_the_model(tiny, tiny_dir):
+    info = tiny.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.model_id, info.served_model_name) == (tiny_dir, "tiny-llama")
+    assert info.architecture == "LlamaForCausalLM" and info.max_model_len == 256
 
 
 def test_first_message_before_last_token(tiny):
@@ -102,6 +108,8 @@ def test_default_model_chat_and_stop(tmp_path):
     with ServerThread(default_engine_factory(config)) as s:
         info = s.stub.GetModelInfo(pb.GetModelInfoRequest())
         assert info.has_chat_template and info.vocab_size == 49152
+        # the GGUF the model came from, not the cache directory it was converted into
+        assert info.model_id.endswith(".gguf") and info.served_model_name == "SmolLM2-135M-Instruct"
         chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="What is the capital of France?")])
         msgs = list(s.stub.Generate(pb.GenerateRequest(chat=chat, stream=True, sampling=GREEDY,
                                                        stopping=ST(max_tokens=32))))

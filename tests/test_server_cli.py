@@ -62,6 +62,11 @@ def test_flags_and_env(monkeypatch):
     assert a.port == 1234 and c.scheduler_config.max_num_seqs == 3 and not c.cache_config.enable_prefix_caching
     assert c.cache_config.kv_cache_memory_bytes == 256 << 20 and c.model_config.model == "dir"
     assert parse(["--port", "7"], monkeypatch, {"LLMSVC_PORT": "1234"}).port == 7  # flag wins over env
+    assert c.model_config.served_model_name == "dir"  # the model argument as given
+    c = cli.build_config(parse(["dir", "--served-model-name", "chat-small"]))
+    assert c.model_config.served_model_name == "chat-small" and c.model_config.model == "dir"
+    c = cli.build_config(parse([], monkeypatch, {"LLMSVC_SERVED_MODEL_NAME": "from-env"}))
+    assert c.model_config.served_model_name == "from-env"
 
 
 def test_engine_core_flag_env_and_executor_auto(monkeypatch):

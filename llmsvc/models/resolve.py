@@ -271,6 +271,7 @@ def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
     return dataclasses.replace(
         mc,
         dtype=dtype,
+        model_source=mc.model if mc.model is not None else default_model_path(),
         model_dir=model_dir,
         hf_config=hf_config,
         architecture=architecture,

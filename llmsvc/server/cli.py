@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("model", nargs="?", default=_env("model", None),
                    help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct GGUF) [LLMSVC_MODEL]")
+    opt("--served-model-name", str, None,
+        help="the model's name in GetModelInfo and the logs (default: the model argument as given)")
     opt("--host", str, "127.0.0.1", help="address to bind (0.0.0.0: every interface, as in the container image)")
     opt("--port", int, 50051, help="port to bind (0 = any free port)")
     opt("--engine-core", str, "process", choices=["process", "inline"],
@@ -129,7 +131,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build_config(args):
     from llmsvc.config import EngineConfig
     return EngineConfig.from_options(
-        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+        model=args.model, served_name=args.served_model_name, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy, executor=executor_name(args),
