@@ -38,6 +38,7 @@ class ModelConfig:
     dtype: str = "auto"  # one of DTYPE_CHOICES; resolved to one of DTYPES (models/resolve.py)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
+    chat_template: str | None = None  # Jinja text or a file of it, replacing the model's; resolved to the text
     enforce_eager: bool = False  # CUDA: never capture decode steps in CUDA graphs
     # resolved (filled by resolve_model_config; never set by users)
     model_source: str = ""  # `model` as given, or the default GGUF's path: what GetModelInfo.model_id names

@@ -22,9 +22,16 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_served_model_dir(tmp_path_factory.mktemp("tiny"))
 
 
+# --chat-template's text, replacing the tiny model's ChatML template
+PLAIN_TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+
+
 @pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    config = EngineConfig(model_config=ModelConfig(model=tiny_dir, served_name="tiny-llama", max_model_len=256),
+def tiny(tiny_dir, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "plain.jinja"
+    template.write_text(PLAIN_TEMPLATE)
+    config = EngineConfig(model_config=ModelConfig(model=tiny_dir, served_name="tiny-llama", max_model_len=256,
+                                                   chat_template=str(template)),
                           cache_config=CacheConfig(block_size=16, num_kv_blocks_override=64),
                           scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
                           device="cpu", log_stats_interval_s=0.0)
@@ -46,6 +53,15 @@ def test_model_info_names_the_model(tiny, tiny_dir):
     info = tiny.stub.GetModelInfo(pb.GetModelInfoRequest())
     assert (info.model_id, info.served_model_name) == (tiny_dir, "tiny-llama")
     assert info.architecture == "LlamaForCausalLM" and info.max_model_len == 256
+
+
+def test_chat_template_option_replaces_the_models(tiny):
+    chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="hi")])
+    ids = tiny.stub.Tokenize(pb.TokenizeRequest(chat=chat)).token_ids
+    text = tiny.stub.Detokenize(pb.DetokenizeRequest(token_ids=ids, skip_special_tokens=False)).text
+    assert text == "[user] hi\n>"  # not the model's own "<|im_start|>user\nhi<|im_end|>..."
+    (m,) = list(tiny.stub.Generate(pb.GenerateRequest(chat=chat, stopping=ST(max_tokens=2))))
+    assert m.prompt.num_prompt_tokens == len(ids) and m.finish.usage.completion_tokens == 2
 
 
 def test_first_message_before_last_token(tiny):

@@ -187,3 +187,19 @@ def test_gguf_conversion_is_atomic_and_keyed_by_hash(tmp_path, monkeypatch):
     d2 = r.resolve_model_dir(str(gguf))
     assert d1 == d2 == str(tmp_path / "cache" / r.file_sha256(str(gguf))[:16])
     assert len(calls) == 2  # the failed try + one conversion; the second resolve hit the cache
+
+
+def test_chat_template_option_is_read_and_checked_before_loading(tmp_path):
+    from llmsvc.models.tokenizer import read_chat_template
+
+    d = make_tiny_model_dir(tmp_path / "m")
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0].content }}")
+    assert resolve_model_config(ModelConfig(model=d, chat_template=str(f))).chat_template == "{{ messages[0].content }}"
+    assert resolve_model_config(ModelConfig(model=d, chat_template="{% if 1 %}x{% endif %}")).chat_template == \
+        "{% if 1 %}x{% endif %}"  # the text itself
+    assert resolve_model_config(ModelConfig(model=d)).chat_template is None  # the model's own, left to the tokenizer
+    with pytest.raises(ValueError, match="neither a file nor Jinja"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not parse: line 1"):
+        resolve_model_config(ModelConfig(model=d, chat_template="{% for m in messages %}"))

@@ -67,6 +67,16 @@ def test_flags_and_env(monkeypatch):
     assert c.model_config.served_model_name == "chat-small" and c.model_config.model == "dir"
     c = cli.build_config(parse([], monkeypatch, {"LLMSVC_SERVED_MODEL_NAME": "from-env"}))
     assert c.model_config.served_model_name == "from-env"
+    c = cli.build_config(parse(["--seed", "7", "--chat-template", "t.jinja", "--gpu-memory-utilization", "0.5",
+                                "--enforce-eager"]))
+    mc = c.model_config
+    assert (mc.seed, mc.chat_template, mc.enforce_eager) == (7, "t.jinja", True)
+    assert c.cache_config.gpu_memory_utilization == 0.5
+    d = cli.build_config(parse([]))
+    assert (d.model_config.seed, d.model_config.enforce_eager, d.cache_config.gpu_memory_utilization) == (0, False, 0.9)
+    for bad in ("0", "1.5", "nan"):
+        with pytest.raises(SystemExit):
+            parse(["--gpu-memory-utilization", bad])
 
 
 def test_engine_core_flag_env_and_executor_auto(monkeypatch):

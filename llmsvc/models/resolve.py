@@ -236,8 +236,10 @@ def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
     every attention path)."""
     from llmsvc.models.hf_config import load_hf_config
     from llmsvc.models.loader_names import MODEL_TYPES, SUPPORTED_ARCHITECTURES
+    from llmsvc.models.tokenizer import read_chat_template
 
     _check_dtype(mc.dtype)  # before the model is looked for: the cheaper error first
+    chat_template = None if mc.chat_template is None else read_chat_template(mc.chat_template)
     model_dir = resolve_model_dir(mc.model)
     dtype = resolve_dtype(mc.dtype, model_dir, device)
     hf_config = load_hf_config(model_dir, derived_cache_dir())
@@ -272,6 +274,7 @@ def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
         mc,
         dtype=dtype,
         model_source=mc.model if mc.model is not None else default_model_path(),
+        chat_template=chat_template,
         model_dir=model_dir,
         hf_config=hf_config,
         architecture=architecture,

@@ -18,8 +18,37 @@ from llmsvc.models import json_cache
 _DECISION_FILES = ("tokenizer_config.json", "config.json", "tokenizer.json")
 
 
-def load_tokenizer(model_dir: str, cache_dir: str | None):
-    """The tokenizer of model_dir (a transformers tokenizer). cache_dir None: no cache."""
+def load_tokenizer(model_dir: str, cache_dir: str | None, chat_template: str | None = None):
+    """The tokenizer of model_dir (a transformers tokenizer). cache_dir None: no cache.
+    chat_template: Jinja text (read_chat_template's) that replaces the model's own, or None."""
+    tokenizer = _load(model_dir, cache_dir)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """The Jinja text of a --chat-template value: a file's contents when `value` names a file,
+    else `value` itself when it holds Jinja tags. ValueError when it is neither, or does not
+    parse (checked at start-up, not at the first chat request)."""
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"chat template {value!r} is neither a file nor Jinja text")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template {value!r} does not parse: line {e.lineno}: {e.message}") from None
+    return text
+
+
+def _load(model_dir: str, cache_dir: str | None):
     path = None
     if cache_dir is not None:
         path = json_cache.entry_path(cache_dir, "tokenizer", [os.path.join(model_dir, f) for f in _DECISION_FILES],

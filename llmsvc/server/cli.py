@@ -35,6 +35,13 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0 < v <= 1:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return v
+
+
 def _non_negative_float(text: str) -> float:
     v = float(text)
     if not v >= 0:  # NaN too
@@ -83,9 +90,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--dtype", str, "auto", choices=list(DTYPE_CHOICES),
         help="compute and KV-cache dtype; auto: the checkpoint's own (float16 runs as bfloat16 off CUDA)")
     opt("--max-model-len", int, None, help="context length (default: the model's)")
+    opt("--chat-template", str, None,
+        help="Jinja chat template (a file, or the text itself) replacing the model's own, for chat prompts "
+             "(default: the model's tokenizer_config.json)")
+    opt("--seed", int, 0, help="seed of the model's random initialisation and of the seeds given to sampled "
+        "requests that set none (SamplingParams.seed)")
     opt("--max-num-seqs", int, 128, help="max requests running at once")
     opt("--max-num-batched-tokens", int, 1024, help="token budget per step")
     opt("--kv-cache-memory", parse_bytes, "2GiB", help=f"KV cache budget, e.g. 2GiB or 2G ({MEMORY_SIZE_HELP})")
+    opt("--gpu-memory-utilization", _fraction, 0.9,
+        help="CUDA: the share of the GPU's memory this server may fill; the KV cache gets what the weights "
+             "and a profiled step leave of it")
+    opt("--enforce-eager", bool, help="CUDA: run every step eagerly, without capturing decode steps in CUDA "
+        "graphs")
     opt("--block-size", int, 16, help="tokens per KV block")
     opt("--no-prefix-caching", bool, help="disable prefix caching")
     opt("--max-waiting-requests", int, 4096, help="admission cap; past it RESOURCE_EXHAUSTED")
@@ -131,7 +148,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build_config(args):
     from llmsvc.config import EngineConfig
     return EngineConfig.from_options(
-        model=args.model, served_name=args.served_model_name, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+        model=args.model, served_name=args.served_model_name, dtype=args.dtype, seed=args.seed,
+        chat_template=args.chat_template, enforce_eager=args.enforce_eager or None,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy, executor=executor_name(args),

@@ -16,7 +16,8 @@ def render_chat(tokenizer, chat, field_prefix: str = "chat") -> str:
     check_chat(chat.messages, field_prefix)
     if not has_chat_template(tokenizer):
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                           "this model has no chat template: send `text` or `token_ids` instead",
+                           "this model has no chat template: send `text` or `token_ids` instead, "
+                           "or start the server with --chat-template",
                            reason="NO_CHAT_TEMPLATE")
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
     add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
