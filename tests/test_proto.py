@@ -102,6 +102,7 @@ def test_generated_grpc_methods_match_the_proto(fresh):
             return lambda path, **kw: calls.setdefault(path, kind)
 
     llmsvc_pb2_grpc.LlmServiceStub(Recorder())
+    llmsvc_pb2_grpc.AdminServiceStub(Recorder())
     assert calls == want
 
 
@@ -114,7 +115,7 @@ def test_summary_detects_changes_that_matter():
         lambda d: setattr(d.service[0].method[0], "server_streaming", False),
         lambda d: d.message_type[0].field[4].ClearField("proto3_optional"),
         lambda d: setattr(d.message_type[0].field[1], "name", "prompt_text"),
-        lambda d: d.message_type[-1].field.pop(),
+        lambda d: next(m for m in d.message_type if m.name == "GetServerInfoResponse").field.pop(),
     ]
     for mutate in mutations:
         changed = descriptor_pb2.FileDescriptorProto()
@@ -130,6 +131,9 @@ def test_api_md_rules():
     assert {m.name: m.server_streaming for m in svc.methods} == {
         "Generate": True, "Abort": False, "Tokenize": False, "Detokenize": False,
         "GetModelInfo": False, "GetServerInfo": False}
+    admin = d.services_by_name["AdminService"]  # apart, so its authorization differs
+    assert {m.name: m.server_streaming for m in admin.methods} == {"Drain": False, "FlushCache": False}
+    assert d.message_types_by_name["DrainRequest"].fields_by_name["grace_seconds"].has_presence
     # every tunable is optional (explicit presence) so zero never silently changes sampling
     sampling = d.message_types_by_name["SamplingParams"]
     for f in sampling.fields:

@@ -287,7 +287,7 @@ def test_reflection_only_client_streams_a_completion(srv):
         msgs = list(call(request))
         assert len("".join(m.text for m in msgs)) == 5 and msgs[-1].HasField("finish")
         for version in ("v1", "v1alpha"):
-            assert {SERVICE, "grpc.health.v1.Health"} <= set(_list_services(channel, version))
+            assert {SERVICE, "llmsvc.v1.AdminService", "grpc.health.v1.Health"} <= set(_list_services(channel, version))
     finally:
         channel.close()
 

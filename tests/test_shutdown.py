@@ -38,6 +38,7 @@ class ServeProcess:
                "--device", "cpu", "--max-model-len", "4096", "--kv-cache-memory", "8MiB", *extra]
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
         env.pop("LLMSVC_AUTH_TOKENS", None)
+        env.pop("LLMSVC_ADMIN_TOKENS", None)
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
         self.lines: list[str] = []
@@ -161,5 +162,30 @@ def test_second_sigterm_cuts_the_grace_period_short(tiny_dir):
         assert srv.proc.wait(60) == 0, "".join(srv.lines[-40:])
         assert time.monotonic() - t0 < 60  # not the 600 s grace
         assert "second stop signal" in "".join(srv.lines)
+    finally:
+        srv.close()
+
+
+def test_drain_rpc_drains_like_sigterm_and_flush_cache_reaches_the_core(tiny_dir, tmp_path):
+    tokens = tmp_path / "admin-tokens"
+    tokens.write_text("root\n")
+    srv = ServeProcess(tiny_dir, "--shutdown-grace", "600", "--admin-token-file", str(tokens))
+    try:
+        srv.wait_serving()
+        admin, md = pb_grpc.AdminServiceStub(srv.channel), (("authorization", "Bearer root"),)
+        prompt = pb.GenerateRequest(text="a prompt of a few blocks " * 4, stopping=pb.StoppingCriteria(max_tokens=1))
+        cached = [list(srv.stub.Generate(prompt, timeout=60))[0].prompt.num_cached_tokens for _ in range(2)]
+        assert cached[0] == 0 and cached[1] > 0
+        admin.FlushCache(pb.FlushCacheRequest(), metadata=md, timeout=30)  # through the engine-core process
+        assert list(srv.stub.Generate(prompt, timeout=60))[0].prompt.num_cached_tokens == 0
+        call = srv.stub.Generate(_stream(60), timeout=120)
+        msgs = [next(call)]
+        resp = admin.Drain(pb.DrainRequest(grace_seconds=60), metadata=md, timeout=10)
+        assert resp.num_running + resp.num_waiting == 1 and not resp.already_draining
+        assert srv.status() == health_pb2.HealthCheckResponse.NOT_SERVING
+        msgs.extend(call)
+        assert msgs[-1].finish.reason == pb.FinishInfo.REASON_LENGTH and msgs[-1].num_output_tokens == 60
+        assert srv.proc.wait(60) == 0, "".join(srv.lines[-40:])
+        assert "Drain RPC" in "".join(srv.lines)
     finally:
         srv.close()

@@ -201,7 +201,11 @@ def test_load_tokens_and_cli_security_options(tmp_path, monkeypatch):
     opts = cli.security_options(p.parse_args(["--auth-token-file", str(f)]))
     assert opts["tls"] is None and opts["auth_tokens"] == ["alpha", "beta", "from-env"]
     monkeypatch.delenv("LLMSVC_AUTH_TOKENS")
-    assert cli.security_options(p.parse_args([])) == {"tls": None, "auth_tokens": None}
+    assert cli.security_options(p.parse_args([])) == {"tls": None, "auth_tokens": None, "admin_tokens": None}
+    monkeypatch.setenv("LLMSVC_ADMIN_TOKENS", "root-env")
+    opts = cli.security_options(p.parse_args(["--admin-token-file", str(f)]))
+    assert opts["admin_tokens"] == ["alpha", "beta", "root-env"] and opts["auth_tokens"] is None
+    monkeypatch.delenv("LLMSVC_ADMIN_TOKENS")
     with pytest.raises(ValueError):
         cli.security_options(p.parse_args(["--tls-cert", "x.pem"]))  # no key
     with pytest.raises(ValueError):

@@ -113,6 +113,7 @@ class Client(ClientBase):
         else:
             self._channel = grpc.secure_channel(target, self._creds, options=opts)
         self.stub = pb_grpc.LlmServiceStub(self._channel)
+        self.admin_stub = pb_grpc.AdminServiceStub(self._channel)
 
     def _unary(self, method, request, timeout, metadata=None):
         try:
@@ -152,6 +153,18 @@ class Client(ClientBase):
                    timeout: float | None = _UNSET) -> str:
         req = build_detokenize_request(token_ids, skip_special_tokens=skip_special_tokens)
         return self._unary(self.stub.Detokenize, req, timeout).text
+
+    def drain(self, grace_seconds: float | None = None, *,
+              timeout: float | None = _UNSET) -> pb.DrainResponse:
+        """AdminService.Drain (the client's token must be an admin token): the server begins a
+        graceful shutdown; in-flight requests get grace_seconds (None: the server's own)."""
+        req = pb.DrainRequest() if grace_seconds is None else pb.DrainRequest(grace_seconds=grace_seconds)
+        return self._unary(self.admin_stub.Drain, req, timeout)
+
+    def flush_cache(self, *, timeout: float | None = _UNSET) -> None:
+        """AdminService.FlushCache (admin token): empty the prefix cache; FailedPrecondition
+        while requests hold KV blocks."""
+        self._unary(self.admin_stub.FlushCache, pb.FlushCacheRequest(), timeout)
 
     def model_info(self, *, timeout: float | None = _UNSET) -> pb.GetModelInfoResponse:
         return self._unary(self.stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)

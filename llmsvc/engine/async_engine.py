@@ -49,7 +49,7 @@ class AsyncEngine(EngineThreadMixin):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
-        self._commands: deque = deque()  # ("add", kwargs, future) | ("abort", ids)
+        self._commands: deque = deque()  # ("add", kwargs, future) | ("abort", ids) | ("call", name, future)
         self._stop = False
         self._streams: dict[str, RequestStream] = {}  # event-loop side
         self._stats = EngineStats()
@@ -115,10 +115,26 @@ class AsyncEngine(EngineThreadMixin):
         for s in list(self._streams.values()):
             s.fail(EngineStoppedError("engine stopped"))
         self._streams.clear()
+        with self._cond:  # commands the thread never took
+            for cmd in self._swap_commands():
+                if cmd[0] != "abort" and not cmd[2].done():
+                    cmd[2].set_exception(EngineStoppedError("engine stopped"))
 
     def get_stats(self) -> EngineStats:
         """Stats as of the engine thread's last step (never blocks on the engine)."""
         return self._stats
+
+    async def reset_prefix_cache(self) -> bool:
+        """The engine's reset_prefix_cache(), run on the engine thread between two steps: False
+        while a request holds KV blocks. EngineDeadError / EngineStoppedError when there is no
+        engine to ask."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead}")
+        if self._thread is None or self._stop:
+            raise EngineStoppedError("engine stopped")
+        fut = self._loop.create_future()
+        self._send(("call", "reset_prefix_cache", fut))
+        return bool(await fut)
 
     # ---- requests ----------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

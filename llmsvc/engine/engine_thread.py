@@ -1,8 +1,8 @@
 """The engine thread of AsyncEngine: the only caller of the wrapped LLMEngine.
 
 It sleeps on AsyncEngine's condition while there is nothing to do (health-checking the engine
-once per `health_check_interval_s`), applies the queued commands (adds, aborts), runs one
-engine step and posts its outputs to the event loop in one callback. With an inline engine
+once per `health_check_interval_s`), applies the queued commands (adds, aborts, utility
+calls), runs one engine step and posts its outputs to the event loop in one callback. With an inline engine
 core, a burst of requests that finds the engine idle is gathered before the first step
 (llmsvc/core/burst.py), as the engine-core process does for its own core.
 
@@ -59,12 +59,15 @@ class EngineThreadMixin:
             return self._swap_commands()
 
     def _apply(self, cmds: list, burst: BurstWindow | None) -> bool:
-        """Apply adds and aborts in order. Returns whether any was an abort."""
+        """Apply adds, aborts and calls in order. Returns whether any was an abort."""
         engine, had_abort = self.engine, False
         for cmd in cmds:
-            if cmd[0] != "add":
+            if cmd[0] == "abort":
                 engine.abort_request(cmd[1])
                 had_abort = True
+                continue
+            if cmd[0] == "call":
+                self._call(cmd[1], cmd[2])
                 continue
             _, kw, fut = cmd
             try:
@@ -80,6 +83,17 @@ class EngineThreadMixin:
                 if burst is not None:
                     burst.add(len(kw["prompt_token_ids"]))
         return had_abort
+
+    def _call(self, name: str, fut: asyncio.Future) -> None:
+        """engine.<name>() for AsyncEngine's utility calls; its result or error goes to fut."""
+        try:
+            result = getattr(self.engine, name)()
+        except Exception as e:
+            self._post(_set_future, fut, e)
+            if is_worker_failure(e):  # the engine core died: so does this loop
+                raise
+        else:
+            self._post(_set_result, fut, result)
 
     def _gather_burst(self, burst: BurstWindow) -> bool:
         """The engine was idle: take the rest of a burst before the first step. Returns whether
@@ -133,7 +147,7 @@ class EngineThreadMixin:
                 pending = self._swap_commands()
             err = EngineDeadError(f"engine loop died: {type(e).__name__}: {e}")
             for cmd in pending:
-                if cmd[0] == "add":
+                if cmd[0] != "abort":  # adds and calls wait on a future
                     self._post(_set_future, cmd[2], err)
             self._dead = e
             self._post(self._on_dead, e)
@@ -151,3 +165,8 @@ def _set_future(fut: asyncio.Future, exc: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(exc)
+
+
+def _set_result(fut: asyncio.Future, result) -> None:
+    if not fut.done():
+        fut.set_result(result)

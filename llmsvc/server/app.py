@@ -5,6 +5,7 @@ reflection at once; load() builds the engine in a worker thread, warms it up, th
 LlmService to SERVING. shutdown(grace): NOT_SERVING -> new Generate UNAVAILABLE -> in-flight
 requests get `grace` seconds -> the rest are aborted -> the server stops (metrics endpoint last).
 Options: TLS/mTLS (`tls`), bearer-token auth (`auth_tokens`; health and reflection stay open),
+admin tokens (`admin_tokens`: without them AdminService answers PERMISSION_DENIED),
 Prometheus metrics on their own HTTP port (`metrics_port`: None = off, 0 = any free port), with
 the GenerateRequest.labels keys in `metrics_label_keys` as Prometheus labels.
 """
@@ -19,7 +20,8 @@ import grpc
 
 from llmsvc.engine.async_engine import AsyncEngine
 from llmsvc.sampling_params import SamplingParams
-from llmsvc.server.auth import BearerTokenInterceptor
+from llmsvc.server.admin import AdminService
+from llmsvc.server.auth import ADMIN_PREFIXES, BearerTokenInterceptor
 from llmsvc.server.health import Health, add_reflection
 from llmsvc.server.metrics import EngineSnapshot, MetricsHttpServer, ServerMetrics
 from llmsvc.server.servicer import LlmService, ServerState
@@ -60,6 +62,7 @@ class LlmServer:
                  max_backlog_bytes: int = 4 << 20, max_backlog_age_s: float = 60.0,
                  max_waiting_requests: int | None = None, warmup: bool = True,
                  tls: TlsConfig | None = None, auth_tokens: list[str] | None = None,
+                 admin_tokens: list[str] | None = None,
                  metrics_port: int | None = None, metrics_host: str | None = None,
                  metrics_label_keys: tuple[str, ...] = ()) -> None:
         self.engine_factory = engine_factory
@@ -72,6 +75,9 @@ class LlmServer:
         self.health = Health()
         self.tls = tls
         self.auth = BearerTokenInterceptor(auth_tokens) if auth_tokens else None
+        self.admin_auth = (BearerTokenInterceptor(admin_tokens, guarded_prefixes=ADMIN_PREFIXES)
+                           if admin_tokens else None)
+        self.admin = AdminService(bool(admin_tokens), self.begin_drain, lambda: self.async_engine)
         self.metrics = ServerMetrics(label_keys=metrics_label_keys)
         self.metrics.add_engine_collector(self._engine_snapshot)
         self.metrics_http = (MetricsHttpServer(self.metrics.registry, metrics_host or host, metrics_port)
@@ -82,8 +88,9 @@ class LlmServer:
         self.async_engine: AsyncEngine | None = None
         self.engine_died = False
         self._watch: asyncio.Task | None = None
-        self._stopped = False
+        self._stopping: asyncio.Future | None = None  # the one shutdown, however it began
         self._grace_cut = False  # end_grace(): a second stop signal
+        self._drain_begun: asyncio.Event | None = None  # set by begin_drain(); made in start()
 
     @property
     def address(self) -> str:
@@ -101,9 +108,11 @@ class LlmServer:
 
     async def start(self) -> int:
         """Bind and serve health + reflection (+ LlmService answering UNAVAILABLE). Returns the port."""
-        interceptors = [self.metrics.interceptor()] + ([self.auth] if self.auth is not None else [])
+        interceptors = [self.metrics.interceptor()] + [a for a in (self.auth, self.admin_auth) if a is not None]
+        self._drain_begun = asyncio.Event()
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         pb_grpc.add_LlmServiceServicer_to_server(self.servicer, self.server)
+        pb_grpc.add_AdminServiceServicer_to_server(self.admin, self.server)
         self.health.add_to_server(self.server)
         add_reflection(self.server)
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -127,7 +136,8 @@ class LlmServer:
             self.metrics_http.start()
             logger.info("metrics on http://%s:%d/metrics", self.metrics_http.host, self.metrics_http.port)
         mode = "mTLS" if self.tls and self.tls.mutual else "TLS" if self.tls else "plaintext"
-        logger.info("listening on %s (%s%s)", self.address, mode, ", bearer-token auth" if self.auth else "")
+        logger.info("listening on %s (%s%s%s)", self.address, mode, ", bearer-token auth" if self.auth else "",
+                    ", admin RPCs on" if self.admin_auth else "")
         return self.port
 
     async def load(self) -> None:
@@ -165,17 +175,31 @@ class LlmServer:
         try:
             load = asyncio.create_task(self.load())
             stopper = asyncio.create_task(stop.wait())
-            await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            drained = asyncio.create_task(self._drain_begun.wait())  # the Drain RPC
+            await asyncio.wait({load, stopper, drained}, return_when=asyncio.FIRST_COMPLETED)
             if not load.done():
                 load.cancel()
                 await asyncio.gather(load, return_exceptions=True)
             else:
                 load.result()  # a failed load raises: exit non-zero
-                await asyncio.wait({self._watch, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({self._watch, stopper, drained}, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
-        finally:
+            drained.cancel()
+        finally:  # after a Drain RPC this waits for the shutdown it began
             await self.shutdown(grace=0.0 if self.engine_died else self.shutdown_grace)
         return 1 if self.engine_died else 0
+
+    def begin_drain(self, grace: float | None = None) -> tuple[bool, float]:
+        """The Drain RPC: shutdown(grace) in the background, as a stop signal would (serve()
+        then returns 0 once it ends). grace None: shutdown_grace. Returns (already draining,
+        the grace in force)."""
+        if self._stopping is not None:
+            return True, self.shutdown_grace
+        if grace is not None:
+            self.shutdown_grace = grace
+        self._stopping = asyncio.ensure_future(self._shutdown(self.shutdown_grace))
+        self._drain_begun.set()
+        return False, self.shutdown_grace
 
     def end_grace(self) -> None:
         """A second stop signal: abort in-flight requests now instead of waiting out the grace."""
@@ -184,10 +208,13 @@ class LlmServer:
             self.async_engine.end_grace()
 
     async def shutdown(self, grace: float = 30.0) -> None:
-        """Drain: NOT_SERVING, refuse new requests, let in-flight finish for `grace` s, stop."""
-        if self._stopped:
-            return
-        self._stopped = True
+        """Drain: NOT_SERVING, refuse new requests, let in-flight finish for `grace` s, stop.
+        Once begun (here or by begin_drain) a later call waits for that shutdown to end."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._shutdown(grace))
+        await asyncio.shield(self._stopping)
+
+    async def _shutdown(self, grace: float) -> None:
         self.state.draining = True
         await self.health.draining()
         logger.info("draining (grace %.1f s)", grace)

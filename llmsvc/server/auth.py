@@ -5,6 +5,11 @@ LLMSVC_AUTH_TOKENS (comma-separated). No tokens configured = auth off. A call wi
 or with a token not in the set ends UNAUTHENTICATED (ErrorInfo reason "UNAUTHENTICATED",
 trailer `www-authenticate: Bearer`); health and reflection stay open so probes need no secret.
 Tokens are compared in constant time against every configured token.
+
+Admin tokens (`--admin-token-file`, LLMSVC_ADMIN_TOKENS) guard llmsvc.v1.AdminService alone, in a
+second interceptor of this class (`guarded_prefixes=ADMIN_PREFIXES`); the inference one leaves
+that service to it, so an inference token never grants an admin call and an admin client needs
+no inference token.
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ from llmsvc.server.rpc_wrap import deny_handler
 logger = logging.getLogger(__name__)
 
 TOKENS_ENV = "LLMSVC_AUTH_TOKENS"
+ADMIN_TOKENS_ENV = "LLMSVC_ADMIN_TOKENS"
+ADMIN_PREFIXES = ("/llmsvc.v1.AdminService/",)
 # method-name prefixes any caller may use without a token
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                  "/grpc.reflection.v1.ServerReflection/")
@@ -52,13 +59,21 @@ def _digest(token: str) -> bytes:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls to non-open methods that lack a valid `authorization: Bearer <token>`."""
+    """Rejects calls that lack a valid `authorization: Bearer <token>`: calls to every method but
+    the open ones, or, with `guarded_prefixes`, to those methods only."""
 
-    def __init__(self, tokens: Iterable[str], open_prefixes: Iterable[str] = OPEN_PREFIXES) -> None:
+    def __init__(self, tokens: Iterable[str], open_prefixes: Iterable[str] = OPEN_PREFIXES + ADMIN_PREFIXES,
+                 guarded_prefixes: Iterable[str] | None = None) -> None:
         self._digests = [_digest(t) for t in tokens]
         if not self._digests:
             raise ValueError("BearerTokenInterceptor needs at least one token")
         self.open_prefixes = tuple(open_prefixes)
+        self.guarded_prefixes = None if guarded_prefixes is None else tuple(guarded_prefixes)
+
+    def guards(self, method: str) -> bool:
+        if self.guarded_prefixes is not None:
+            return method.startswith(self.guarded_prefixes)
+        return not method.startswith(self.open_prefixes)
 
     def is_valid(self, token: str) -> bool:
         d = _digest(token)
@@ -82,7 +97,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(self.open_prefixes):
+        if handler is None or not self.guards(handler_call_details.method):
             return handler
         why = self.check(handler_call_details.invocation_metadata)
         if why is None:

@@ -143,6 +143,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--auth-token-file", str, None,
         help="file of accepted bearer tokens, one per line; tokens may also come comma-separated from "
              "LLMSVC_AUTH_TOKENS. Health and reflection need no token")
+    opt("--admin-token-file", str, None,
+        help="file of the bearer tokens AdminService (Drain, FlushCache) accepts, one per line; also "
+             "comma-separated from LLMSVC_ADMIN_TOKENS. Without any, admin calls get PERMISSION_DENIED")
 
 
 def build_config(args):
@@ -196,14 +199,16 @@ def run_headless(args) -> int:
 
 
 def security_options(args) -> dict:
-    """TLS and auth keyword arguments of LlmServer from the flags and LLMSVC_AUTH_TOKENS (ValueError if bad)."""
-    from llmsvc.server.auth import TOKENS_ENV, load_tokens
+    """TLS and auth keyword arguments of LlmServer from the flags, LLMSVC_AUTH_TOKENS and
+    LLMSVC_ADMIN_TOKENS (ValueError if bad)."""
+    from llmsvc.server.auth import ADMIN_TOKENS_ENV, TOKENS_ENV, load_tokens
     from llmsvc.server.tls import TlsConfig
     tls = TlsConfig.from_args(args.tls_cert, args.tls_key, args.tls_client_ca)
     if tls is not None:
         tls.server_credentials()  # fail at startup on unreadable files
     tokens = load_tokens(args.auth_token_file, os.environ.get(TOKENS_ENV))
-    return dict(tls=tls, auth_tokens=tokens or None)
+    admin = load_tokens(args.admin_token_file, os.environ.get(ADMIN_TOKENS_ENV))
+    return dict(tls=tls, auth_tokens=tokens or None, admin_tokens=admin or None)
 
 
 async def serve(args, security: dict | None = None) -> int:

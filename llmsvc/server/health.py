@@ -10,6 +10,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from llmsvc.v1 import llmsvc_pb2
 
 SERVICE_NAME = llmsvc_pb2.DESCRIPTOR.services_by_name["LlmService"].full_name  # "llmsvc.v1.LlmService"
+ADMIN_SERVICE_NAME = llmsvc_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -40,11 +41,11 @@ class Health:
 
 
 def add_reflection(server: grpc.aio.Server) -> None:
-    """Reflection for LlmService + Health, under v1alpha (grpcio-reflection) and v1.
+    """Reflection for LlmService, AdminService and Health, under v1alpha (grpcio-reflection) and v1.
 
     v1 and v1alpha reflection messages are wire-identical (same field numbers), so the v1
     service is the v1alpha servicer behind a v1 method name."""
-    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+    names = (SERVICE_NAME, ADMIN_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME, REFLECTION_V1)
     servicer = reflection_async.ReflectionServicer(names)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)  # v1alpha

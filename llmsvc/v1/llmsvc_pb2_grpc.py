@@ -360,3 +360,133 @@ class LlmService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminServiceStub:
+    """Operator actions. Every call needs `authorization: Bearer <admin token>` (UNAUTHENTICATED
+    without a valid one); inference tokens do not grant it. With no admin tokens configured
+    the service answers PERMISSION_DENIED.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Drain = channel.unary_unary(
+                '/llmsvc.v1.AdminService/Drain',
+                request_serializer=llmsvc_dot_v1_dot_llmsvc__pb2.DrainRequest.SerializeToString,
+                response_deserializer=llmsvc_dot_v1_dot_llmsvc__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.FlushCache = channel.unary_unary(
+                '/llmsvc.v1.AdminService/FlushCache',
+                request_serializer=llmsvc_dot_v1_dot_llmsvc__pb2.FlushCacheRequest.SerializeToString,
+                response_deserializer=llmsvc_dot_v1_dot_llmsvc__pb2.FlushCacheResponse.FromString,
+                _registered_method=True)
+
+
+class AdminServiceServicer:
+    """Operator actions. Every call needs `authorization: Bearer <admin token>` (UNAUTHENTICATED
+    without a valid one); inference tokens do not grant it. With no admin tokens configured
+    the service answers PERMISSION_DENIED.
+    """
+
+    def Drain(self, request, context):
+        """Begin a graceful shutdown, as SIGTERM does: health NOT_SERVING, new Generate calls get
+        UNAVAILABLE, in-flight requests get the grace period, then the server exits with code 0.
+        Answers at once, before the drain ends. Idempotent: a second call changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FlushCache(self, request, context):
+        """Forget every prefix-cache entry, so later prompts are computed afresh (after a change of
+        weights or kernels, or between benchmark runs). FAILED_PRECONDITION (ErrorInfo.reason
+        "KV_BLOCKS_IN_USE") while any request holds KV blocks: retry when idle.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=llmsvc_dot_v1_dot_llmsvc__pb2.DrainRequest.FromString,
+                    response_serializer=llmsvc_dot_v1_dot_llmsvc__pb2.DrainResponse.SerializeToString,
+            ),
+            'FlushCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.FlushCache,
+                    request_deserializer=llmsvc_dot_v1_dot_llmsvc__pb2.FlushCacheRequest.FromString,
+                    response_serializer=llmsvc_dot_v1_dot_llmsvc__pb2.FlushCacheResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'llmsvc.v1.AdminService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('llmsvc.v1.AdminService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class AdminService:
+    """Operator actions. Every call needs `authorization: Bearer <admin token>` (UNAUTHENTICATED
+    without a valid one); inference tokens do not grant it. With no admin tokens configured
+    the service answers PERMISSION_DENIED.
+    """
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmsvc.v1.AdminService/Drain',
+            llmsvc_dot_v1_dot_llmsvc__pb2.DrainRequest.SerializeToString,
+            llmsvc_dot_v1_dot_llmsvc__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FlushCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmsvc.v1.AdminService/FlushCache',
+            llmsvc_dot_v1_dot_llmsvc__pb2.FlushCacheRequest.SerializeToString,
+            llmsvc_dot_v1_dot_llmsvc__pb2.FlushCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
