@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -155,3 +156,27 @@ def test_client_admin_calls_raise_typed_errors():
             c.flush_cache()
     finally:
         s.stop()
+
+
+def test_admin_cli(capsys, monkeypatch):
+    from llmsvc.__main__ import main as llmsvc_main
+
+    s = ServerThread(fake_engine_factory(), admin_tokens=["root"])
+    try:
+        def run(*argv):
+            rc = llmsvc_main(["admin", "--server", s.address, *argv])
+            out, err = capsys.readouterr()
+            return rc, out, err
+
+        rc, _, err = run("flush-cache")  # no token
+        assert rc == 1 and "UNAUTHENTICATED" in err
+        assert run("--token", "root", "flush-cache")[:2] == (0, '{"flushed": true}\n')
+        monkeypatch.setenv("LLMSVC_ADMIN_TOKEN", "root")
+        rc, out, _ = run("drain", "--grace", "0")
+        assert rc == 0 and json.loads(out) == {"draining": True, "already_draining": False, "grace_seconds": 0.0,
+                                               "num_running": 0, "num_waiting": 0}
+    finally:
+        s.stop()
+    rc = llmsvc_main(["admin", "--server", "127.0.0.1:1", "--timeout", "2", "flush-cache"])
+    err = capsys.readouterr().err
+    assert rc == 2 and ("UNAVAILABLE" in err or "DEADLINE_EXCEEDED" in err)

@@ -1,0 +1,50 @@
+"""`llmsvc admin drain|flush-cache`: the AdminService calls, with an admin token.
+
+    llmsvc admin --server HOST:PORT --token ADMIN_TOKEN drain [--grace S]
+    llmsvc admin --token ADMIN_TOKEN flush-cache
+
+The token also comes from LLMSVC_ADMIN_TOKEN. Exit codes: 0 done; 1 the server refused
+(PERMISSION_DENIED, UNAUTHENTICATED, FAILED_PRECONDITION...); 2 it could not be reached.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from llmsvc.client.cli_common import add_connection_arguments, credentials_from_args, print_error
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_connection_arguments(parser, token=False, timeout=30.0)
+    parser.add_argument("--token", default=os.environ.get("LLMSVC_ADMIN_TOKEN"),
+                        help="admin bearer token (env LLMSVC_ADMIN_TOKEN)")
+    actions = parser.add_subparsers(dest="action", required=True)
+    drain = actions.add_parser("drain", help="graceful shutdown: in-flight requests finish, new ones are refused")
+    drain.add_argument("--grace", type=float, default=None, metavar="S",
+                       help="seconds in-flight requests get (default: the server's --shutdown-grace)")
+    actions.add_parser("flush-cache", help="empty the prefix cache (refused while requests hold KV blocks)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from llmsvc.client.client import Client
+    from llmsvc.client.errors import DeadlineExceeded, LlmsvcError, Unavailable
+
+    try:
+        with Client(args.server, timeout=args.timeout, credentials=credentials_from_args(args),
+                    token=args.token) as client:
+            if args.action == "drain":
+                r = client.drain(args.grace)
+                print(json.dumps({"draining": True, "already_draining": r.already_draining,
+                                  "grace_seconds": r.grace_seconds, "num_running": r.num_running,
+                                  "num_waiting": r.num_waiting}))
+            else:
+                client.flush_cache()
+                print(json.dumps({"flushed": True}))
+    except (Unavailable, DeadlineExceeded) as err:
+        print_error(f"llmsvc admin {args.action}", err)
+        return 2
+    except LlmsvcError as err:
+        print_error(f"llmsvc admin {args.action}", err)
+        return 1
+    return 0
