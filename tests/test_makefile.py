@@ -27,7 +27,7 @@ def dry_run(tmp_path, target: str) -> str:
 
 def test_make_serve_installs_the_runtime_only(tmp_path):
     out = dry_run(tmp_path, "serve")
-    assert "torch==2.13.0" in out and "pip install -q -e ." in out and "llmsvc serve" in out
+    assert "torch==2.13.0" in out and "pip install -q -e '.[server]'" in out and "llmsvc serve" in out
     assert "npm" not in out and "[test]" not in out
 
 
