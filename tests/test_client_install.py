@@ -41,8 +41,8 @@ def test_base_dependencies_are_the_clients_and_the_server_extra_has_the_rest():
     assert base == {"grpcio", "protobuf", "grpcio-status", "grpcio-health-checking", "grpcio-reflection"}
     server = _requirement_names(project["optional-dependencies"]["server"])
     assert {"torch", "transformers", "pyzmq", "prometheus-client", "llguidance"} <= server
-    for extra in ("test", "bench"):  # both need the server too
-        assert "llmsvc[server]" in project["optional-dependencies"][extra]
+    extras = project["optional-dependencies"]
+    assert "llmsvc[server]" in extras["bench"] and "llmsvc[server,otel]" in extras["test"]  # both need the server
 
 
 def test_client_works_without_the_server_packages():

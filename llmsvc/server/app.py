@@ -5,7 +5,8 @@ reflection at once; load() builds the engine in a worker thread, warms it up, th
 LlmService to SERVING. shutdown(grace): NOT_SERVING -> new Generate UNAVAILABLE -> in-flight
 requests get `grace` seconds -> the rest are aborted -> the server stops (metrics endpoint last).
 Options: TLS/mTLS (`tls`), bearer-token auth (`auth_tokens`; health and reflection stay open),
-admin tokens (`admin_tokens`: without them AdminService answers PERMISSION_DENIED),
+admin tokens (`admin_tokens`: without them AdminService answers PERMISSION_DENIED), a span per
+Generate call to OpenTelemetry (`tracer`, tracing.py),
 Prometheus metrics on their own HTTP port (`metrics_port`: None = off, 0 = any free port), with
 the GenerateRequest.labels keys in `metrics_label_keys` as Prometheus labels.
 """
@@ -62,7 +63,7 @@ class LlmServer:
                  max_backlog_bytes: int = 4 << 20, max_backlog_age_s: float = 60.0,
                  max_waiting_requests: int | None = None, warmup: bool = True,
                  tls: TlsConfig | None = None, auth_tokens: list[str] | None = None,
-                 admin_tokens: list[str] | None = None,
+                 admin_tokens: list[str] | None = None, tracer=None,
                  metrics_port: int | None = None, metrics_host: str | None = None,
                  metrics_label_keys: tuple[str, ...] = ()) -> None:
         self.engine_factory = engine_factory
@@ -84,6 +85,7 @@ class LlmServer:
                              if metrics_port is not None else None)
         self.servicer = LlmService(self.state)
         self.servicer.metrics = self.metrics
+        self.tracer = self.servicer.tracer = tracer  # tracing.RequestTracer or None
         self.server: grpc.aio.Server | None = None
         self.async_engine: AsyncEngine | None = None
         self.engine_died = False
@@ -228,4 +230,6 @@ class LlmServer:
             await self.server.stop(1.0)
         if self.metrics_http is not None:
             self.metrics_http.stop()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # the last spans reach the collector
         logger.info("stopped")

@@ -137,6 +137,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--metrics-label-keys", str, "",
         help="comma-separated GenerateRequest.labels keys (e.g. tenant) that become Prometheus labels of the "
              "per-request series; other keys only reach the logs (at most 100 values per key, then 'other')")
+    opt("--otlp-traces-endpoint", str, None,
+        help="OpenTelemetry collector (OTLP/gRPC, e.g. http://collector:4317) that gets a span per Generate "
+             "call, child of the caller's traceparent (needs the otel extra)")
     opt("--tls-cert", str, None, help="PEM server certificate (chain); with --tls-key enables TLS")
     opt("--tls-key", str, None, help="PEM private key of --tls-cert")
     opt("--tls-client-ca", str, None, help="PEM CA bundle; clients must present a certificate it signed (mTLS)")
@@ -211,6 +214,17 @@ def security_options(args) -> dict:
     return dict(tls=tls, auth_tokens=tokens or None, admin_tokens=admin or None)
 
 
+def tracing_options(args) -> dict:
+    """LlmServer's `tracer` for --otlp-traces-endpoint (ValueError without the otel extra)."""
+    if not args.otlp_traces_endpoint:
+        return {}
+    from llmsvc.server.tracing import RequestTracer
+    try:
+        return dict(tracer=RequestTracer(args.otlp_traces_endpoint))
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
+
+
 async def serve(args, security: dict | None = None) -> int:
     config = build_config(args)
     core_start = None
@@ -223,7 +237,7 @@ async def serve(args, security: dict | None = None) -> int:
         pool.shutdown(wait=False)
     from llmsvc.server.app import LlmServer, default_engine_factory
     from llmsvc.server.metrics import parse_label_keys
-    security = security_options(args) if security is None else security
+    security = {**security_options(args), **tracing_options(args)} if security is None else security
     metrics_port = args.metrics_port or None
     server = LlmServer(default_engine_factory(config, core_start), host=args.host, port=args.port,
                        max_waiting_requests=args.max_waiting_requests, metrics_port=metrics_port,
@@ -254,7 +268,7 @@ def main(args) -> int:
     try:
         _multi_node(args)
         parse_label_keys(args.metrics_label_keys)
-        security = security_options(args)
+        security = {**security_options(args), **tracing_options(args)}
         loop = event_loop.resolve(args.event_loop)
     except (ValueError, OSError) as e:  # TLS files, token file, multi-node flags: no traceback
         logging.getLogger("llmsvc.server").error("bad configuration: %s", e)

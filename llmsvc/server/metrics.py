@@ -113,6 +113,7 @@ class RequestTracker:
         self.reasons: dict[int, str] = {}  # completion index -> finish reason
         self.tokens: dict[int, int] = {}  # completion index -> output tokens so far (cumulative)
         self.done = False
+        self.final: RequestOutput | None = None  # the output that finished the request
 
     def observe(self, out: RequestOutput) -> None:
         if self.done:
@@ -123,7 +124,7 @@ class RequestTracker:
                 self.reasons[comp.index] = comp.finish_reason
                 self.m.request_success.labels(comp.finish_reason, *self.label_values).inc()
         if out.finished:
-            self.done = True
+            self.done, self.final = True, out
             self._observe_final(out)
 
     @property

@@ -24,6 +24,7 @@ from llmsvc.server.logging_setup import request_id_var, request_labels_var
 from llmsvc.server.prompt import encode, has_chat_template, render_chat
 from llmsvc.server.prompt import resolve_prompt
 from llmsvc.server.responses import ResponseBuilder
+from llmsvc.server.rpc_wrap import final_code
 from llmsvc.server.validation import (ModelLimits, build_sampling_params, check_labels, check_prompt_fits,
                                       check_request_id, check_token_ids)
 from llmsvc.v1 import llmsvc_pb2 as pb
@@ -73,6 +74,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
         self.state = state or ServerState()
         self.engine = self.tokenizer = self.config = self.limits = None
         self.metrics = None  # llmsvc.server.metrics.ServerMetrics: per-request series
+        self.tracer = None  # llmsvc.server.tracing.RequestTracer: a span per Generate, when tracing is on
 
     def attach(self, async_engine, tokenizer, config) -> None:
         """Serve from this (started, warmed-up) engine; `config` is the resolved EngineConfig."""
@@ -103,10 +105,12 @@ class LlmService(pb_grpc.LlmServiceServicer):
         return uuid.uuid4().hex
 
     async def Generate(self, request, context):
+        start_ns = time.time_ns()
         rid = self._request_id(request, context)
         request_id_var.set(rid)  # this RPC's task only
         request_labels_var.set(dict(request.labels) or None)
-        tracker = None
+        tracker = params = ids = None
+        code, message = grpc.StatusCode.OK, ""
         try:
             self._check_serving()
             check_request_id(rid)
@@ -150,6 +154,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
                             ",".join(tracker.reasons[i] for i in sorted(tracker.reasons)) or "-", len(ids),
                             tracker.num_generated)
         except (asyncio.CancelledError, GeneratorExit):
+            code = grpc.StatusCode.CANCELLED
             if tracker is not None:
                 tracker.cancelled()
             logger.info("request %s cancelled by the client or its deadline", rid)
@@ -158,8 +163,27 @@ class LlmService(pb_grpc.LlmServiceServicer):
             if tracker is not None:
                 tracker.cancelled()
             if isinstance(e, grpc.aio.AbortError) or type(e).__name__ == "AbortError":
+                code = final_code(context, e)
                 raise
+            err = errors.to_service_error(e)
+            code, message = err.code, err.message
             await errors.abort(context, e, rid)
+        finally:
+            if self.tracer is not None:
+                self._trace(rid, context, start_ns, code, message, params, ids, tracker)
+
+    def _trace(self, rid, context, start_ns, code, message, params, ids, tracker) -> None:
+        remaining = context.time_remaining()
+        if code == grpc.StatusCode.CANCELLED and remaining is not None and remaining <= 0:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+        try:
+            self.tracer.record(request_id=rid, metadata=context.invocation_metadata(), start_ns=start_ns,
+                               end_ns=time.time_ns(), code=code, message=message,
+                               model=self.config.model_config.served_model_name if self.config else "",
+                               params=params, prompt_tokens=len(ids) if ids is not None else None,
+                               tracker=tracker)
+        except Exception:  # noqa: BLE001 - tracing never fails a request
+            logger.warning("tracing: could not record request %s", rid, exc_info=True)
 
     @staticmethod
     def _raise_if_failed(out) -> None:
