@@ -19,6 +19,7 @@ GEN = ("llmsvc.v1.LlmService", "Generate")
 
 HISTOGRAMS = ["llmsvc_time_to_first_token_seconds", "llmsvc_time_per_output_token_seconds",
               "llmsvc_e2e_request_latency_seconds", "llmsvc_request_queue_time_seconds",
+              "llmsvc_request_prefill_time_seconds", "llmsvc_request_decode_time_seconds",
               "llmsvc_request_prompt_tokens", "llmsvc_request_generation_tokens"]
 GAUGES = ["llmsvc_num_requests_running", "llmsvc_num_requests_waiting", "llmsvc_kv_cache_usage_perc",
           "llmsvc_prefix_cache_hit_rate", "llmsvc_num_kv_blocks", "llmsvc_num_free_kv_blocks",
@@ -182,6 +183,8 @@ def test_request_tracker_n2_deltas_and_idempotent_cancel():
     assert r.get_sample_value("llmsvc_request_success_total", {"finish_reason": "abort"}) is None
     assert r.get_sample_value("llmsvc_request_queue_time_seconds_sum") == pytest.approx(0.5)
     assert r.get_sample_value("llmsvc_time_to_first_token_seconds_sum") == pytest.approx(1.0)
+    assert r.get_sample_value("llmsvc_request_prefill_time_seconds_sum") == pytest.approx(0.5)
+    assert r.get_sample_value("llmsvc_request_decode_time_seconds_sum") == pytest.approx(4.0)
     assert r.get_sample_value("llmsvc_e2e_request_latency_seconds_sum") == pytest.approx(5.5)
     assert r.get_sample_value("llmsvc_time_per_output_token_seconds_sum") == pytest.approx(4.0 / 4)
     assert r.get_sample_value("llmsvc_request_generation_tokens_sum") == 7

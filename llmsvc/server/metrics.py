@@ -5,7 +5,9 @@ Series (all `llmsvc_`):
 - per request (servicer, from RequestOutput.metrics, wall-clock seconds):
   request_success_total{finish_reason} (one per completion; a cancelled call counts "abort"),
   time_to_first_token_seconds, time_per_output_token_seconds, e2e_request_latency_seconds,
-  request_queue_time_seconds, request_prompt_tokens, request_generation_tokens (histograms).
+  request_queue_time_seconds, request_prefill_time_seconds (first scheduled to first token),
+  request_decode_time_seconds (first token to last), request_prompt_tokens,
+  request_generation_tokens (histograms).
   These also carry one Prometheus label per allow-listed GenerateRequest.labels key
   (`label_keys`, the --metrics-label-keys flag): "" when a request lacks it, and "other" once a
   key has seen MAX_LABEL_VALUES distinct values, so the number of series stays bounded.
@@ -74,6 +76,10 @@ class ServerMetrics:
                               "Mean time between output tokens of a request (after the first)", TPOT_BUCKETS)
         self.e2e = histogram("llmsvc_e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
         self.queue = histogram("llmsvc_request_queue_time_seconds", "Arrival to first scheduled", LATENCY_BUCKETS)
+        self.prefill = histogram("llmsvc_request_prefill_time_seconds", "First scheduled to first output token",
+                                 LATENCY_BUCKETS)
+        self.decode = histogram("llmsvc_request_decode_time_seconds", "First output token to the last",
+                                LATENCY_BUCKETS)
         self.prompt_tokens = histogram("llmsvc_request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS)
         self.generation_tokens = histogram("llmsvc_request_generation_tokens",
                                            "Generated tokens per request (all completions)", TOKEN_BUCKETS)
@@ -156,6 +162,10 @@ class RequestTracker:
             series(m.queue).observe(max(0.0, rm.first_scheduled_time - rm.arrival_time))
         if rm.first_token_time is not None:
             series(m.ttft).observe(max(0.0, rm.first_token_time - rm.arrival_time))
+            if rm.first_scheduled_time is not None:
+                series(m.prefill).observe(max(0.0, rm.first_token_time - rm.first_scheduled_time))
+            if rm.last_token_time is not None:
+                series(m.decode).observe(max(0.0, rm.last_token_time - rm.first_token_time))
             if rm.last_token_time is not None and num_out > 1:
                 series(m.tpot).observe(max(0.0, rm.last_token_time - rm.first_token_time) / (num_out - 1))
         if rm.finished_time is not None:
