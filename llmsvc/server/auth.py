@@ -23,12 +23,13 @@ import grpc
 
 from llmsvc.server.errors import ServiceError
 from llmsvc.server.rpc_wrap import deny_handler
+from llmsvc.v1 import llmsvc_pb2
 
 logger = logging.getLogger(__name__)
 
 TOKENS_ENV = "LLMSVC_AUTH_TOKENS"
 ADMIN_TOKENS_ENV = "LLMSVC_ADMIN_TOKENS"
-ADMIN_PREFIXES = ("/llmsvc.v1.AdminService/",)
+ADMIN_PREFIXES = (f"/{llmsvc_pb2.DESCRIPTOR.services_by_name['AdminService'].full_name}/",)
 # method-name prefixes any caller may use without a token
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                  "/grpc.reflection.v1.ServerReflection/")

@@ -165,8 +165,9 @@ class LlmService(pb_grpc.LlmServiceServicer):
             if isinstance(e, grpc.aio.AbortError) or type(e).__name__ == "AbortError":
                 code = final_code(context, e)
                 raise
-            err = errors.to_service_error(e)
-            code, message = err.code, err.message
+            if self.tracer is not None:  # the span's status; abort() maps it again for the call
+                err = errors.to_service_error(e)
+                code, message = err.code, err.message
             await errors.abort(context, e, rid)
         finally:
             if self.tracer is not None:
