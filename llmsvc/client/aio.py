@@ -15,7 +15,7 @@ import grpc.aio
 from llmsvc.client import channel as ch
 from llmsvc.client.client import _UNSET, ClientBase
 from llmsvc.client.errors import from_rpc_error
-from llmsvc.client.request import (build_detokenize_request, build_generate_request,
+from llmsvc.client.request import (build_detokenize_request, build_drain_request, build_generate_request,
                                    build_tokenize_request)
 from llmsvc.client.result import GenerateResult, ResultBuilder
 from llmsvc.v1 import llmsvc_pb2 as pb
@@ -131,8 +131,7 @@ class AsyncClient(ClientBase):
                     timeout: float | None = _UNSET) -> pb.DrainResponse:
         """AdminService.Drain (the client's token must be an admin token): the server begins a
         graceful shutdown; in-flight requests get grace_seconds (None: the server's own)."""
-        req = pb.DrainRequest() if grace_seconds is None else pb.DrainRequest(grace_seconds=grace_seconds)
-        return await self._unary(self.admin_stub.Drain, req, timeout)
+        return await self._unary(self.admin_stub.Drain, build_drain_request(grace_seconds), timeout)
 
     async def flush_cache(self, *, timeout: float | None = _UNSET) -> None:
         """AdminService.FlushCache (admin token): empty the prefix cache; FailedPrecondition

@@ -12,7 +12,7 @@ import grpc
 
 from llmsvc.client import channel as ch
 from llmsvc.client.errors import from_rpc_error
-from llmsvc.client.request import (build_detokenize_request, build_generate_request,
+from llmsvc.client.request import (build_detokenize_request, build_drain_request, build_generate_request,
                                    build_tokenize_request)
 from llmsvc.client.result import GenerateResult, ResultBuilder
 from llmsvc.v1 import llmsvc_pb2 as pb
@@ -158,8 +158,7 @@ class Client(ClientBase):
               timeout: float | None = _UNSET) -> pb.DrainResponse:
         """AdminService.Drain (the client's token must be an admin token): the server begins a
         graceful shutdown; in-flight requests get grace_seconds (None: the server's own)."""
-        req = pb.DrainRequest() if grace_seconds is None else pb.DrainRequest(grace_seconds=grace_seconds)
-        return self._unary(self.admin_stub.Drain, req, timeout)
+        return self._unary(self.admin_stub.Drain, build_drain_request(grace_seconds), timeout)
 
     def flush_cache(self, *, timeout: float | None = _UNSET) -> None:
         """AdminService.FlushCache (admin token): empty the prefix cache; FailedPrecondition

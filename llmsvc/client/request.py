@@ -174,3 +174,8 @@ def build_detokenize_request(token_ids: Sequence[int], *,
     if skip_special_tokens is not None:
         req.skip_special_tokens = skip_special_tokens
     return req
+
+
+def build_drain_request(grace_seconds: float | None = None) -> pb.DrainRequest:
+    """grace_seconds None: unset, so the server's --shutdown-grace applies."""
+    return pb.DrainRequest() if grace_seconds is None else pb.DrainRequest(grace_seconds=grace_seconds)

@@ -2,9 +2,9 @@
 
 It sleeps on AsyncEngine's condition while there is nothing to do (health-checking the engine
 once per `health_check_interval_s`), applies the queued commands (adds, aborts, utility
-calls), runs one engine step and posts its outputs to the event loop in one callback. With an inline engine
-core, a burst of requests that finds the engine idle is gathered before the first step
-(llmsvc/core/burst.py), as the engine-core process does for its own core.
+calls), runs one engine step and posts its outputs to the event loop in one callback. With an
+inline engine core, a burst of requests that finds the engine idle is gathered before the first
+step (llmsvc/core/burst.py), as the engine-core process does for its own core.
 
 The mixin keeps no state of its own (the burst window is a local of the thread); it uses
 AsyncEngine's engine, _cond, _commands, _stop, _loop, _stats, _dead and its event-loop
@@ -93,7 +93,7 @@ class EngineThreadMixin:
             if is_worker_failure(e):  # the engine core died: so does this loop
                 raise
         else:
-            self._post(_set_result, fut, result)
+            self._post(_set_future, fut, None, result)
 
     def _gather_burst(self, burst: BurstWindow) -> bool:
         """The engine was idle: take the rest of a burst before the first step. Returns whether
@@ -158,15 +158,10 @@ class EngineThreadMixin:
                 logger.exception("engine shutdown failed")
 
 
-def _set_future(fut: asyncio.Future, exc: BaseException | None) -> None:
+def _set_future(fut: asyncio.Future, exc: BaseException | None, result=None) -> None:
     if fut.done():
         return
     if exc is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(exc)
-
-
-def _set_result(fut: asyncio.Future, result) -> None:
-    if not fut.done():
-        fut.set_result(result)
