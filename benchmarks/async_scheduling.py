@@ -1,7 +1,7 @@
 """Async scheduling A/B on this machine, in one command (runs alternate off/on, order flipped
 each repeat, so a change in the machine's load hits both alike):
 
-    .venv/bin/python -m benchmarks.async_scheduling [--workloads W1,W2] [--repeats 3] [--dtype bfloat16]
+    .venv/bin/python -m benchmarks.async_scheduling [--workloads W1,W2] [--repeats 3] [--dtype bfloat16] [MODEL]
 
 Per workload and mode: `llmsvc bench --workload W --mode both` (offline in-process engine, then a
 gRPC server it starts) without and with --async-scheduling; then, in this process, the offline
@@ -20,22 +20,23 @@ import sys
 import tempfile
 
 
-def bench_cli(workload: str, dtype: str, on: bool) -> dict:
+def bench_cli(model: str | None, workload: str, dtype: str, on: bool) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "llmsvc", "bench", "--workload", workload, "--mode", "both",
                "--dtype", dtype, "--json", f.name] + (["--async-scheduling"] if on else [])
+        cmd += [model] if model else []
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         res = json.load(open(f.name))["workloads"][workload]
     return {"offline tok/s": res["offline"]["output_tok_s"], "gRPC tok/s": res["serve"]["output_tok_s"]}
 
 
-def host_gap(workload: str, dtype: str, on: bool) -> dict:
+def host_gap(model: str | None, workload: str, dtype: str, on: bool) -> dict:
     from llmsvc.bench.runners import run_offline
     from llmsvc.bench.workloads import arrival_offsets, build_prompts, get_workload, ordinary_vocab
     from llmsvc.config import EngineConfig
     from llmsvc.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_config(EngineConfig.from_options(dtype=dtype, async_scheduling=on,
+    engine = LLMEngine.from_config(EngineConfig.from_options(model=model, dtype=dtype, async_scheduling=on,
                                                              log_stats_interval_s=0.0))
     try:
         w = get_workload(workload)
@@ -57,6 +58,7 @@ def host_gap(workload: str, dtype: str, on: bool) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--workloads", default="W1,W2")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
@@ -66,8 +68,8 @@ def main(argv=None) -> None:
         runs = {False: [], True: []}
         for r in range(a.repeats):
             for on in ((False, True) if r % 2 == 0 else (True, False)):
-                row = {} if a.no_cli else bench_cli(workload, a.dtype, on)
-                row.update(host_gap(workload, a.dtype, on))
+                row = {} if a.no_cli else bench_cli(a.model, workload, a.dtype, on)
+                row.update(host_gap(a.model, workload, a.dtype, on))
                 runs[on].append(row)
                 print(f"{workload} repeat {r} async={on}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()),
                       flush=True)

@@ -102,6 +102,12 @@ def _abort_and_time_limit(llm: LLM, prompts, unstopped) -> None:
 def test_grpc_server_with_async_core_process_matches_offline_sync(model_dir, reference):
     """One `llmsvc serve`-like server (engine core in its own process, async scheduling) answers
     concurrent streams with the tokens synchronous offline uniproc gives."""
+    check_grpc_async_core_process(model_dir, reference, device="cpu")
+
+
+def check_grpc_async_core_process(model_dir, reference, device: str) -> None:
+    """Four concurrent greedy streams from a server whose engine core runs in its own process
+    with async scheduling on `device` give the CPU's synchronous offline tokens; no block held."""
     from concurrent.futures import ThreadPoolExecutor
 
     from llmsvc.config import EngineConfig
@@ -111,7 +117,7 @@ def test_grpc_server_with_async_core_process_matches_offline_sync(model_dir, ref
 
     prompts, _, _, unstopped = reference
     config = EngineConfig.from_options(model=model_dir, engine_core="process", async_scheduling=True,
-                                       log_stats_interval_s=0.0, **ENGINE)
+                                       device=device, log_stats_interval_s=0.0, **ENGINE)
     greedy = [0, 2, 4, 5]  # the requests with plain greedy params in the unstopped run
     with ServerThread(lambda: LLMEngine.from_config(config)) as srv:
         def call(i):

@@ -202,3 +202,47 @@ def test_cache_beyond_int32_offsets_on_cuda():
 
     check_cache_beyond_int32_offsets("cuda")
     torch.cuda.empty_cache()
+
+
+# Async scheduling on the GPU: the CPU test module's workload (chunked prefill, preemption in a
+# 36-block pool, prefix hits, stop strings and tokens, n=2 seeded sampling, max_tokens=1) and its
+# synchronous CPU outputs, as the `reference` fixture.
+from test_async_scheduling_model import ENGINE as ASYNC_ENGINE, check_grpc_async_core_process  # noqa: E402
+from test_async_scheduling_model import generate, model_dir, reference  # noqa: E402,F401 (fixtures)
+
+
+@pytest.fixture(scope="module")
+def cuda_sync(model_dir, reference):
+    from llmsvc import LLM
+
+    prompts, params, _, _ = reference
+    llm = LLM(model=model_dir, device="cuda", **ASYNC_ENGINE)
+    try:
+        return generate(llm, prompts, params)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("executor,enforce_eager", [("uniproc", False), ("uniproc", True),
+                                                    ("multiproc", False)])
+def test_async_scheduling_on_cuda_matches_sync(model_dir, reference, cuda_sync, executor, enforce_eager):
+    """CUDA-graph (and eager) decode steps under async scheduling give synchronous mode's
+    outputs on the GPU, seeded samples included; the greedy requests give the CPU's tokens."""
+    from llmsvc import LLM
+
+    prompts, params, cpu_out, _ = reference
+    llm = LLM(model=model_dir, device="cuda", executor=executor, enforce_eager=enforce_eager,
+              async_scheduling=True, **ASYNC_ENGINE)
+    try:
+        assert llm.llm_engine.core.async_scheduling
+        got = generate(llm, prompts, params)
+        assert llm.llm_engine.get_stats().num_preemptions > 0
+    finally:
+        llm.shutdown()
+    assert got == cuda_sync
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    assert [got[i] for i in greedy] == [cpu_out[i] for i in greedy]
+
+
+def test_grpc_async_core_process_on_cuda(model_dir, reference):
+    check_grpc_async_core_process(model_dir, reference, device="cuda")
