@@ -128,6 +128,18 @@ def test_no_compiler_falls_back_with_a_warning(tmp_path):
     assert "CPU kernels unavailable" in r.stderr
 
 
+def test_ops_on_other_devices_never_load_the_cpu_library(tmp_path):
+    """A GPU's ops (greedy argmax on fp32 logits, norms, the attention and packing checks) must
+    not build or load the native library; 'meta' tensors stand in for CUDA ones."""
+    r = _run_python("import torch; from kernels import ops; from kernels.cpu_ops import attention, build, "
+                    "elementwise, linear; x = torch.empty(4, 64, device='meta');"
+                    "ops.argmax_rows(x); ops.rms_norm(x, torch.empty(64, device='meta'), 1e-6);"
+                    "print(elementwise.supports(x), attention.supports(x, x), linear.pack(x), build._tried)",
+                    LLMSVC_CACHE=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "False", "None", "False"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 3, 16, 64, 200, 300, 1024])
 @pytest.mark.parametrize("with_bias", [False, True])

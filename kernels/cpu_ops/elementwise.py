@@ -12,10 +12,11 @@ from kernels.cpu_ops.build import DTYPE_CODES as _DTYPES, as_c_array, load
 
 def supports(*tensors: torch.Tensor) -> bool:
     """CPU tensors of one dtype (fp32 / bf16), contiguous in the last dim, kernels built.
-    On every op call, so kept to plain attribute checks."""
+    On every op call, so kept to plain attribute checks. The device is checked before
+    `load()`, so a GPU's ops (its greedy argmax on fp32 logits) never build the CPU library."""
     t0 = tensors[0]
     dt = t0.dtype
-    if dt not in _DTYPES or t0.dim() != 2 or load() is None:
+    if not t0.is_cpu or dt not in _DTYPES or t0.dim() != 2 or load() is None:
         return False
     for t in tensors:
         if t.dtype != dt or not t.is_cpu or t.stride(-1) != 1:
