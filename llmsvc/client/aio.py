@@ -74,14 +74,16 @@ class AsyncGenerateStream:
 
 
 class AsyncClient(ClientBase):
-    """Client over a grpc.aio channel; create it inside the event loop that uses it."""
+    """Client over a grpc.aio channel; create it inside the event loop that uses it.
+    max_retries: as Client's."""
 
     def __init__(self, target: str, *, timeout: float | None = None, credentials: ch.Credentials = None,
                  token: str | None = None, compression: grpc.Compression | str | None = None,
-                 metadata: Sequence[tuple[str, str]] = (), options: Sequence[tuple[str, Any]] = ()):
+                 metadata: Sequence[tuple[str, str]] = (), options: Sequence[tuple[str, Any]] = (),
+                 max_retries: int = 0):
         super().__init__(target, timeout=timeout, credentials=credentials, token=token,
                          compression=compression, metadata=metadata)
-        opts = (*ch.CHANNEL_OPTIONS, *options)
+        opts = ch.channel_options(max_retries, options)
         if self._creds is None:
             self._channel = grpc.aio.insecure_channel(target, options=opts)
         else:

@@ -6,8 +6,10 @@ calls and during a long silent prefill.
 """
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -24,7 +26,33 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.http2.max_pings_without_data", 0),  # a long prefill sends no data for a while
 )
 
+MAX_RETRIES = 4  # gRPC caps a retry policy at 5 attempts
+RETRYABLE_CODES = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
+
 Credentials = grpc.ChannelCredentials | bytes | str | bool | None
+
+
+def retry_service_config(max_retries: int) -> str:
+    """gRPC's service config (JSON) retrying every LlmService call up to `max_retries` times on
+    UNAVAILABLE and RESOURCE_EXHAUSTED (gRFC A6). gRPC retries only until response headers
+    arrive, and the server sends a Generate's headers once the engine took the request, so a
+    refused call is retried and a started stream never is. The wait before an attempt is the
+    server's pushback (its RetryInfo delay, sent again as grpc-retry-pushback-ms), else an
+    exponential backoff from 0.5 s (randomised by gRPC, at most 5 s)."""
+    if not 0 <= max_retries <= MAX_RETRIES:
+        raise ValueError(f"max_retries must be in [0, {MAX_RETRIES}], got {max_retries}")
+    policy = {"maxAttempts": max_retries + 1, "initialBackoff": "0.5s", "maxBackoff": "5s",
+              "backoffMultiplier": 2, "retryableStatusCodes": list(RETRYABLE_CODES)}
+    return json.dumps({"methodConfig": [{"name": [{"service": "llmsvc.v1.LlmService"}],
+                                         "retryPolicy": policy}]})
+
+
+def channel_options(max_retries: int = 0, extra: Sequence[tuple[str, Any]] = ()) -> tuple[tuple[str, Any], ...]:
+    """The client's channel options: CHANNEL_OPTIONS, the retry policy when max_retries > 0,
+    then the caller's own (which win, being last)."""
+    config = retry_service_config(max_retries)  # raises on a bad count, also for 0
+    retry = (("grpc.enable_retries", 1), ("grpc.service_config", config)) if max_retries else ()
+    return (*CHANNEL_OPTIONS, *retry, *extra)
 
 
 def channel_credentials(credentials: Credentials) -> grpc.ChannelCredentials | None:

@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", default=None, help="system message (with --chat)")
     parser.add_argument("--json", action="store_true", help="machine-readable JSON output")
     parser.add_argument("--request-id", default=None, help="request id (default: made by the server)")
+    parser.add_argument("--max-retries", type=int, default=0, metavar="N",
+                        help="retry up to N (0-4) times, after the server's delay, when it refuses the call "
+                             "before starting it: queue full, loading, draining (default: 0)")
     for name, typ, help_ in _FIELD_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
     parser.add_argument("--stop", action="append", default=None, metavar="S",
@@ -125,7 +128,8 @@ def main(args: argparse.Namespace) -> int:
         args.prompt = sys.stdin.read()
     try:
         kwargs = request_kwargs(args)
-        with Client(args.server, timeout=args.timeout, credentials=credentials_from_args(args), token=args.token) as client:
+        with Client(args.server, timeout=args.timeout, credentials=credentials_from_args(args), token=args.token,
+                    max_retries=args.max_retries) as client:
             _run(client, args, kwargs, sys.stdout)
     except LlmsvcError as err:
         print_error("llmsvc generate", err)

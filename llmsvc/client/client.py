@@ -100,14 +100,19 @@ class GenerateStream:
 
 
 class Client(ClientBase):
-    """Blocking client over one grpc channel. Use as a context manager or call close()."""
+    """Blocking client over one grpc channel. Use as a context manager or call close().
+
+    max_retries (0-4, default 0): retry a call that the server refused before starting it
+    (UNAVAILABLE: loading or draining; RESOURCE_EXHAUSTED: queue full) after the delay the
+    server asked for; a stream that has started is never retried (channel.retry_service_config)."""
 
     def __init__(self, target: str, *, timeout: float | None = None, credentials: ch.Credentials = None,
                  token: str | None = None, compression: grpc.Compression | str | None = None,
-                 metadata: Sequence[tuple[str, str]] = (), options: Sequence[tuple[str, Any]] = ()):
+                 metadata: Sequence[tuple[str, str]] = (), options: Sequence[tuple[str, Any]] = (),
+                 max_retries: int = 0):
         super().__init__(target, timeout=timeout, credentials=credentials, token=token,
                          compression=compression, metadata=metadata)
-        opts = (*ch.CHANNEL_OPTIONS, *options)
+        opts = ch.channel_options(max_retries, options)
         if self._creds is None:
             self._channel = grpc.insecure_channel(target, options=opts)
         else:

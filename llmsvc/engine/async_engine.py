@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from llmsvc.core.errors import DuplicateRequestError, QueueFullError
 from llmsvc.engine.engine_thread import EngineThreadMixin
@@ -138,8 +138,14 @@ class AsyncEngine(EngineThreadMixin):
 
     # ---- requests ----------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       *, prompt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       *, prompt: str | None = None, priority: int = 0,
+                       on_admitted: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs (DELTA kind; coalesced when read slowly).
+
+        `on_admitted` is awaited once the engine has taken the request (before its prefill and
+        any structured-output compile wait): the server sends its response headers there, so
+        every refusal before it (queue full, draining, duplicate id) is a headers-free status
+        that gRPC's retry policy may retry.
 
         Raises on the first iteration: DuplicateRequestError, QueueFullError (llmsvc.core.errors), EngineDeadError,
         EngineStoppedError, or whatever the engine's add_request raised (validation), or
@@ -165,6 +171,12 @@ class AsyncEngine(EngineThreadMixin):
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
             raise
+        if on_admitted is not None:
+            try:
+                await on_admitted()
+            except BaseException:
+                self._abort_stream(stream, "client went away")
+                raise
         if compiled is not None:
             try:
                 await self._wait_compiled(compiled, params)

@@ -54,7 +54,12 @@ class ServiceError(Exception):
             a = any_pb2.Any()
             a.Pack(d)
             packed.append(a)
-        return rpc_status.to_status(status_pb2.Status(code=self.code.value[0], message=self.message, details=packed))
+        status = rpc_status.to_status(status_pb2.Status(code=self.code.value[0], message=self.message, details=packed))
+        if self.retry_delay_s is None:
+            return status
+        # the same delay where gRPC's own retry policy reads it (gRFC A6 server pushback)
+        pushback = (("grpc-retry-pushback-ms", str(round(self.retry_delay_s * 1000))),)
+        return status._replace(trailing_metadata=(*status.trailing_metadata, *pushback))
 
 
 def invalid(field: str, message: str, reason: str = "INVALID_ARGUMENT", **metadata) -> ServiceError:

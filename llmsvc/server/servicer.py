@@ -121,11 +121,13 @@ class LlmService(pb_grpc.LlmServiceServicer):
             params = build_sampling_params(request, self.limits)
             prompt, ids = await off_loop_if_large(request, resolve_prompt, request, self.tokenizer, self.limits)
             check_prompt_fits(params, len(ids), self.limits)
-            await context.send_initial_metadata((("x-request-id", rid),))
             builder = ResponseBuilder(rid, request, params, self.config.model_config.eos_token_ids, self.tokenizer)
             logger.debug("request %s admitted: %d prompt tokens, traceparent=%s", rid, len(ids),
                          dict(context.invocation_metadata() or ()).get("traceparent"))
-            gen = self.engine.generate(rid, ids, params, prompt=prompt, priority=request.priority)
+            # headers (the id, before prefill) once the engine took it: a refusal before then
+            # is headers-free, so a client's retry policy can retry it (gRFC A6)
+            gen = self.engine.generate(rid, ids, params, prompt=prompt, priority=request.priority,
+                                       on_admitted=lambda: context.send_initial_metadata((("x-request-id", rid),)))
             tracker = self.metrics.track(params.n, dict(request.labels)) if self.metrics is not None else None
             try:
                 if request.stream:
