@@ -110,6 +110,7 @@ class EngineConfig:
     log_stats_interval_s: float = 10.0
     max_stop_strings: int = 64
     max_n: int = 16
+    max_logprobs: int = 20  # largest `logprobs` / `prompt_logprobs` a request may ask for
     # structured output: a constraint whose grammar takes longer to compile fails (INVALID_ARGUMENT)
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 256  # compiled grammars kept, by (kind, spec), least recently used out

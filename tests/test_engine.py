@@ -83,6 +83,17 @@ def test_validation_errors(tok):
     run_all(engine)
 
 
+def test_max_logprobs_bounds_logprobs_and_prompt_logprobs(tok):
+    engine, _ = make_engine(tok)
+    engine.config.max_logprobs = 3
+    engine.add_request("ok", [1, 2], SamplingParams(max_tokens=1, logprobs=3, prompt_logprobs=3))
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(InvalidRequestError, match=r"\[0, 3\]") as ei:
+            engine.add_request(f"big-{field}", [1, 2], SamplingParams(max_tokens=1, **{field: 4}))
+        assert ei.value.field == field
+    assert list(run_all(engine)) == ["ok"]
+
+
 def test_offline_engine_has_no_waiting_cap(tok):
     # max_waiting_requests is the serving front end's admission cap (AsyncEngine, tested there):
     # an offline generate queues every prompt it is given

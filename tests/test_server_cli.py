@@ -12,6 +12,7 @@ import pytest
 
 from llmsvc.server import cli
 from llmsvc.server.app import BindError, LlmServer
+from llmsvc.server.validation import ModelLimits
 from tests.server_harness import fake_engine_factory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,6 +78,12 @@ def test_flags_and_env(monkeypatch):
     for bad in ("0", "1.5", "nan"):
         with pytest.raises(SystemExit):
             parse(["--gpu-memory-utilization", bad])
+    assert d.max_logprobs == 20
+    c = cli.build_config(parse(["--max-logprobs", "5"]))
+    assert c.max_logprobs == 5 and ModelLimits.from_config(c).max_logprobs == 5
+    assert cli.build_config(parse([], monkeypatch, {"LLMSVC_MAX_LOGPROBS": "0"})).max_logprobs == 0
+    with pytest.raises(SystemExit):
+        parse(["--max-logprobs", "-1"])
 
 
 def test_engine_core_flag_env_and_executor_auto(monkeypatch):

@@ -104,7 +104,7 @@ class LLMEngine:
         max_len, context = self.max_model_len, self.config.model_config.max_model_len
         pool_bound = context is not None and max_len < context
         return RequestLimits(vocab_size=self.vocab_size, max_len=max_len, max_n=self.config.max_n,
-                             max_stop_strings=self.config.max_stop_strings,
+                             max_stop_strings=self.config.max_stop_strings, max_logprobs=self.config.max_logprobs,
                              max_len_source="the KV cache pool" if pool_bound else "the maximum context length")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

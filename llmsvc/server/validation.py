@@ -41,7 +41,7 @@ class ModelLimits:
     def from_config(cls, config) -> "ModelLimits":
         mc = config.model_config
         return cls(vocab_size=mc.vocab_size, max_model_len=mc.max_model_len, max_n=config.max_n,
-                   max_stop_strings=config.max_stop_strings,
+                   max_stop_strings=config.max_stop_strings, max_logprobs=config.max_logprobs,
                    generation_defaults=dict(mc.generation_defaults or {}),
                    supported_constraints=served_constraints())
 
