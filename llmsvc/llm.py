@@ -48,7 +48,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (a str, a list of token ids, or vLLM's prompt dicts
-        {"prompt": str} / {"prompt_token_ids": [int, ...]}); outputs in input order."""
+        {"prompt": str} / {"prompt_token_ids": [int, ...]}, either with an optional "cache_salt");
+        outputs in input order."""
         if (isinstance(prompts, (str, dict))
                 or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))):
             prompts = [prompts]
@@ -71,7 +72,8 @@ class LLM:
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 rid = str(next(self._counter))
                 engine.add_request(rid, token_ids, params, prompt=text,
-                                   priority=0 if priority is None else priority[i])
+                                   priority=0 if priority is None else priority[i],
+                                   cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None)
                 ids.append(rid)
             return self._run(ids, use_tqdm)
         except BaseException:

@@ -167,3 +167,24 @@ def test_same_block_content_after_a_different_prefix_is_not_a_hit():
     assert kv.get_computed_blocks(c) == ([], 0)
     d = mkreq("d", P + Q + Y + [7])
     assert kv.get_computed_blocks(d)[1] == 12  # the whole chain still hits
+
+
+def test_cache_salt_separates_prefix_groups():
+    """Blocks are shared only within one salt; no salt is a group of its own."""
+    kv = KVCacheManager(32, 4)
+    tokens = list(range(12))
+    owner = Request("owner", tokens, SamplingParams(), cache_salt="tenant-a")
+    kv.allocate_slots(owner, 12)
+    for rid, salt, expect in (("same", "tenant-a", 8), ("other", "tenant-b", 0), ("none", None, 0)):
+        hits, n = kv.get_computed_blocks(Request(rid, tokens, SamplingParams(), cache_salt=salt))
+        assert n == expect, (rid, n)
+        assert hits == kv.get_block_ids("owner")[:expect // 4]
+    plain = mkreq("plain", tokens)
+    kv.allocate_slots(plain, 12)
+    assert kv.get_computed_blocks(mkreq("plain2", tokens))[1] == 8
+    assert kv.get_computed_blocks(Request("s", tokens, SamplingParams(), cache_salt="tenant-b"))[1] == 0
+    # the salt reaches every block through the chain, not only the first
+    assert owner.block_hashes[2] != plain.block_hashes[2]
+    kv.free(owner)
+    kv.free(plain)
+    kv.check_invariants()

@@ -1,7 +1,9 @@
 """KVCacheManager: which blocks each request holds, prefix-cache lookups, slot allocation.
 
 Block hashes are chained: hash(block i) = sha256(hash(block i-1) || token ids of block i), so a
-hit on block i implies the whole prefix up to it matches. Only full blocks are hashed.
+hit on block i implies the whole prefix up to it matches. Only full blocks are hashed. Block 0's
+parent is the request's salt hash (`cache_salt`; NONE_HASH without one), so requests share
+cached blocks only within one salt.
 
 Blocks are registered in the prefix cache when they are allocated for a step that fills them
 (as vLLM does): another request scheduled in the same step may reuse them, which is sound because
@@ -24,6 +26,13 @@ from llmsvc.core.block_pool import BlockPool
 from llmsvc.core.request import Request
 
 NONE_HASH = b"\x00" * 32
+
+
+def salt_hash(cache_salt: str | None) -> bytes | None:
+    """The parent hash of a salted request's first block (None: unsalted)."""
+    if not cache_salt:
+        return None
+    return hashlib.sha256(b"llmsvc cache_salt\0" + cache_salt.encode()).digest()
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids) -> bytes:
@@ -84,7 +93,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         hashes = request.block_hashes
         for i in range(len(hashes), request.num_known_tokens // bs):
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            parent = hashes[-1] if hashes else salt_hash(request.cache_salt)
+            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
 
     # ---- lookups and allocation ------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

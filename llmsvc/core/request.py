@@ -63,6 +63,7 @@ class Request:
         eos_token_ids: list[int] | tuple[int, ...] = (),
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -70,6 +71,7 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.arrival_time = time.time() if arrival_time is None else arrival_time  # wall clock
         self.priority = priority  # lower value = scheduled sooner (priority policy)
+        self.cache_salt = cache_salt or None  # prefix-cache group (KVCacheManager hashes it into block 0)
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -138,7 +138,7 @@ class AsyncEngine(EngineThreadMixin):
 
     # ---- requests ----------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       *, prompt: str | None = None, priority: int = 0,
+                       *, prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
                        on_admitted: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs (DELTA kind; coalesced when read slowly).
 
@@ -160,7 +160,7 @@ class AsyncEngine(EngineThreadMixin):
         params.output_kind = RequestOutputKind.DELTA
         fut = self._loop.create_future()
         self._send(("add", dict(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                                params=params, prompt=prompt, priority=priority,
+                                params=params, prompt=prompt, priority=priority, cache_salt=cache_salt,
                                 arrival_time=time.time()), fut))
         try:
             await fut

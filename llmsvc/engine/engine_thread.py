@@ -72,7 +72,8 @@ class EngineThreadMixin:
             _, kw, fut = cmd
             try:
                 engine.add_request(kw["request_id"], kw["prompt_token_ids"], kw["params"],
-                                   prompt=kw["prompt"], priority=kw["priority"], arrival_time=kw["arrival_time"])
+                                   prompt=kw["prompt"], priority=kw["priority"], arrival_time=kw["arrival_time"],
+                                   cache_salt=kw.get("cache_salt"))
             except Exception as e:  # validation: goes back to the caller
                 if is_worker_failure(e):  # the engine core died (seen on the send): all fail
                     self._post(_set_future, fut, EngineDeadError(f"engine loop died: {e}"))

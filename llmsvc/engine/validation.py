@@ -96,6 +96,20 @@ def check_prompt_fits(num_prompt_tokens: int, params: SamplingParams, limits: Re
             f"max_model_len ({L}); lower max_tokens to <= {L - num_prompt_tokens} or leave it unset")
 
 
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(cache_salt: str | None) -> None:
+    """None (no salt), or a non-empty str of at most MAX_CACHE_SALT_CHARS characters."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise InvalidRequestError("cache_salt", "must be a non-empty string when set")
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError("cache_salt", f"must be at most {MAX_CACHE_SALT_CHARS} characters, "
+                                  f"got {len(cache_salt)}")
+
+
 def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:
     """Every rule: what the engine checks when a request is added."""
     check_sampling_params(params, limits)

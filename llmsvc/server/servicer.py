@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from llmsvc.engine.output_stream import merge_delta
+from llmsvc.engine.validation import check_cache_salt
 from llmsvc.server import errors
 from llmsvc.server.logging_setup import request_id_var, request_labels_var
 from llmsvc.server.prompt import encode, has_chat_template, render_chat
@@ -118,6 +119,8 @@ class LlmService(pb_grpc.LlmServiceServicer):
             if remaining is not None and remaining <= 0:
                 raise errors.ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline expired before admission")
             check_labels(request.labels)
+            cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+            check_cache_salt(cache_salt)
             params = build_sampling_params(request, self.limits)
             prompt, ids = await off_loop_if_large(request, resolve_prompt, request, self.tokenizer, self.limits)
             check_prompt_fits(params, len(ids), self.limits)
@@ -127,6 +130,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
             # headers (the id, before prefill) once the engine took it: a refusal before then
             # is headers-free, so a client's retry policy can retry it (gRFC A6)
             gen = self.engine.generate(rid, ids, params, prompt=prompt, priority=request.priority,
+                                       cache_salt=cache_salt,
                                        on_admitted=lambda: context.send_initial_metadata((("x-request-id", rid),)))
             tracker = self.metrics.track(params.n, dict(request.labels)) if self.metrics is not None else None
             try:
