@@ -24,7 +24,8 @@ HISTOGRAMS = ["llmsvc_time_to_first_token_seconds", "llmsvc_time_per_output_toke
 GAUGES = ["llmsvc_num_requests_running", "llmsvc_num_requests_waiting", "llmsvc_kv_cache_usage_perc",
           "llmsvc_prefix_cache_hit_rate", "llmsvc_num_kv_blocks", "llmsvc_num_free_kv_blocks",
           "llmsvc_server_ready", "llmsvc_server_draining", "llmsvc_engine_healthy"]
-COUNTERS = ["llmsvc_prompt_tokens_total", "llmsvc_generation_tokens_total", "llmsvc_num_preemptions_total"]
+COUNTERS = ["llmsvc_prompt_tokens_total", "llmsvc_generation_tokens_total", "llmsvc_num_preemptions_total",
+            "llmsvc_prefix_cache_queries_total", "llmsvc_prefix_cache_hits_total"]
 
 
 def scrape(port: int) -> dict:
@@ -156,9 +157,16 @@ def test_preemptions_and_prefix_cache_hits_are_counted():
         assert val(scrape(port), "llmsvc_num_preemptions_total") > 0
 
         prompt = "prefix cache hit"  # 16 tokens: 4 full blocks to share
-        for _ in range(2):
-            list(s.stub.Generate(gen(prompt, 1, stream=False)))
-        assert val(scrape(port), "llmsvc_prefix_cache_hit_rate") > 0
+        list(s.stub.Generate(gen(prompt, 1, stream=False)))
+        before = scrape(port)
+        list(s.stub.Generate(gen(prompt, 1, stream=False)))
+        after = scrape(port)
+        assert val(after, "llmsvc_prefix_cache_hit_rate") > 0
+
+        def delta(name):
+            return val(after, name) - val(before, name)
+        # 3 of the 4 full blocks (the last prompt token is always computed) of 16 looked up
+        assert (delta("llmsvc_prefix_cache_hits_total"), delta("llmsvc_prefix_cache_queries_total")) == (12, 16)
     finally:
         s.stop()
 

@@ -13,9 +13,10 @@ Series (all `llmsvc_`):
   key has seen MAX_LABEL_VALUES distinct values, so the number of series stays bounded.
 - engine (sampled on scrape from AsyncEngine.get_stats(), which never blocks on the engine
   thread): num_requests_running / num_requests_waiting / kv_cache_usage_perc (0..1) /
-  prefix_cache_hit_rate (0..1) / num_kv_blocks / num_free_kv_blocks gauges; prompt_tokens_total,
-  generation_tokens_total, num_preemptions_total counters; server_ready, server_draining,
-  engine_healthy gauges.
+  prefix_cache_hit_rate (0..1, since start) / num_kv_blocks / num_free_kv_blocks gauges;
+  prompt_tokens_total, generation_tokens_total, num_preemptions_total, prefix_cache_queries_total
+  and prefix_cache_hits_total (prompt tokens looked up / found; rate() of their ratio is the hit
+  rate over any window, as vLLM's) counters; server_ready, server_draining, engine_healthy gauges.
 """
 from __future__ import annotations
 
@@ -215,7 +216,10 @@ class EngineCollector(Collector):
             yield GaugeMetricFamily("llmsvc_" + name, doc, value=float(value))
         counters = (("prompt_tokens", "Prompt tokens processed", s.prompt_tokens_total),
                     ("generation_tokens", "Tokens generated", s.generation_tokens_total),
-                    ("num_preemptions", "Requests preempted (KV cache full)", s.num_preemptions))
+                    ("num_preemptions", "Requests preempted (KV cache full)", s.num_preemptions),
+                    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                     s.extra.get("prefix_cache_queries", 0)),
+                    ("prefix_cache_hits", "Prompt tokens found in the prefix cache", s.extra.get("prefix_cache_hits", 0)))
         for name, doc, value in counters:
             yield CounterMetricFamily("llmsvc_" + name, doc, value=float(value))
 
