@@ -107,6 +107,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled; None: every token
     time_limit_ms: int | None = None  # graceful: finish "time_limit", output kept
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stream_interval: int | None = None  # tokens per streamed output; raised to the engine's
@@ -117,6 +118,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self.verify()
@@ -170,6 +173,11 @@ class SamplingParams:
             bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
         if self.time_limit_ms is not None and self.time_limit_ms < 0:
             bad("time_limit_ms", f"must be >= 0, got {self.time_limit_ms}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids", "must not be empty when set")
+            if any(t < 0 for t in self.allowed_token_ids):
+                bad("allowed_token_ids", "token ids must be >= 0")
         if self.logit_bias:
             for tok, b in self.logit_bias.items():
                 if tok < 0:

@@ -267,6 +267,26 @@ def test_logit_bias_added_before_sampling():
     assert set(s.tolist()) == {V - 2, V - 1}
 
 
+def test_allowed_token_ids_restrict_greedy_and_random_rows_only():
+    logits = row_logits(3).unsqueeze(0).repeat(3, 1)  # [3, V]
+    allowed = [5, 11, 30]
+    best_allowed = max(allowed, key=lambda t: logits[0, t].item())
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, allowed_token_ids=(2,), logprobs=2)]
+    md = build(params)
+    out = Sampler()(logits, md)
+    assert out.sampled_token_ids.tolist() == [best_allowed, logits[1].argmax().item(), 2]
+    # raw logprobs: the model's distribution, not the masked one
+    assert out.logprobs[2].logprob == pytest.approx(torch.log_softmax(logits[2], -1)[2].item(), abs=1e-5)
+    s = draw(torch.zeros(V), SamplingParams(allowed_token_ids=allowed, temperature=1.5, top_p=0.9,
+                                            repetition_penalty=1.3), 600)
+    assert set(s.tolist()) == set(allowed)
+    for bad in ([], [-1]):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+
+
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     eos, stop = 7, 8
     logits = torch.zeros(1, V)

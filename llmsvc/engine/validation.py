@@ -61,6 +61,9 @@ def check_sampling_params(params: SamplingParams, limits: RequestLimits) -> None
         for tok in params.logit_bias or {}:
             if tok >= vocab:
                 raise InvalidRequestError("logit_bias", f"token id {tok} is out of range [0, {vocab})")
+        for i, tok in enumerate(params.allowed_token_ids or ()):
+            if tok >= vocab:
+                raise InvalidRequestError(f"allowed_token_ids[{i}]", f"token id {tok} is out of range [0, {vocab})")
     L = limits.max_len
     if params.max_tokens is not None and params.max_tokens >= L:
         raise InvalidRequestError("max_tokens", f"must be < max_model_len ({L}), got {params.max_tokens}")

@@ -1,7 +1,8 @@
 """Sampler: one batched call per step turns logits [S, V] into one token per row.
 
 Order of operations (as vLLM v1):
-    1. logit_bias (additive)                       -- rows with a bias
+    1. allowed_token_ids: the others -> -inf       -- rows that set it
+       logit_bias (additive)                       -- rows with a bias
     2. min_tokens: EOS / stop_token_ids -> -inf    -- rows with len(output) < min_tokens
     3. penalties                                   -- rows with a non-neutral penalty
          repetition: tokens seen in prompt OR output: logit > 0 -> logit / r, else logit * r
@@ -74,7 +75,7 @@ class Sampler:
             raw_lp = torch.log_softmax(_take(logits, lp_rows).float(), dim=-1)
 
         if md.all_greedy and md.penalties is None and md.bias_rows is None \
-                and md.mask_rows is None:  # plain greedy: nothing to process
+                and md.mask_rows is None and md.allowed_rows is None:  # plain greedy: nothing to process
             sampled = ops.argmax_rows(logits)
             processed = logits
         else:
@@ -134,7 +135,11 @@ def _put(logits: torch.Tensor, rows: torch.Tensor, sub: torch.Tensor) -> None:
 
 
 def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> None:
-    """In place on logits [S, V]: logit bias, min_tokens masking, penalties."""
+    """In place on logits [S, V]: allowed_token_ids, logit bias, min_tokens masking, penalties."""
+    if md.allowed_rows is not None:
+        sub = _take(logits, md.allowed_rows)  # [A, V]
+        sub.masked_fill_(md.disallowed, _NEG_INF)
+        _put(logits, md.allowed_rows, sub)
     if md.bias_rows is not None:
         logits.index_put_((md.bias_rows, md.bias_tokens), md.bias_values, accumulate=True)
     if md.mask_rows is not None:

@@ -71,6 +71,8 @@ class SamplingMetadata:
     bias_values: torch.Tensor | None  # [B] float32
     mask_rows: torch.Tensor | None  # [M] long; min_tokens: (row, token) set to -inf
     mask_tokens: torch.Tensor | None  # [M] long
+    allowed_rows: torch.Tensor | None  # [A] long; rows with allowed_token_ids
+    disallowed: torch.Tensor | None  # [A, V] bool; True where allowed_rows[i] may not sample
 
     # --- randomness ------------------------------------------------------------------
     generators: dict[int, torch.Generator]  # row -> generator, seeded random rows only
@@ -157,6 +159,15 @@ class SamplingMetadata:
                 m_toks.extend(sorted(banned))
                 m_rows.extend([i] * len(banned))
 
+        a_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        disallowed = None
+        if a_rows:
+            disallowed = torch.ones((len(a_rows), V), dtype=torch.bool, device=device)
+            pairs = [(j, t) for j, i in enumerate(a_rows) for t in params[i].allowed_token_ids if 0 <= t < V]
+            if pairs:
+                rows_t, toks_t = zip(*pairs)
+                disallowed[torch.tensor(rows_t, device=device), torch.tensor(toks_t, device=device)] = False
+
         gens: dict[int, torch.Generator] = {}
         for i in random_rows:
             if params[i].seed is not None:
@@ -189,6 +200,7 @@ class SamplingMetadata:
             bias_rows=lt(b_rows), bias_tokens=lt(b_toks),
             bias_values=ft(b_vals),
             mask_rows=lt(m_rows), mask_tokens=lt(m_toks),
+            allowed_rows=lt(a_rows), disallowed=disallowed,
             generators=gens, generator=generator,
             num_logprobs=num_logprobs, max_num_logprobs=max(asked) if asked else None,
         )
