@@ -134,11 +134,12 @@ def test_api_md_rules():
     admin = d.services_by_name["AdminService"]  # apart, so its authorization differs
     assert {m.name: m.server_streaming for m in admin.methods} == {"Drain": False, "FlushCache": False}
     assert d.message_types_by_name["DrainRequest"].fields_by_name["grace_seconds"].has_presence
-    # every tunable is optional (explicit presence) so zero never silently changes sampling
+    # every tunable is optional (explicit presence) so zero never silently changes sampling;
+    # a repeated field's zero value, the empty list, means "no restriction"
     sampling = d.message_types_by_name["SamplingParams"]
     for f in sampling.fields:
         if f.containing_oneof is None or f.containing_oneof.name != "constraint":
-            assert f.has_presence or f.message_type is not None, f.name
+            assert f.has_presence or f.message_type is not None or f.is_repeated, f.name
     assert d.message_types_by_name["StoppingCriteria"].fields_by_name["max_tokens"].has_presence
     req = d.message_types_by_name["GenerateRequest"]
     assert [o.name for o in req.oneofs if not o.name.startswith("_")] == ["prompt"]
