@@ -40,6 +40,10 @@ class ModelConfig:
     seed: int = 0
     chat_template: str | None = None  # Jinja text or a file of it, replacing the model's; resolved to the text
     enforce_eager: bool = False  # CUDA: never capture decode steps in CUDA graphs
+    # where unset sampling fields take their defaults: "auto" (the model's generation_config.json),
+    # "vllm" (none: the neutral values), or a directory holding a generation_config.json / a JSON file
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None  # e.g. {"temperature": 0.5}, over the above
     # resolved (filled by resolve_model_config; never set by users)
     model_source: str = ""  # `model` as given, or the default GGUF's path: what GetModelInfo.model_id names
     model_dir: str | None = None  # HF-style directory: config.json, *.safetensors, tokenizer files

@@ -83,6 +83,36 @@ def test_hf_directory_resolution(tmp_path):
     assert mc.max_model_len == 256
 
 
+def test_generation_config_source_and_override(tmp_path):
+    """--generation-config auto | vllm | a path, and --override-generation-config on top; the
+    model's eos ids stay whatever the sampling defaults' source."""
+    d = make_tiny_model_dir(tmp_path, "llama")
+    with open(os.path.join(d, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2, 7], "temperature": 0.7, "top_p": 0.8}, f)
+    other = tmp_path / "gen"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 5}))
+
+    def resolved(**kw):
+        mc = resolve_model_config(ModelConfig(model=d, **kw))
+        assert mc.eos_token_ids == [2, 7]
+        return mc.generation_defaults
+
+    assert resolved() == {"temperature": 0.7, "top_p": 0.8}
+    assert resolved(generation_config="vllm") == {}
+    assert resolved(generation_config=str(other)) == {"temperature": 0.3, "top_k": 5}
+    assert resolved(generation_config=str(other / "generation_config.json")) == {"temperature": 0.3, "top_k": 5}
+    assert resolved(override_generation_config={"temperature": 0.0, "max_new_tokens": 12}) == {
+        "temperature": 0.0, "top_p": 0.8, "max_tokens": 12}
+    assert resolved(generation_config="vllm", override_generation_config={"min_p": 0.1}) == {"min_p": 0.1}
+    for kw, match in ((dict(generation_config=str(tmp_path / "none")), "no such file"),
+                      (dict(override_generation_config={"do_sample": True}), "not one of"),
+                      (dict(override_generation_config={"top_p": "high"}), "must be a number"),
+                      (dict(override_generation_config={"top_p": 1.5}), "top_p")):
+        with pytest.raises(ValueError, match=match):
+            resolved(**kw)
+
+
 def test_dtype_auto_is_the_checkpoints_own(tmp_path):
     """--dtype auto (the default): config.json's dtype, else the weights' most common float
     dtype; float16 runs as bfloat16 unless the device is configured as cuda (the CPU kernels

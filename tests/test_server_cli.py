@@ -79,6 +79,12 @@ def test_flags_and_env(monkeypatch):
         with pytest.raises(SystemExit):
             parse(["--gpu-memory-utilization", bad])
     assert d.max_logprobs == 20
+    assert (d.model_config.generation_config, d.model_config.override_generation_config) == ("auto", None)
+    c = cli.build_config(parse(["--generation-config", "vllm", "--override-generation-config", '{"top_k": 8}']))
+    assert (c.model_config.generation_config, c.model_config.override_generation_config) == ("vllm", {"top_k": 8})
+    for bad in ("{oops", "[1]"):
+        with pytest.raises(SystemExit):
+            parse(["--override-generation-config", bad])
     c = cli.build_config(parse(["--max-logprobs", "5"]))
     assert c.max_logprobs == 5 and ModelLimits.from_config(c).max_logprobs == 5
     assert cli.build_config(parse([], monkeypatch, {"LLMSVC_MAX_LOGPROBS": "0"})).max_logprobs == 0

@@ -227,6 +227,41 @@ def resolve_dtype(requested: str, model_dir: str, device: str = "auto") -> str:
     return "bfloat16" if dtype == "float16" and device != "cuda" else dtype
 
 
+def generation_defaults(model_gen: dict, source: str = "auto", override: dict | None = None) -> dict:
+    """The sampling defaults of unset request fields: from the model's generation_config.json
+    (`source` "auto"), none ("vllm"), or another generation_config (a directory or a JSON
+    file), then `override`'s keys on top. max_new_tokens becomes max_tokens. ValueError for a
+    missing source or an override key or value that is not a sampling default."""
+    if source == "auto":
+        gen = model_gen
+    elif source == "vllm":
+        gen = {}
+    else:
+        path = os.path.join(source, "generation_config.json") if os.path.isdir(source) else source
+        if not os.path.isfile(path):
+            raise ValueError(f"generation config {source!r}: no such file or directory with a "
+                             "generation_config.json (use auto, vllm, or a path)")
+        gen = _read_json(path)
+    keys = _GENERATION_DEFAULT_KEYS + ("max_new_tokens",)
+    for k, v in (override or {}).items():
+        if k not in keys:
+            raise ValueError(f"override generation config: {k!r} is not one of {', '.join(keys)}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"override generation config: {k} must be a number, got {v!r}")
+    if override:  # out-of-range values fail here, not in every request
+        from llmsvc.sampling_params import SamplingParams
+        try:
+            SamplingParams(**{k: v for k, v in override.items() if k != "max_new_tokens"},
+                           max_tokens=override.get("max_new_tokens", 16))
+        except ValueError as e:
+            raise ValueError(f"override generation config: {e}") from None
+    gen = {**gen, **(override or {})}
+    defaults = {k: gen[k] for k in _GENERATION_DEFAULT_KEYS if gen.get(k) is not None}
+    if gen.get("max_new_tokens") is not None:
+        defaults["max_tokens"] = gen["max_new_tokens"]
+    return defaults
+
+
 def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
     """A copy of mc with model_dir, hf_config, architecture, vocab_size, eos/bos/pad ids,
     generation_defaults and max_model_len filled, and dtype "auto" resolved (resolve_dtype,
@@ -254,9 +289,7 @@ def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
     for tid in _ids(hf_config.eos_token_id) + _ids(gen.get("eos_token_id")):
         if tid not in eos:
             eos.append(tid)
-    defaults = {k: gen[k] for k in _GENERATION_DEFAULT_KEYS if gen.get(k) is not None}
-    if gen.get("max_new_tokens") is not None:
-        defaults["max_tokens"] = gen["max_new_tokens"]
+    defaults = generation_defaults(gen, mc.generation_config, mc.override_generation_config)
 
     limit, what = int(hf_config.max_position_embeddings), "max_position_embeddings"
     rope = getattr(hf_config, "rope_parameters", None) or {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -39,6 +40,16 @@ def _fraction(text: str) -> float:
     v = float(text)
     if not 0 < v <= 1:  # NaN too
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return v
+
+
+def _json_object(text: str) -> dict:
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text}")
     return v
 
 
@@ -100,6 +111,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--chat-template", str, None,
         help="Jinja chat template (a file, or the text itself) replacing the model's own, for chat prompts "
              "(default: the model's tokenizer_config.json)")
+    opt("--generation-config", str, "auto",
+        help="defaults of unset sampling fields: auto (the model's generation_config.json), vllm (none: the "
+             "neutral values), or a directory with a generation_config.json, or a JSON file")
+    opt("--override-generation-config", _json_object, None,
+        help='JSON of sampling defaults over --generation-config\'s, e.g. \'{"temperature": 0.5}\'')
     opt("--seed", int, 0, help="seed of the model's random initialisation and of the seeds given to sampled "
         "requests that set none (SamplingParams.seed)")
     opt("--max-num-seqs", int, 128, help="max requests running at once")
@@ -164,6 +180,7 @@ def build_config(args):
     return EngineConfig.from_options(
         model=args.model, served_name=args.served_model_name, dtype=args.dtype, seed=args.seed,
         chat_template=args.chat_template, enforce_eager=args.enforce_eager or None,
+        generation_config=args.generation_config, override_generation_config=args.override_generation_config,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
