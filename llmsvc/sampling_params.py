@@ -108,6 +108,11 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # only these may be sampled; None: every token
+    bad_words: list[str] | None = None  # never generated (see bad_words_token_ids)
+    # the token sequences of bad_words (the engine fills it at admission from its tokenizer, as
+    # llmsvc.engine.bad_words does): the last token of each is masked where the output ends with
+    # the rest
+    bad_words_token_ids: list[list[int]] | None = None
     time_limit_ms: int | None = None  # graceful: finish "time_limit", output kept
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stream_interval: int | None = None  # tokens per streamed output; raised to the engine's
@@ -120,6 +125,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
         if self.top_k == -1:
             self.top_k = 0
         self.verify()
@@ -178,6 +187,12 @@ class SamplingParams:
                 bad("allowed_token_ids", "must not be empty when set")
             if any(t < 0 for t in self.allowed_token_ids):
                 bad("allowed_token_ids", "token ids must be >= 0")
+        for i, w in enumerate(self.bad_words or ()):
+            if not isinstance(w, str) or not w.strip():
+                bad(f"bad_words[{i}]", "must be a non-blank string")
+        for seq in self.bad_words_token_ids or ():
+            if not seq or any(t < 0 for t in seq):
+                bad("bad_words_token_ids", "each sequence must be non-empty token ids >= 0")
         if self.logit_bias:
             for tok, b in self.logit_bias.items():
                 if tok < 0:

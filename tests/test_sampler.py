@@ -287,6 +287,21 @@ def test_allowed_token_ids_restrict_greedy_and_random_rows_only():
             SamplingParams(allowed_token_ids=bad)
 
 
+def test_bad_words_mask_a_sequences_last_token_after_the_rest():
+    logits = torch.zeros(1, V)
+    logits[0, 9], logits[0, 4], logits[0, 3] = 10.0, 9.0, 1.0
+    p = SamplingParams(temperature=0.0, bad_words_token_ids=[[9], [5, 6, 4]])
+
+    def greedy(out):
+        return Sampler()(logits, build([p], outputs=[out])).sampled_token_ids.item()
+
+    assert greedy([]) == 4  # 9 is a one-token bad word: always masked
+    assert greedy([1, 5, 6]) == 3  # the output ends with 5 6: 4 would complete [5, 6, 4]
+    assert greedy([5, 6, 1]) == 4 and greedy([6]) == 4
+    s = draw(torch.zeros(V), SamplingParams(bad_words_token_ids=[[t] for t in range(V - 3)]), 300)
+    assert set(s.tolist()) == {V - 3, V - 2, V - 1}
+
+
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     eos, stop = 7, 8
     logits = torch.zeros(1, V)

@@ -21,6 +21,7 @@ from llmsvc.core.errors import DuplicateRequestError, InvalidRequestError
 from llmsvc.engine.output_processor import OutputProcessor, ParentRequest
 from llmsvc.core.request import Request
 from llmsvc.engine.stats import StatsLogger
+from llmsvc.engine.bad_words import bad_words_token_ids
 from llmsvc.engine.validation import RequestLimits, check_cache_salt, check_request
 from llmsvc.outputs import ABORT, STOP, EngineStats, RequestOutput
 from llmsvc.sampling_params import SamplingParams
@@ -125,6 +126,9 @@ class LLMEngine:
         arrival_time = time.time() if arrival_time is None else arrival_time
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(62))
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer,
+                                                                                         params.bad_words))
         parent = ParentRequest(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival_time,
                                self.output_processor.stream_interval)
         added: list[str] = []

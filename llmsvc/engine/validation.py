@@ -61,6 +61,9 @@ def check_sampling_params(params: SamplingParams, limits: RequestLimits) -> None
         for tok in params.logit_bias or {}:
             if tok >= vocab:
                 raise InvalidRequestError("logit_bias", f"token id {tok} is out of range [0, {vocab})")
+        for seq in params.bad_words_token_ids or ():
+            if any(t >= vocab for t in seq):
+                raise InvalidRequestError("bad_words_token_ids", f"token ids must be < vocab_size ({vocab})")
         for i, tok in enumerate(params.allowed_token_ids or ()):
             if tok >= vocab:
                 raise InvalidRequestError(f"allowed_token_ids[{i}]", f"token id {tok} is out of range [0, {vocab})")
@@ -69,6 +72,8 @@ def check_sampling_params(params: SamplingParams, limits: RequestLimits) -> None
         raise InvalidRequestError("max_tokens", f"must be < max_model_len ({L}), got {params.max_tokens}")
     if params.min_tokens >= L:
         raise InvalidRequestError("min_tokens", f"must be < max_model_len ({L}), got {params.min_tokens}")
+    if params.bad_words and len(params.bad_words) > limits.max_stop_strings:
+        raise InvalidRequestError("bad_words", f"at most {limits.max_stop_strings} words, got {len(params.bad_words)}")
     if len(params.stop) > limits.max_stop_strings:
         raise InvalidRequestError("stop", f"at most {limits.max_stop_strings} stop strings, got {len(params.stop)}")
     for i, stop in enumerate(params.stop):

@@ -79,7 +79,8 @@ def unavailable(message: str, reason: str = "UNAVAILABLE", retry_delay_s: float 
 # SamplingParams field -> the GenerateRequest message holding the proto field of the same name
 _FIELD_PARENTS = {
     **dict.fromkeys(("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "seed", "n", "logit_bias", "allowed_token_ids"), "sampling"),
+                     "repetition_penalty", "seed", "n", "logit_bias", "allowed_token_ids",
+                     "bad_words"), "sampling"),
     **dict.fromkeys(("max_tokens", "min_tokens", "stop", "stop_token_ids", "include_stop_str_in_output",
                      "ignore_eos", "time_limit_ms"), "stopping"),
     **dict.fromkeys(("logprobs", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens"),

@@ -106,6 +106,7 @@ def build_sampling_params(req, limits: ModelLimits) -> SamplingParams:
         params = rules.make_sampling_params(
             n=s.n if s.HasField("n") else 1, seed=s.seed if s.HasField("seed") else None,
             logit_bias=dict(s.logit_bias) or None, allowed_token_ids=list(s.allowed_token_ids) or None,
+            bad_words=list(s.bad_words) or None,
             stop=list(st.stop), stop_token_ids=list(st.stop_token_ids),
             include_stop_str_in_output=st.include_stop_str_in_output, ignore_eos=st.ignore_eos,
             max_tokens=st.max_tokens if st.HasField("max_tokens") else None, min_tokens=st.min_tokens,

@@ -4,6 +4,7 @@ Order of operations (as vLLM v1):
     1. allowed_token_ids: the others -> -inf       -- rows that set it
        logit_bias (additive)                       -- rows with a bias
     2. min_tokens: EOS / stop_token_ids -> -inf    -- rows with len(output) < min_tokens
+       bad words: a sequence's last token -> -inf   -- where the output ends with the rest
     3. penalties                                   -- rows with a non-neutral penalty
          repetition: tokens seen in prompt OR output: logit > 0 -> logit / r, else logit * r
          frequency:  logit -= f * count_in_output

@@ -69,7 +69,7 @@ class SamplingMetadata:
     bias_rows: torch.Tensor | None  # [B] long
     bias_tokens: torch.Tensor | None  # [B] long
     bias_values: torch.Tensor | None  # [B] float32
-    mask_rows: torch.Tensor | None  # [M] long; min_tokens: (row, token) set to -inf
+    mask_rows: torch.Tensor | None  # [M] long; min_tokens and bad words: (row, token) set to -inf
     mask_tokens: torch.Tensor | None  # [M] long
     allowed_rows: torch.Tensor | None  # [A] long; rows with allowed_token_ids
     disallowed: torch.Tensor | None  # [A, V] bool; True where allowed_rows[i] may not sample
@@ -158,6 +158,14 @@ class SamplingMetadata:
                     banned.update(eos)
                 m_toks.extend(sorted(banned))
                 m_rows.extend([i] * len(banned))
+
+        for i, p in enumerate(params):  # bad words: a sequence's last token where the output ends with the rest
+            out = output_token_ids[i]
+            for seq in p.bad_words_token_ids or ():
+                k = len(seq) - 1
+                if seq[-1] < V and (k == 0 or (len(out) >= k and list(out[len(out) - k:]) == seq[:-1])):
+                    m_rows.append(i)
+                    m_toks.append(seq[-1])
 
         a_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
         disallowed = None

@@ -1,6 +1,7 @@
-"""allowed_token_ids on a tiny random model: offline and over gRPC every sampled token is one
-of the allowed ids, greedy picks the allowed id the unrestricted model ranks highest, and an
-id outside the vocabulary is INVALID_ARGUMENT naming the element."""
+"""allowed_token_ids and bad_words on a tiny random model. allowed: offline and over gRPC every
+sampled token is one of the allowed ids, greedy picks the allowed id the unrestricted model
+ranks highest, an id outside the vocabulary is INVALID_ARGUMENT naming the element. bad_words:
+a banned bigram never appears and the output changes exactly where it would have."""
 from __future__ import annotations
 
 import grpc
@@ -51,3 +52,26 @@ def test_grpc_allowed_token_ids_and_validation(model_dir):
             c.generate(PROMPT, max_tokens=2, allowed_token_ids=[7, TINY_VOCAB])
         assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert ei.value.field_violations[0][0] == "sampling.allowed_token_ids[1]"
+
+
+def test_bad_words_over_grpc(model_dir):
+    """Greedy over the 26 letters: banning the output's first bigram keeps the output up to it,
+    changes the token that would complete it, and the bigram never appears; a one-letter word
+    never appears at all."""
+    letters = list(range(ord("a"), ord("z") + 1))
+    kw = dict(max_tokens=24, temperature=0.0, ignore_eos=True, allowed_token_ids=letters)
+    config = EngineConfig.from_options(model=model_dir, log_stats_interval_s=0.0, **ENGINE)
+    with ServerThread(lambda: LLMEngine.from_config(config)) as srv, Client(srv.address, timeout=60) as c:
+        base = c.generate(PROMPT, **kw).token_ids
+        pairs = list(zip(base, base[1:]))
+        i = 0  # the first bigram; banned, the output must differ at i + 1 and never hold it
+        word = bytes(pairs[i]).decode()
+        out = c.generate(PROMPT, bad_words=[word], **kw).token_ids
+        assert out[:i + 1] == base[:i + 1] and out[i + 1] != base[i + 1]
+        assert pairs[i] not in set(zip(out, out[1:]))
+        single = chr(base[0])
+        out = c.generate(PROMPT, bad_words=[single, "  " + chr(base[1])], **kw).token_ids
+        assert base[0] not in out and base[1] not in out and len(out) == 24
+        with pytest.raises(LlmsvcError) as ei:
+            c.generate(PROMPT, max_tokens=2, bad_words=["ok", " "])
+        assert ei.value.field_violations[0][0] == "sampling.bad_words[1]"
