@@ -139,11 +139,12 @@ def _mixed_batch(vocab):
 
     params = [SamplingParams(temperature=0.0, logprobs=3),
               SamplingParams(temperature=0.0, repetition_penalty=1.7, frequency_penalty=0.3,
-                             presence_penalty=0.2, logit_bias={5: 4.0}, logprobs=2),
+                             presence_penalty=0.2, logit_bias={5: 4.0}, logprobs=2,
+                             allowed_token_ids=list(range(0, vocab, 3))),
               SamplingParams(temperature=0.8, top_k=5, seed=11),
               SamplingParams(temperature=1.2, top_p=0.7, min_p=0.05, seed=12, logprobs=1),
               SamplingParams(temperature=1.0, min_tokens=4, stop_token_ids=[7], seed=13),
-              SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[7])]
+              SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[7], bad_words_token_ids=[[3]])]
     rng = random.Random(3)
     prompts = [[rng.randrange(vocab) for _ in range(9)] for _ in params]
     outputs = [[rng.randrange(vocab) for _ in range(2)] for _ in params]
@@ -151,7 +152,7 @@ def _mixed_batch(vocab):
 
 
 def test_sampler_on_cuda_agrees_with_cpu():
-    """Penalties, bias and min_tokens process logits as on the CPU; greedy rows and raw
+    """Penalties, bias, min_tokens, allowed ids and bad words process logits as on the CPU; greedy rows and raw
     logprobs agree; seeded rows repeat on the GPU and truncated rows stay in their sets."""
     from llmsvc.worker.sampler import Sampler, apply_logits_processors
     from llmsvc.worker.sampling_metadata import SamplingMetadata
