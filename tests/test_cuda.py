@@ -152,8 +152,9 @@ def _mixed_batch(vocab):
 
 
 def test_sampler_on_cuda_agrees_with_cpu():
-    """Penalties, bias, min_tokens, allowed ids and bad words process logits as on the CPU; greedy rows and raw
-    logprobs agree; seeded rows repeat on the GPU and truncated rows stay in their sets."""
+    """Penalties, bias, min_tokens, allowed ids and bad words process logits as on the CPU;
+    greedy rows and raw logprobs agree; seeded rows repeat on the GPU and truncated rows stay
+    in their sets."""
     from llmsvc.worker.sampler import Sampler, apply_logits_processors
     from llmsvc.worker.sampling_metadata import SamplingMetadata
 

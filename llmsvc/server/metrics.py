@@ -219,7 +219,8 @@ class EngineCollector(Collector):
                     ("num_preemptions", "Requests preempted (KV cache full)", s.num_preemptions),
                     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                      s.extra.get("prefix_cache_queries", 0)),
-                    ("prefix_cache_hits", "Prompt tokens found in the prefix cache", s.extra.get("prefix_cache_hits", 0)))
+                    ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                     s.extra.get("prefix_cache_hits", 0)))
         for name, doc, value in counters:
             yield CounterMetricFamily("llmsvc_" + name, doc, value=float(value))
 
