@@ -35,6 +35,7 @@ def parse_memory(value: int | str) -> int:
 class ModelConfig:
     model: str | None = None  # HF directory or .gguf file; None = default SmolLM2-135M-Instruct GGUF
     served_name: str | None = None  # the name clients see (GetModelInfo, logs); None = `model` as given
+    tokenizer: str | None = None  # a directory of tokenizer files to use instead of the model's
     dtype: str = "auto"  # one of DTYPE_CHOICES; resolved to one of DTYPES (models/resolve.py)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
@@ -54,6 +55,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
+
+    @property
+    def tokenizer_dir(self) -> str | None:
+        """Where the tokenizer is loaded from: `tokenizer`, else the model's directory."""
+        return self.tokenizer or self.model_dir
 
     @property
     def served_model_name(self) -> str:

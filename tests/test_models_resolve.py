@@ -233,3 +233,24 @@ def test_chat_template_option_is_read_and_checked_before_loading(tmp_path):
         read_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="does not parse: line 1"):
         resolve_model_config(ModelConfig(model=d, chat_template="{% for m in messages %}"))
+
+
+def test_tokenizer_from_another_directory(tmp_path):
+    """--tokenizer: a model directory without tokenizer files serves text prompts with the
+    tokenizer of another directory; a missing one is refused before anything loads."""
+    from llmsvc import LLM, SamplingParams
+    from tests.server_harness import EOS, IM_START, TINY_VOCAB, tiny_tokenizer
+
+    d = make_tiny_model_dir(tmp_path, "llama", vocab_size=TINY_VOCAB, eos_token_id=EOS, bos_token_id=IM_START)
+    assert not os.path.exists(os.path.join(d, "tokenizer.json"))
+    tok_dir = tmp_path / "tok"
+    tiny_tokenizer().save_pretrained(tok_dir)
+    llm = LLM(model=d, tokenizer=str(tok_dir), block_size=4, num_kv_blocks_override=32)
+    try:
+        (out,) = llm.generate("hello", SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+        assert out.prompt_token_ids == list(b"hello") and len(out.outputs[0].token_ids) == 3
+        assert llm.llm_engine.config.model_config.tokenizer == str(tok_dir)
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="not a directory"):
+        resolve_model_config(ModelConfig(model=d, tokenizer=str(tmp_path / "missing")))

@@ -80,6 +80,8 @@ def test_flags_and_env(monkeypatch):
             parse(["--gpu-memory-utilization", bad])
     assert d.max_logprobs == 20
     assert (d.model_config.generation_config, d.model_config.override_generation_config) == ("auto", None)
+    assert d.model_config.tokenizer is None
+    assert cli.build_config(parse(["--tokenizer", "tok-dir"])).model_config.tokenizer == "tok-dir"
     c = cli.build_config(parse(["--generation-config", "vllm", "--override-generation-config", '{"top_k": 8}']))
     assert (c.model_config.generation_config, c.model_config.override_generation_config) == ("vllm", {"top_k": 8})
     for bad in ("{oops", "[1]"):

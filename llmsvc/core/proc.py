@@ -97,7 +97,7 @@ def _structured_output_manager(config):
         from llmsvc.models.tokenizer import load_tokenizer
         from llmsvc.structured.build import build_structured_output_manager
 
-        tokenizer = load_tokenizer(config.model_config.model_dir, derived_cache_dir())
+        tokenizer = load_tokenizer(config.model_config.tokenizer_dir, derived_cache_dir())
         return build_structured_output_manager(config, tokenizer)
 
     return LazyStructuredOutputManager(build)

@@ -215,4 +215,4 @@ def _load_tokenizer(config: EngineConfig):
     from llmsvc.models.resolve import derived_cache_dir
     from llmsvc.models.tokenizer import load_tokenizer
 
-    return load_tokenizer(config.model_config.model_dir, derived_cache_dir(), config.model_config.chat_template)
+    return load_tokenizer(config.model_config.tokenizer_dir, derived_cache_dir(), config.model_config.chat_template)

@@ -274,6 +274,8 @@ def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
     from llmsvc.models.tokenizer import read_chat_template
 
     _check_dtype(mc.dtype)  # before the model is looked for: the cheaper error first
+    if mc.tokenizer is not None and not os.path.isdir(mc.tokenizer):
+        raise ValueError(f"tokenizer {mc.tokenizer!r} is not a directory (of tokenizer files)")
     chat_template = None if mc.chat_template is None else read_chat_template(mc.chat_template)
     model_dir = resolve_model_dir(mc.model)
     dtype = resolve_dtype(mc.dtype, model_dir, device)
@@ -308,6 +310,7 @@ def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
         dtype=dtype,
         model_source=mc.model if mc.model is not None else default_model_path(),
         chat_template=chat_template,
+        tokenizer=None if mc.tokenizer is None else os.path.abspath(mc.tokenizer),
         model_dir=model_dir,
         hf_config=hf_config,
         architecture=architecture,

@@ -111,6 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--chat-template", str, None,
         help="Jinja chat template (a file, or the text itself) replacing the model's own, for chat prompts "
              "(default: the model's tokenizer_config.json)")
+    opt("--tokenizer", str, None, help="directory of the tokenizer files to use instead of the model's")
     opt("--generation-config", str, "auto",
         help="defaults of unset sampling fields: auto (the model's generation_config.json), vllm (none: the "
              "neutral values), or a directory with a generation_config.json, or a JSON file")
@@ -178,7 +179,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build_config(args):
     from llmsvc.config import EngineConfig
     return EngineConfig.from_options(
-        model=args.model, served_name=args.served_model_name, dtype=args.dtype, seed=args.seed,
+        model=args.model, served_name=args.served_model_name, tokenizer=args.tokenizer, dtype=args.dtype,
+        seed=args.seed,
         chat_template=args.chat_template, enforce_eager=args.enforce_eager or None,
         generation_config=args.generation_config, override_generation_config=args.override_generation_config,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len, block_size=args.block_size,
