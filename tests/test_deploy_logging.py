@@ -94,6 +94,21 @@ def test_request_path_log_lines_have_the_request_id():
     assert lifecycle and all("request_id" not in r for r in lifecycle)  # not inside a request
 
 
+def test_disable_log_requests_drops_the_per_request_lines(caplog):
+    with caplog.at_level(logging.INFO, logger="llmsvc.server"):
+        with ServerThread(fake_engine_factory(), log_requests=False) as s:
+            for rid in ("quiet-1", "quiet-2"):
+                list(s.stub.Generate(pb.GenerateRequest(text="hi", request_id=rid,
+                                                        stopping=pb.StoppingCriteria(max_tokens=2))))
+            cancelled = s.stub.Generate(pb.GenerateRequest(text="hi", request_id="quiet-3", stream=True,
+                                                           stopping=pb.StoppingCriteria(max_tokens=200)))
+            next(cancelled)
+            cancelled.cancel()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("listening on" in m for m in msgs)  # the server's own lines stay
+    assert not [m for m in msgs if "quiet-" in m and ("finished" in m or "cancelled" in m)]
+
+
 def test_json_formatter_without_filter_reads_contextvar():
     rec = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
     token = request_id_var.set("ctx")

@@ -65,7 +65,7 @@ class LlmServer:
                  tls: TlsConfig | None = None, auth_tokens: list[str] | None = None,
                  admin_tokens: list[str] | None = None, tracer=None,
                  metrics_port: int | None = None, metrics_host: str | None = None,
-                 metrics_label_keys: tuple[str, ...] = ()) -> None:
+                 metrics_label_keys: tuple[str, ...] = (), log_requests: bool = True) -> None:
         self.engine_factory = engine_factory
         self.host, self.port = host, port
         self.backlog = dict(max_backlog_bytes=max_backlog_bytes, max_backlog_age_s=max_backlog_age_s)
@@ -84,6 +84,7 @@ class LlmServer:
         self.metrics_http = (MetricsHttpServer(self.metrics.registry, metrics_host or host, metrics_port)
                              if metrics_port is not None else None)
         self.servicer = LlmService(self.state)
+        self.servicer.log_requests = log_requests
         self.servicer.metrics = self.metrics
         self.tracer = self.servicer.tracer = tracer  # tracing.RequestTracer or None
         self.server: grpc.aio.Server | None = None

@@ -157,6 +157,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get on SIGTERM (a second SIGTERM/SIGINT ends it)")
     opt("--log-level", str, "INFO", help="logging level")
     opt("--log-format", str, "text", choices=["text", "json"], help="log lines as text or one JSON object each")
+    opt("--disable-log-requests", bool, help="no INFO line per finished or cancelled request (the periodic "
+        "throughput line and the request metrics stay)")
     opt("--metrics-port", int, 0, help="Prometheus /metrics HTTP port (0 = off)")
     opt("--metrics-host", str, None, help="address for the metrics port (default: --host)")
     opt("--metrics-label-keys", str, "",
@@ -270,7 +272,8 @@ async def serve(args, security: dict | None = None) -> int:
     server = LlmServer(default_engine_factory(config, core_start), host=args.host, port=args.port,
                        max_waiting_requests=args.max_waiting_requests, metrics_port=metrics_port,
                        metrics_host=args.metrics_host,
-                       metrics_label_keys=parse_label_keys(args.metrics_label_keys), **security)
+                       metrics_label_keys=parse_label_keys(args.metrics_label_keys),
+                       log_requests=not args.disable_log_requests, **security)
     server.shutdown_grace = args.shutdown_grace
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -76,6 +76,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
         self.engine = self.tokenizer = self.config = self.limits = None
         self.metrics = None  # llmsvc.server.metrics.ServerMetrics: per-request series
         self.tracer = None  # llmsvc.server.tracing.RequestTracer: a span per Generate, when tracing is on
+        self.log_requests = True  # one INFO line per finished or cancelled Generate
 
     def attach(self, async_engine, tokenizer, config) -> None:
         """Serve from this (started, warmed-up) engine; `config` is the resolved EngineConfig."""
@@ -155,7 +156,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
                         yield builder.message(final, comp)
             finally:
                 await gen.aclose()
-            if tracker is not None:
+            if tracker is not None and self.log_requests:
                 logger.info("request %s finished: %s; %d prompt tokens, %d generated", rid,
                             ",".join(tracker.reasons[i] for i in sorted(tracker.reasons)) or "-", len(ids),
                             tracker.num_generated)
@@ -163,7 +164,8 @@ class LlmService(pb_grpc.LlmServiceServicer):
             code = grpc.StatusCode.CANCELLED
             if tracker is not None:
                 tracker.cancelled()
-            logger.info("request %s cancelled by the client or its deadline", rid)
+            if self.log_requests:
+                logger.info("request %s cancelled by the client or its deadline", rid)
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes a status
             if tracker is not None:
