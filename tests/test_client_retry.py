@@ -3,6 +3,7 @@ twice (RetryInfo, and grpc-retry-pushback-ms for gRPC's retry policy); Client(ma
 retries such a refusal after that delay and never retries a stream that has started."""
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -79,6 +80,19 @@ def test_client_retries_a_full_queue_after_the_servers_delay(full_queue):
     elapsed = time.monotonic() - t0
     assert len(result.token_ids) == 4 and result.finish_reason == "length"
     assert elapsed >= 0.9, elapsed  # refused at least once, then waited the server's 1 s pushback
+
+
+def test_async_client_retries_too(full_queue):
+    s, running, waiting = full_queue
+    threading.Thread(target=lambda: [list(c) for c in (running, waiting)], daemon=True).start()
+
+    async def main():
+        async with AsyncClient(s.address, timeout=30, max_retries=4) as client:
+            return await client.generate("hello", max_tokens=3, ignore_eos=True)
+
+    t0 = time.monotonic()
+    result = asyncio.run(main())
+    assert len(result.token_ids) == 3 and time.monotonic() - t0 >= 0.9
 
 
 def test_a_started_stream_is_not_retried():
