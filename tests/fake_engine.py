@@ -54,7 +54,8 @@ class FakeEngine:
     def _touch(self) -> None:
         self.threads.add(threading.get_ident())
 
-    def add_request(self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, arrival_time=None):
+    def add_request(self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, arrival_time=None,
+                    cache_salt=None):
         self._touch()
         if request_id in self.reqs:
             raise ValueError(f"duplicate {request_id}")
