@@ -30,7 +30,8 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 def test_generate_prints_completion_and_sends_flags(server, capsys):
     rc, out, _ = run(capsys, "generate", "hello world", "--server", server.target, "--max-tokens", "5",
                      "--temperature", "0.5", "--top-p", "0.9", "--top-k", "7", "--seed", "11",
-                     "--stop", "\n\n", "--stop", "END", "--ignore-eos")
+                     "--stop", "\n\n", "--stop", "END", "--ignore-eos", "--cache-salt", "tenant-a",
+                     "--allowed-token-id", "3", "--allowed-token-id", "9", "--bad-word", "darn")
     assert rc == 0 and out == "hello\n"
     req = server.service.requests[-1]
     assert not req.stream and req.stopping.max_tokens == 5 and req.stopping.ignore_eos
@@ -38,6 +39,8 @@ def test_generate_prints_completion_and_sends_flags(server, capsys):
     assert req.sampling.temperature == 0.5 and req.sampling.top_k == 7 and req.sampling.seed == 11
     assert abs(req.sampling.top_p - 0.9) < 1e-6
     assert not req.sampling.HasField("min_p") and not req.output.HasField("logprobs")  # unset stays unset
+    assert req.cache_salt == "tenant-a" and list(req.sampling.allowed_token_ids) == [3, 9]
+    assert list(req.sampling.bad_words) == ["darn"]
 
 
 def test_generate_stream_prints_tokens(server, capsys):

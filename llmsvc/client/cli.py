@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop string (repeatable)")
     parser.add_argument("--stop-token-id", dest="stop_token_ids", action="append", type=int,
                         default=None, metavar="ID", help="stop token id (repeatable)")
+    parser.add_argument("--allowed-token-id", dest="allowed_token_ids", action="append", type=int,
+                        default=None, metavar="ID", help="sample only among these token ids (repeatable)")
+    parser.add_argument("--bad-word", dest="bad_words", action="append", default=None, metavar="W",
+                        help="a word never to generate (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past EOS")
     parser.add_argument("--include-stop-str", dest="include_stop_str_in_output", action="store_true",
                         default=None, help="keep the matched stop string in the output")
@@ -60,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def request_kwargs(args: argparse.Namespace) -> dict:
     """The Client.generate keyword arguments the flags ask for (unset flags are left out)."""
     names = [name for name, _, _ in _FIELD_FLAGS]
-    names += ["stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output"]
+    names += ["stop", "stop_token_ids", "allowed_token_ids", "bad_words", "ignore_eos", "include_stop_str_in_output"]
     kwargs = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
