@@ -110,6 +110,9 @@ class ParallelConfig:
         return "tp" if self.tensor_parallel_size > 1 else self.executor
 
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
@@ -121,6 +124,9 @@ class EngineConfig:
     max_stop_strings: int = 64
     max_n: int = 16
     max_logprobs: int = 20  # largest `logprobs` / `prompt_logprobs` a request may ask for
+    # what sampled-token logprobs report: the model's distribution (raw_logprobs, vLLM's default)
+    # or the one sampled from, after penalties, temperature and truncation (processed_logprobs)
+    logprobs_mode: str = "raw_logprobs"
     # structured output: a constraint whose grammar takes longer to compile fails (INVALID_ARGUMENT)
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 256  # compiled grammars kept, by (kind, spec), least recently used out
@@ -134,7 +140,8 @@ class EngineConfig:
         """The one way the entry points (LLM, `llmsvc serve`, `llmsvc bench`) build a config: each
         flat option goes to the section that has a field of that name (EngineConfig itself, then
         model, cache, scheduler, parallel). None means "the default"; `kv_cache_memory` takes a
-        size ("2GiB", parse_memory). TypeError for a name no section has."""
+        size ("2GiB", parse_memory). TypeError for a name no section has; ValueError for a
+        logprobs_mode that is not one of LOGPROBS_MODES."""
         config = cls()
         sections = (config, config.model_config, config.cache_config, config.scheduler_config,
                     config.parallel_config)
@@ -147,4 +154,7 @@ class EngineConfig:
             if section is None:
                 raise TypeError(f"unknown engine option {key!r}")
             setattr(section, key, value)
+        if config.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
+                             f"got {config.logprobs_mode!r}")
         return config

@@ -18,7 +18,7 @@ import logging
 import os
 import signal
 
-from llmsvc.config import DTYPE_CHOICES, MEMORY_SIZE_HELP, parse_memory
+from llmsvc.config import DTYPE_CHOICES, LOGPROBS_MODES, MEMORY_SIZE_HELP, parse_memory
 from llmsvc.server import event_loop
 
 def parse_bytes(text: str) -> int:
@@ -120,6 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--seed", int, 0, help="seed of the model's random initialisation and of the seeds given to sampled "
         "requests that set none (SamplingParams.seed)")
     opt("--max-num-seqs", int, 128, help="max requests running at once")
+    opt("--logprobs-mode", str, "raw_logprobs", choices=list(LOGPROBS_MODES),
+        help="sampled tokens' logprobs: the model's distribution, or the one sampled from (after penalties, "
+             "temperature, top-k/p, min-p)")
     opt("--max-logprobs", _non_negative_int, 20, help="largest logprobs / prompt_logprobs a request may ask for")
     opt("--max-num-batched-tokens", int, 1024, help="token budget per step")
     opt("--kv-cache-memory", parse_bytes, "2GiB", help=f"KV cache budget, e.g. 2GiB or 2G ({MEMORY_SIZE_HELP})")
@@ -188,7 +191,7 @@ def build_config(args):
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_logprobs=args.max_logprobs,
+        max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode,
         max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy, executor=executor_name(args),
         tensor_parallel_size=args.tensor_parallel_size, device=args.device, engine_core=args.engine_core,
         grammar_compile_timeout_s=args.grammar_compile_timeout, grammar_cache_size=args.grammar_cache_size,

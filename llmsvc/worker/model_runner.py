@@ -31,7 +31,7 @@ class ModelRunner:
         self.dtype = to_torch_dtype(config.model_config.dtype)
         self.block_size = config.cache_config.block_size
         self.states = RequestStates()
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.logprobs_mode)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_pool: KVHostPool | None = None  # CPU: the mapping kv_caches view
         self.model: torch.nn.Module | None = None

@@ -33,12 +33,12 @@ import torch
 
 from kernels import ops
 
+from llmsvc.config import LOGPROBS_MODES
 from llmsvc.wire import SampleLogprobs
 from llmsvc.worker.sampling_metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
 _TOP_P_CANDIDATES = (1024, 8192)  # top-p looks for its cut among the top 1024, then 8192, then all
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 @dataclass
