@@ -376,3 +376,29 @@ def test_pipe_roundtrip_sends_a_decode_step_and_gets_its_output_back():
     assert mo.req_ids == so.scheduled_cached_reqs.req_ids
     times = pipe_roundtrip.round_trips(8, 20)
     assert len(times) == 18 and all(t > 0 for t in times)
+
+
+def test_random_model_copy_keeps_config_and_tokenizer(tmp_path):
+    """benchmarks.random_model: same config and tokenizer files, new weights, and the copy serves."""
+    from safetensors.torch import load_file
+
+    from benchmarks.random_model import write_random_model
+    from llmsvc import LLM, SamplingParams
+    from tests.server_harness import make_tiny_served_model_dir
+
+    src = make_tiny_served_model_dir(tmp_path / "src")
+    out = write_random_model(src, str(tmp_path / "copy"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert Path(out, name).read_bytes() == Path(src, name).read_bytes()
+    a, b = json.loads(Path(src, "config.json").read_text()), json.loads(Path(out, "config.json").read_text())
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
+    assert [a[k] for k in keys] == [b[k] for k in keys]
+    w_src, w_out = (load_file(str(next(Path(d).glob("*.safetensors")))) for d in (src, out))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert w_src[name].shape == w_out[name].shape and not w_src[name].equal(w_out[name])
+    llm = LLM(model=out, block_size=4, num_kv_blocks_override=16)
+    try:
+        (res,) = llm.generate("hello", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        assert len(res.outputs[0].token_ids) == 3
+    finally:
+        llm.shutdown()
