@@ -166,9 +166,10 @@ class RequestTracker:
             if rm.first_scheduled_time is not None:
                 series(m.prefill).observe(max(0.0, rm.first_token_time - rm.first_scheduled_time))
             if rm.last_token_time is not None:
-                series(m.decode).observe(max(0.0, rm.last_token_time - rm.first_token_time))
-            if rm.last_token_time is not None and num_out > 1:
-                series(m.tpot).observe(max(0.0, rm.last_token_time - rm.first_token_time) / (num_out - 1))
+                decode = max(0.0, rm.last_token_time - rm.first_token_time)
+                series(m.decode).observe(decode)
+                if num_out > 1:
+                    series(m.tpot).observe(decode / (num_out - 1))
         if rm.finished_time is not None:
             series(m.e2e).observe(max(0.0, rm.finished_time - rm.arrival_time))
 
