@@ -180,6 +180,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return F.linear(x, weight, bias)
 
 
+def lora_add_(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+              groups: list, packed: Optional[list] = None) -> None:
+    """LoRA's low-rank update, in place: y[rows] += (x[rows] @ lora_a[slot].T) @ lora_b[slot].T
+    for each (slot, rows) of groups (reference.lora_add_ has the shapes). Two small GEMMs per
+    adapter in the step. packed: per slot, pack_linear_weight of lora_a[slot] and lora_b[slot]
+    (the CPU's packed GEMM; torch's own bf16 GEMM of these thin shapes is ~3x slower on a CPU
+    without bf16 arithmetic)."""
+    if packed is None or not x.is_cpu or any(pa is None or pb is None for pa, pb in packed):
+        return _ref.lora_add_(y, x, lora_a, lora_b, groups)
+    for slot, rows in groups:
+        pa, pb = packed[slot]
+        xs = x if rows is None else x.index_select(0, rows)
+        delta = _cpu_linear.linear(_cpu_linear.linear(xs, lora_a[slot], None, pa), lora_b[slot], None, pb)
+        if rows is None:
+            y += delta
+        else:
+            y.index_add_(0, rows, delta)
+
+
 DecoderLayerWeights = _cpu_decoder.LayerWeights
 
 

@@ -180,3 +180,17 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
     sub = logits.index_select(0, rows)  # [R, V]
     sub.masked_fill_(forbid, float("-inf"))
     logits.index_copy_(0, rows, sub)
+
+
+def lora_add_(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+              groups: list[tuple[int, torch.Tensor | None]]) -> None:
+    """In place, for every (slot, rows) of groups: y[rows] += (x[rows] @ lora_a[slot].T) @ lora_b[slot].T.
+
+    y: [T, N], x: [T, K], lora_a: [slots, R, K], lora_b: [slots, N, R] (the adapter's scaling
+    already in lora_b); rows: int64 token indices, or None for every token. A token in no group
+    gets nothing added (the base model)."""
+    for slot, rows in groups:
+        if rows is None:
+            y += (x @ lora_a[slot].T) @ lora_b[slot].T
+        else:
+            y.index_add_(0, rows, (x.index_select(0, rows) @ lora_a[slot].T) @ lora_b[slot].T)

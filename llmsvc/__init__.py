@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "llmsvc.llm",
+    "LoRARequest": "llmsvc.llm",
     "SamplingParams": "llmsvc.sampling_params",
     "RequestOutputKind": "llmsvc.sampling_params",
     "StructuredOutputsParams": "llmsvc.sampling_params",

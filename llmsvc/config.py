@@ -114,6 +114,40 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters served beside the base model, each loaded once at start-up into every worker.
+
+    A request names one (GenerateRequest.lora_name); its id is its position here plus 1 (0: the
+    base model). Adapters of every rank up to max_lora_rank may share a step."""
+    modules: dict[str, str] = field(default_factory=dict)  # name -> PEFT adapter directory
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        for name, path in self.modules.items():
+            if not name or not path:
+                raise ValueError(f"a LoRA module needs a name and a path, got {name!r}={path!r}")
+
+    def adapter_rank(self, name: str) -> int:
+        """The r of adapter `name`'s adapter_config.json (0 if it cannot be read)."""
+        import json
+        import os
+        try:
+            with open(os.path.join(self.modules[name], "adapter_config.json")) as f:
+                return int(json.load(f).get("r", 0))
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
+
+    def lora_id(self, name: str) -> int | None:
+        """1-based id of the adapter called `name`, None if there is none."""
+        for i, known in enumerate(self.modules, 1):
+            if known == name:
+                return i
+        return None
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -131,6 +165,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 256  # compiled grammars kept, by (kind, spec), least recently used out
     engine_core: str = "inline"  # inline: EngineCore in the caller's process | process: its own, over ZeroMQ
+    lora_config: LoRAConfig | None = None  # None: no adapters (requests naming one fail)
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)
@@ -141,8 +176,14 @@ class EngineConfig:
         flat option goes to the section that has a field of that name (EngineConfig itself, then
         model, cache, scheduler, parallel). None means "the default"; `kv_cache_memory` takes a
         size ("2GiB", parse_memory). TypeError for a name no section has; ValueError for a
-        logprobs_mode that is not one of LOGPROBS_MODES."""
+        logprobs_mode that is not one of LOGPROBS_MODES. `lora_modules` ({name: path}) and
+        `max_lora_rank` build the LoRAConfig; `enable_lora` alone builds an empty one."""
         config = cls()
+        lora = {k: options.pop(k) for k in ("lora_modules", "max_lora_rank", "enable_lora") if k in options}
+        if lora.get("lora_modules") or lora.get("enable_lora"):
+            config.lora_config = LoRAConfig(dict(lora.get("lora_modules") or {}),
+                                            **({} if lora.get("max_lora_rank") is None
+                                               else {"max_lora_rank": lora["max_lora_rank"]}))
         sections = (config, config.model_config, config.cache_config, config.scheduler_config,
                     config.parallel_config)
         for key, value in options.items():

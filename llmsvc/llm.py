@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from collections.abc import Sequence
 
 from llmsvc.config import EngineConfig, parse_memory  # noqa: F401 - parse_memory: public here too
@@ -46,10 +47,13 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | dict | Sequence[str | list[int] | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request=None) -> list[RequestOutput]:
         """Generate for every prompt (a str, a list of token ids, or vLLM's prompt dicts
         {"prompt": str} / {"prompt_token_ids": [int, ...]}, either with an optional "cache_salt");
-        outputs in input order."""
+        outputs in input order. lora_request: the adapter (of LLM(lora_modules={name: path}))
+        every prompt runs with, by name or as a LoRARequest, or a list of those (None: the base
+        model), one per prompt."""
         if (isinstance(prompts, (str, dict))
                 or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))):
             prompts = [prompts]
@@ -62,6 +66,10 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        loras = [_lora_name(r, self.llm_engine.config.lora_config) for r in loras]
         tok = self.get_tokenizer()
         engine = self.llm_engine
         self._compile_constraints(sampling_params)
@@ -73,7 +81,8 @@ class LLM:
                 rid = str(next(self._counter))
                 engine.add_request(rid, token_ids, params, prompt=text,
                                    priority=0 if priority is None else priority[i],
-                                   cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None)
+                                   cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
+                                   lora_name=loras[i])
                 ids.append(rid)
             return self._run(ids, use_tqdm)
         except BaseException:
@@ -139,6 +148,29 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's LoRARequest shape. The adapter must be one the LLM serves (lora_modules): it is
+    picked by lora_name; lora_int_id and lora_path are accepted for compatibility, and a
+    lora_path other than the served one's is refused."""
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+
+def _lora_name(request, lora_config) -> str | None:
+    if request is None or isinstance(request, str):
+        return request
+    if isinstance(request, LoRARequest) or hasattr(request, "lora_name"):
+        path = getattr(request, "lora_path", "") or ""
+        served = lora_config.modules.get(request.lora_name) if lora_config is not None else None
+        if path and served is not None and os.path.realpath(path) != os.path.realpath(served):
+            raise ValueError(f"LoRA adapter {request.lora_name!r} is served from {served}, not {path}; "
+                             "adapters are loaded when the LLM starts (lora_modules)")
+        return request.lora_name
+    raise TypeError(f"lora_request must be a name, a LoRARequest or None, got {type(request).__name__}")
 
 
 def _prompt_parts(prompt, tok) -> tuple[str | None, list[int]]:

@@ -33,6 +33,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]  # the request's whole block table so far
     num_computed_tokens: int  # prefix-cache hits (and nothing else) are already computed
+    lora_id: int = 0  # LoRAConfig's 1-based adapter id; 0: the base model
 
     @classmethod
     def from_request(cls, request, block_ids: list[int]) -> "NewRequestData":
@@ -43,6 +44,7 @@ class NewRequestData:
             sampling_params=request.sampling_params,
             block_ids=list(block_ids),
             num_computed_tokens=request.num_computed_tokens,
+            lora_id=request.lora_id,
         )
 
 

@@ -55,7 +55,7 @@ class FakeEngine:
         self.threads.add(threading.get_ident())
 
     def add_request(self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, arrival_time=None,
-                    cache_salt=None):
+                    cache_salt=None, lora_name=None):
         self._touch()
         if request_id in self.reqs:
             raise ValueError(f"duplicate {request_id}")

@@ -29,6 +29,7 @@ _FIELD_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("priority", int, "lower runs sooner"),
     ("truncate_prompt_tokens", int, "keep only the last N prompt tokens"),
     ("cache_salt", str, "share cached prompt blocks only with requests of this salt"),
+    ("lora_name", str, "run with this served LoRA adapter (the server's --lora-modules)"),
     ("time_limit_ms", int, "graceful time limit (finish reason time_limit)"),
     ("stream_interval", int, "with --stream: new tokens per message (at least the server's --stream-interval)"),
 )

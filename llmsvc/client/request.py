@@ -19,7 +19,7 @@ ChatMessages = Sequence[Mapping[str, str] | pb.ChatMessage | tuple[str, str]]
 # OutputOptions.text / .token_ids collide with the GenerateRequest prompt oneof; pass them as
 # output={"text": False, "token_ids": True} instead.
 _OUTPUT_ONLY_VIA_DICT = {"text", "token_ids"}
-_TOP_LEVEL = {"add_special_tokens", "priority", "truncate_prompt_tokens", "labels", "cache_salt"}
+_TOP_LEVEL = {"add_special_tokens", "priority", "truncate_prompt_tokens", "labels", "cache_salt", "lora_name"}
 _CONSTRAINTS = {"json_schema", "regex", "choice", "grammar", "json_object"}
 
 

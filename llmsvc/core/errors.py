@@ -1,6 +1,6 @@
 """Errors the engine raises at admission time; the server maps each to a status code.
 
-ValueError subclasses -> INVALID_ARGUMENT; DuplicateRequestError -> ALREADY_EXISTS;
+ValueError subclasses -> INVALID_ARGUMENT (LoRANotFoundError -> NOT_FOUND); DuplicateRequestError -> ALREADY_EXISTS;
 QueueFullError -> RESOURCE_EXHAUSTED.
 """
 from __future__ import annotations
@@ -28,6 +28,15 @@ class PromptTooLongError(InvalidRequestError):
         )
         self.prompt_tokens = prompt_tokens
         self.max_model_len = max_model_len
+
+
+class LoRANotFoundError(InvalidRequestError):
+    """The request names a LoRA adapter this engine does not serve (NOT_FOUND)."""
+
+    def __init__(self, name: str, served: list[str]) -> None:
+        known = ", ".join(served) if served else "none (start the server with --lora-modules NAME=PATH)"
+        super().__init__("lora_name", f"no LoRA adapter named {name!r}; served: {known}")
+        self.name = name
 
 
 class DuplicateRequestError(KeyError):

@@ -2,8 +2,8 @@
 
 Block hashes are chained: hash(block i) = sha256(hash(block i-1) || token ids of block i), so a
 hit on block i implies the whole prefix up to it matches. Only full blocks are hashed. Block 0's
-parent is the request's salt hash (`cache_salt`; NONE_HASH without one), so requests share
-cached blocks only within one salt.
+parent is the request's salt hash (of its `cache_salt` and LoRA adapter; NONE_HASH with neither),
+so requests share cached blocks only within one salt and one adapter.
 
 Blocks are registered in the prefix cache when they are allocated for a step that fills them
 (as vLLM does): another request scheduled in the same step may reuse them, which is sound because
@@ -28,11 +28,15 @@ from llmsvc.core.request import Request
 NONE_HASH = b"\x00" * 32
 
 
-def salt_hash(cache_salt: str | None) -> bytes | None:
-    """The parent hash of a salted request's first block (None: unsalted)."""
-    if not cache_salt:
+def salt_hash(cache_salt: str | None, lora_name: str | None = None) -> bytes | None:
+    """The parent hash of a request's first block: None for an unsalted request of the base
+    model; else a hash of its salt and its adapter (whose K/V differ from the base model's)."""
+    if not cache_salt and not lora_name:
         return None
-    return hashlib.sha256(b"llmsvc cache_salt\0" + cache_salt.encode()).digest()
+    h = hashlib.sha256(b"llmsvc cache_salt\0" + (cache_salt or "").encode())
+    if lora_name:
+        h.update(b"\0lora\0" + lora_name.encode())
+    return h.digest()
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids) -> bytes:
@@ -93,7 +97,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         hashes = request.block_hashes
         for i in range(len(hashes), request.num_known_tokens // bs):
-            parent = hashes[-1] if hashes else salt_hash(request.cache_salt)
+            parent = hashes[-1] if hashes else salt_hash(request.cache_salt, request.lora_name)
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
 
     # ---- lookups and allocation ------------------------------------------------------------

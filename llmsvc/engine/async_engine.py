@@ -139,7 +139,7 @@ class AsyncEngine(EngineThreadMixin):
     # ---- requests ----------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        *, prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
-                       on_admitted: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
+                       lora_name: str | None = None, on_admitted: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs (DELTA kind; coalesced when read slowly).
 
         `on_admitted` is awaited once the engine has taken the request (before its prefill and
@@ -161,7 +161,7 @@ class AsyncEngine(EngineThreadMixin):
         fut = self._loop.create_future()
         self._send(("add", dict(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                                 params=params, prompt=prompt, priority=priority, cache_salt=cache_salt,
-                                arrival_time=time.time()), fut))
+                                lora_name=lora_name, arrival_time=time.time()), fut))
         try:
             await fut
         except asyncio.CancelledError:  # the add still happens: abort it (queued after the add)

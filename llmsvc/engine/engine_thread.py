@@ -73,7 +73,7 @@ class EngineThreadMixin:
             try:
                 engine.add_request(kw["request_id"], kw["prompt_token_ids"], kw["params"],
                                    prompt=kw["prompt"], priority=kw["priority"], arrival_time=kw["arrival_time"],
-                                   cache_salt=kw.get("cache_salt"))
+                                   cache_salt=kw.get("cache_salt"), lora_name=kw.get("lora_name"))
             except Exception as e:  # validation: goes back to the caller
                 if is_worker_failure(e):  # the engine core died (seen on the send): all fail
                     self._post(_set_future, fut, EngineDeadError(f"engine loop died: {e}"))

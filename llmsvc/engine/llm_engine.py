@@ -22,7 +22,7 @@ from llmsvc.engine.output_processor import OutputProcessor, ParentRequest
 from llmsvc.core.request import Request
 from llmsvc.engine.stats import StatsLogger
 from llmsvc.engine.bad_words import bad_words_token_ids
-from llmsvc.engine.validation import RequestLimits, check_cache_salt, check_request
+from llmsvc.engine.validation import RequestLimits, check_cache_salt, check_request, lora_id_of
 from llmsvc.outputs import ABORT, STOP, EngineStats, RequestOutput
 from llmsvc.sampling_params import SamplingParams
 from llmsvc.structured.build import build_structured_output_manager, model_eos_token_ids, model_vocab_size
@@ -117,12 +117,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, priority: int = 0, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, lora_name: str | None = None) -> None:
         if request_id in self.output_processor:
             raise DuplicateRequestError(request_id)
         prompt_token_ids = list(prompt_token_ids)
         self.validate(prompt_token_ids, params)
         check_cache_salt(cache_salt)
+        lora_id = lora_id_of(lora_name, self.config.lora_config)
         arrival_time = time.time() if arrival_time is None else arrival_time
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(62))
@@ -136,7 +137,8 @@ class LLMEngine:
             for child in parent.children:
                 self.core_client.add_request(Request(child.req_id, prompt_token_ids, child.params,
                                                      eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
-                                                     priority=priority, cache_salt=cache_salt))
+                                                     priority=priority, cache_salt=cache_salt,
+                                                     lora_name=lora_name, lora_id=lora_id))
                 added.append(child.req_id)
         except BaseException:
             self.core_client.abort_requests(added)

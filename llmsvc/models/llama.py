@@ -116,12 +116,20 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self._native_plan = None  # ops.decoder_layers_plan, made at the first forward (weights packed)
         self._native_planned = False
+        self.lora_manager = None  # llmsvc.models.lora.LoRAManager when adapters are served
+
+    def _native_out(self, hidden, positions, meta, kv_caches):
+        """The native whole-stack call's (hidden, residual), or None: layer by layer (always so
+        while an adapter is active in the step: the native layers have no LoRA update)."""
+        if not self._native_planned:
+            self._native_plan, self._native_planned = self._make_native_plan(), True
+        if self.lora_manager is not None and self.lora_manager.active:
+            return None
+        return ops.decoder_layers(self._native_plan, hidden, positions, meta, kv_caches)
 
     def forward(self, input_ids, positions, meta, kv_caches):
         hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        if not self._native_planned:
-            self._native_plan, self._native_planned = self._make_native_plan(), True
-        out = ops.decoder_layers(self._native_plan, hidden, positions, meta, kv_caches)
+        out = self._native_out(hidden, positions, meta, kv_caches)
         if out is not None:
             hidden, residual = out
         else:

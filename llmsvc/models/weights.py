@@ -35,7 +35,7 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
-def _targets(model: nn.Module, name: str, tensor: torch.Tensor, splits: dict):
+def checkpoint_targets(model: nn.Module, name: str, tensor: torch.Tensor, splits: dict):
     """(our parameter name, shard id, tensor) for one checkpoint tensor."""
     for hf_name, pieces in splits.items():
         if f".{hf_name}." in name:
@@ -65,7 +65,7 @@ def load_checkpoint(model: nn.Module, model_dir: str, splits: dict, tie_word_emb
                     continue
                 if tie_word_embeddings and name == "lm_head.weight":
                     continue  # shares model.embed_tokens.weight
-                for target, shard_id, tensor in _targets(model, name, f.get_tensor(name), splits):
+                for target, shard_id, tensor in checkpoint_targets(model, name, f.get_tensor(name), splits):
                     if target not in params:
                         raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
                     param = params[target]

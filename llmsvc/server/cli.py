@@ -67,6 +67,29 @@ def _non_negative_float(text: str) -> float:
     return v
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """NAME=PATH, or vLLM's JSON form {"name": NAME, "path": PATH}."""
+    if text.lstrip().startswith("{"):
+        v = _json_object(text)
+        name, path = v.get("name"), v.get("path")
+    else:
+        name, _, path = text.partition("=")
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"a LoRA module is NAME=PATH, got {text!r}")
+    return name.strip(), path.strip()
+
+
+def _lora_modules_env() -> list[tuple[str, str]] | None:
+    """LLMSVC_LORA_MODULES: NAME=PATH items separated by whitespace or commas."""
+    v = os.environ.get("LLMSVC_LORA_MODULES")
+    if not v:
+        return None
+    try:
+        return [_lora_module(item) for item in v.replace(",", " ").split()]
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"LLMSVC_LORA_MODULES: {e}") from None
+
+
 def _env(name: str, default, type_=str):
     v = os.environ.get("LLMSVC_" + name.upper().replace("-", "_"))
     if v is None:
@@ -117,6 +140,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "neutral values), or a directory with a generation_config.json, or a JSON file")
     opt("--override-generation-config", _json_object, None,
         help='JSON of sampling defaults over --generation-config\'s, e.g. \'{"temperature": 0.5}\'')
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=_lora_modules_env(),
+                   metavar="NAME=PATH", help="LoRA adapters (PEFT directories) served beside the model, each "
+                   "picked by GenerateRequest.lora_name; implies --enable-lora [LLMSVC_LORA_MODULES]")
+    opt("--enable-lora", bool, help="accepted for vLLM command lines: adapters come from --lora-modules")
+    opt("--max-lora-rank", _positive_int, 16, help="largest LoRA rank accepted; adapter weights are padded to it")
     opt("--seed", int, 0, help="seed of the model's random initialisation and of the seeds given to sampled "
         "requests that set none (SamplingParams.seed)")
     opt("--max-num-seqs", int, 128, help="max requests running at once")
@@ -196,7 +224,16 @@ def build_config(args):
         tensor_parallel_size=args.tensor_parallel_size, device=args.device, engine_core=args.engine_core,
         grammar_compile_timeout_s=args.grammar_compile_timeout, grammar_cache_size=args.grammar_cache_size,
         async_scheduling=args.async_scheduling, stream_interval=args.stream_interval,
-        burst_wait_ms=args.burst_wait_ms, **_multi_node(args))
+        burst_wait_ms=args.burst_wait_ms, **_lora(args), **_multi_node(args))
+
+
+def _lora(args) -> dict:
+    modules = dict(args.lora_modules or ())
+    if len(modules) != len(args.lora_modules or ()):
+        raise ValueError("--lora-modules: each adapter name may appear once")
+    if not modules:
+        return {}
+    return {"lora_modules": modules, "max_lora_rank": args.max_lora_rank}
 
 
 def executor_name(args) -> str:

@@ -14,7 +14,8 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from llmsvc.engine.async_engine import EngineDeadError, EngineStepError, EngineStoppedError, OutputBacklogError
-from llmsvc.core.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, QueueFullError
+from llmsvc.core.errors import (DuplicateRequestError, InvalidRequestError, LoRANotFoundError, PromptTooLongError,
+                                QueueFullError)
 from llmsvc.structured.errors import ConstraintError
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,9 @@ def to_service_error(exc: BaseException) -> ServiceError:
         return constraint_error(exc)
     if isinstance(exc, PromptTooLongError):
         return prompt_too_long(exc.prompt_tokens, exc.max_model_len, exc.message)
+    if isinstance(exc, LoRANotFoundError):
+        return ServiceError(grpc.StatusCode.NOT_FOUND, exc.message, reason="LORA_NOT_FOUND", field="lora_name",
+                            metadata={"lora_name": exc.name})
     if isinstance(exc, InvalidRequestError):
         return invalid(proto_field(exc.field), exc.message)
     if isinstance(exc, DuplicateRequestError):

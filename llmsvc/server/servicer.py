@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from llmsvc.engine.output_stream import merge_delta
-from llmsvc.engine.validation import check_cache_salt
+from llmsvc.engine.validation import check_cache_salt, lora_id_of
 from llmsvc.server import errors
 from llmsvc.server.logging_setup import request_id_var, request_labels_var
 from llmsvc.server.prompt import encode, has_chat_template, render_chat
@@ -122,6 +122,8 @@ class LlmService(pb_grpc.LlmServiceServicer):
             check_labels(request.labels)
             cache_salt = request.cache_salt if request.HasField("cache_salt") else None
             check_cache_salt(cache_salt)
+            lora_name = request.lora_name if request.HasField("lora_name") else None
+            lora_id_of(lora_name, self.config.lora_config if self.config else None)  # before tokenizing: NOT_FOUND for an unknown name
             params = build_sampling_params(request, self.limits)
             prompt, ids = await off_loop_if_large(request, resolve_prompt, request, self.tokenizer, self.limits)
             check_prompt_fits(params, len(ids), self.limits)
@@ -131,7 +133,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
             # headers (the id, before prefill) once the engine took it: a refusal before then
             # is headers-free, so a client's retry policy can retry it (gRFC A6)
             gen = self.engine.generate(rid, ids, params, prompt=prompt, priority=request.priority,
-                                       cache_salt=cache_salt,
+                                       cache_salt=cache_salt, lora_name=lora_name,
                                        on_admitted=lambda: context.send_initial_metadata((("x-request-id", rid),)))
             tracker = self.metrics.track(params.n, dict(request.labels)) if self.metrics is not None else None
             try:
@@ -270,6 +272,9 @@ class LlmService(pb_grpc.LlmServiceServicer):
             resp.pad_token_id = mc.pad_token_id
         d = self.limits.default_sampling()
         resp.default_sampling.CopyFrom(pb.SamplingParams(n=1, **d))
+        lc = self.config.lora_config
+        for name, path in (lc.modules.items() if lc is not None else ()):
+            resp.lora_adapters.add(name=name, path=path, rank=lc.adapter_rank(name))
         return resp
 
     async def GetServerInfo(self, request, context):

@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "add_special_tokens", "sampling", "stopping", "output", "stream", "priority", "truncate_prompt_tokens", "labels", "cache_salt")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "add_special_tokens", "sampling", "stopping", "output", "stream", "priority", "truncate_prompt_tokens", "labels", "cache_salt", "lora_name")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class GenerateRequest(_message.Message):
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -45,7 +46,8 @@ class GenerateRequest(_message.Message):
     truncate_prompt_tokens: int
     labels: _containers.ScalarMap[str, str]
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., stream: _Optional[bool] = ..., priority: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., stream: _Optional[bool] = ..., priority: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -361,7 +363,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "served_model_name", "architecture", "dtype", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "pad_token_id", "has_chat_template", "default_sampling", "supported_constraints")
+    __slots__ = ("model_id", "served_model_name", "architecture", "dtype", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "pad_token_id", "has_chat_template", "default_sampling", "supported_constraints", "lora_adapters")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +376,7 @@ class GetModelInfoResponse(_message.Message):
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SUPPORTED_CONSTRAINTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     served_model_name: str
     architecture: str
@@ -386,7 +389,18 @@ class GetModelInfoResponse(_message.Message):
     has_chat_template: bool
     default_sampling: SamplingParams
     supported_constraints: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_id: _Optional[str] = ..., served_model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., supported_constraints: _Optional[_Iterable[str]] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, model_id: _Optional[str] = ..., served_model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., supported_constraints: _Optional[_Iterable[str]] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "rank")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()

@@ -20,6 +20,7 @@ class ModelInputs:
     sampling_req_ids: list[str]  # [S]: request of each sampling row
     # prompt logprobs: req_id -> (first flattened row, number of rows, first target prompt position)
     prompt_logprob_rows: dict[str, tuple[int, int, int]]
+    token_lora_slots: np.ndarray | None = None  # [T] adapter slot per token (-1: base); None: no adapter
 
 
 def build_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[str, int],
@@ -63,6 +64,8 @@ def build_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[str,
     row_of_token = np.repeat(np.arange(len(req_ids)), n_tok)
     slot_mapping = (block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
+    lora_ids = np.fromiter((states[r].lora_id for r in req_ids), dtype=np.int64, count=len(req_ids))
+    token_lora_slots = np.repeat(lora_ids - 1, n_tok) if lora_ids.any() else None
     as_t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
     meta = AttentionMetadata(
         slot_mapping=as_t(slot_mapping),
@@ -74,4 +77,4 @@ def build_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[str,
     )
     return ModelInputs(req_ids, as_t(input_ids), as_t(positions), meta,
                        torch.tensor(logits_rows, dtype=torch.int64, device=device),
-                       sampling_req_ids, prompt_rows)
+                       sampling_req_ids, prompt_rows, token_lora_slots)

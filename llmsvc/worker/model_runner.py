@@ -9,6 +9,7 @@ import torch
 from kernels.triton_ops import DEFAULT_DECODE_SPLIT
 from llmsvc.config import EngineConfig
 from llmsvc.models.llama import build_model, kv_cache_spec, to_torch_dtype
+from llmsvc.models.lora import create_lora_manager
 from llmsvc.models.parallel import get_tp_rank, get_tp_world_size
 from llmsvc.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmsvc.worker.graphs import capture_decode_graphs, graph_inputs
@@ -36,11 +37,13 @@ class ModelRunner:
         self.kv_pool: KVHostPool | None = None  # CPU: the mapping kv_caches view
         self.model: torch.nn.Module | None = None
         self.graph_runner = None  # CUDA only: replays captured decode steps
+        self.lora = None  # llmsvc.models.lora.LoRAManager when the config serves adapters
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
         mc = self.config.model_config
         self.model = build_model(mc, self.device, self.dtype)
+        self.lora = create_lora_manager(self.model, self.config.lora_config)
         n_params = sum(p.numel() for p in self.model.parameters())
         logger.info("loaded %s (%s, %.1fM params on this rank, %s, tp rank %d/%d) in %.1fs",
                     mc.served_model_name, mc.architecture, n_params / 1e6, mc.dtype,
@@ -115,7 +118,11 @@ class ModelRunner:
             return ModelRunnerOutput.make_empty() if get_tp_rank() == 0 else None
         inp = build_inputs(self.states, so.num_scheduled_tokens, self.block_size, self.device)
         n = len(inp.req_ids)
-        if self.graph_runner is not None and inp.meta.max_query_len == 1 and self.graph_runner.can_run(n):
+        if self.lora is not None:
+            self.lora.set_mapping(inp.token_lora_slots, self.device)
+        # graphs were captured without adapters: a step with one runs eagerly
+        if (self.graph_runner is not None and inp.meta.max_query_len == 1 and inp.token_lora_slots is None
+                and self.graph_runner.can_run(n)):
             hidden = self.graph_runner.run(graph_inputs(inp), n)  # [n, hidden]
         else:
             hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_caches)  # [T, hidden]

@@ -15,6 +15,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_id: int = 0  # 0: base model; else LoRAConfig's adapter id (slot lora_id - 1)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -23,7 +24,7 @@ class CachedRequestState:
     @classmethod
     def from_new(cls, r: NewRequestData) -> "CachedRequestState":
         return cls(r.req_id, len(r.prompt_token_ids), r.prompt_token_ids + r.output_token_ids,
-                   r.sampling_params, list(r.block_ids), r.num_computed_tokens)
+                   r.sampling_params, list(r.block_ids), r.num_computed_tokens, r.lora_id)
 
 
 class RequestStates(dict):

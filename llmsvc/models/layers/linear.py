@@ -42,6 +42,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None  # set by process_weights_after_loading
+        self.lora = None  # llmsvc.models.lora.LoRALayer where an adapter touches this layer
 
     def process_weights_after_loading(self) -> None:
         """Once the weights are final: pre-pack them for the CPU GEMM where that applies."""
@@ -51,7 +52,10 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias, self.packed_weight)
+        y = ops.linear(x, self.weight, self.bias, self.packed_weight)
+        if self.lora is not None:
+            self.lora.add_(y, x)
+        return y
 
 
 class ReplicatedLinear(LinearBase):
@@ -161,6 +165,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = ops.linear(x, self.weight, None, self.packed_weight)
+        if self.lora is not None:  # this rank's share of the update, summed by the all-reduce
+            self.lora.add_(y, x)
         if self.reduce_results and self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:

@@ -1,0 +1,202 @@
+"""LoRA adapters served beside the base model: greedy tokens equal Hugging Face's on the merged
+weights for every adapter, whatever the mix of adapters in a step (chunked prefills and decodes
+together), on uniproc, over gRPC with the engine core in its own process, and on two TP ranks;
+the prefix cache is per adapter; bad adapters fail at start-up and unknown names per request."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import grpc
+import pytest
+import torch
+
+from kernels import ops
+from llmsvc import LLM, LoRARequest, SamplingParams
+from llmsvc.client import Client
+from llmsvc.client.errors import LlmsvcError
+from llmsvc.config import EngineConfig, LoRAConfig
+from llmsvc.core.errors import LoRANotFoundError
+from llmsvc.engine.llm_engine import LLMEngine
+from llmsvc.engine.validation import lora_id_of
+from llmsvc.models.lora import create_lora_manager
+from llmsvc.server import cli
+from tests.lora_utils import make_lora_adapter, merged_hf_model
+from tests.model_utils import load_hf_model, load_our_model
+from tests.server_harness import EOS, ServerThread, make_tiny_served_model_dir
+
+PROMPTS = [[5 + (7 * i + j) % (EOS - 5) for i in range(10 + 3 * j)] for j in range(3)]
+MAX_NEW = 10
+# a 6-token budget: prompts are prefilled in chunks, beside other requests' decodes
+ENGINE = dict(block_size=4, num_kv_blocks_override=128, max_num_seqs=8, max_num_batched_tokens=6)
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(model dir, {adapter name: dir}, {None or name: [HF greedy tokens per prompt]})."""
+    root = tmp_path_factory.mktemp("lora")
+    model_dir = make_tiny_served_model_dir(root)
+    adapters = {
+        "all": make_lora_adapter(model_dir, str(root / "all"), rank=4, alpha=8.0, seed=1),
+        # another rank, a subset of modules, rsLoRA scaling and a per-module alpha
+        "some": make_lora_adapter(model_dir, str(root / "some"), rank=8, alpha=4.0, seed=2,
+                                  targets=("q_proj", "v_proj", "down_proj"), use_rslora=True,
+                                  alpha_pattern={"v_proj": 16.0}),
+    }
+    refs = {None: _hf_greedy(load_hf_model(model_dir))}
+    for name, path in adapters.items():
+        refs[name] = _hf_greedy(merged_hf_model(model_dir, path))
+    return model_dir, adapters, refs
+
+
+@torch.no_grad()
+def _hf_greedy(model) -> list[list[int]]:
+    out = []
+    for p in PROMPTS:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def _mix():
+    """(prompt index, adapter) pairs: every prompt under every adapter and the base model."""
+    return [(i, name) for name in (None, "all", "some") for i in range(len(PROMPTS))]
+
+
+def test_adapters_change_the_output(served):
+    _, _, refs = served
+    assert refs["all"] != refs[None] and refs["some"] != refs[None] and refs["all"] != refs["some"]
+
+
+def test_offline_mixed_batch_matches_hf_merged_weights(served):
+    model_dir, adapters, refs = served
+    llm = LLM(model=model_dir, lora_modules=adapters, max_lora_rank=8, **ENGINE)
+    try:
+        mix = _mix()
+        outs = llm.generate([PROMPTS[i] for i, _ in mix], GREEDY, use_tqdm=False,
+                            lora_request=[None if n is None else LoRARequest(n, 1, adapters[n]) for _, n in mix])
+        assert [list(o.outputs[0].token_ids) for o in outs] == [refs[n][i] for i, n in mix]
+        assert all(o.num_cached_tokens == 0 for o in outs)
+        # again: each prompt's full blocks come from the cache of its own adapter only
+        again = llm.generate([PROMPTS[i] for i, _ in mix], GREEDY, use_tqdm=False,
+                             lora_request=[n for _, n in mix])
+        assert [list(o.outputs[0].token_ids) for o in again] == [refs[n][i] for i, n in mix]
+        assert [o.num_cached_tokens for o in again] == [(len(PROMPTS[i]) - 1) // 4 * 4 for i, _ in mix]
+        with pytest.raises(ValueError, match="no LoRA adapter named 'nope'; served: all, some"):
+            llm.generate(PROMPTS[0], GREEDY, lora_request="nope", use_tqdm=False)
+        with pytest.raises(ValueError, match="is served from"):
+            llm.generate(PROMPTS[0], GREEDY, lora_request=LoRARequest("all", 1, "/elsewhere"), use_tqdm=False)
+        assert not llm.llm_engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
+
+
+def test_tensor_parallel_mixed_batch_matches_hf(served):
+    model_dir, adapters, refs = served
+    llm = LLM(model=model_dir, lora_modules=adapters, max_lora_rank=8, tensor_parallel_size=2,
+              executor="tp", **ENGINE)
+    try:
+        mix = _mix()
+        outs = llm.generate([PROMPTS[i] for i, _ in mix], GREEDY, use_tqdm=False, lora_request=[n for _, n in mix])
+        assert [list(o.outputs[0].token_ids) for o in outs] == [refs[n][i] for i, n in mix]
+    finally:
+        llm.shutdown()
+
+
+def test_grpc_lora_name_and_model_info(served):
+    model_dir, adapters, refs = served
+    config = EngineConfig.from_options(model=model_dir, engine_core="process", log_stats_interval_s=0.0,
+                                       lora_modules=adapters, max_lora_rank=8, **ENGINE)
+    with ServerThread(lambda: LLMEngine.from_config(config)) as srv, Client(srv.address, timeout=60) as c:
+        info = c.model_info()
+        assert [(a.name, a.path, a.rank) for a in info.lora_adapters] == [
+            ("all", adapters["all"], 4), ("some", adapters["some"], 8)]
+        for name in ("some", None, "all"):
+            got = c.generate(PROMPTS[1], max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, lora_name=name)
+            assert list(got.token_ids) == refs[name][1]
+        with pytest.raises(LlmsvcError) as ei:
+            c.generate(PROMPTS[0], max_tokens=2, lora_name="nope")
+        assert ei.value.code == grpc.StatusCode.NOT_FOUND and ei.value.reason == "LORA_NOT_FOUND"
+        assert "served: all, some" in ei.value.message and ei.value.field_violations[0][0] == "lora_name"
+        info = c.server_info()
+        assert info.num_free_kv_blocks == info.num_kv_blocks and info.num_running == 0
+
+
+def test_lora_name_without_adapters_is_unknown():
+    with pytest.raises(LoRANotFoundError, match="served: none"):
+        lora_id_of("x", None)
+    assert lora_id_of(None, None) == 0
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"use_dora": True}, "use_dora not supported"),
+    ({"bias": "all"}, "bias not supported"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save not supported"),
+])
+def test_unsupported_adapter_kinds_fail_at_load(served, tmp_path, change, message):
+    model_dir = served[0]
+    bad = make_lora_adapter(model_dir, str(tmp_path / "bad"), **change)
+    with pytest.raises(ValueError, match=message):
+        create_lora_manager(load_our_model(model_dir), LoRAConfig({"bad": bad}))
+
+
+def test_adapter_errors_name_the_problem(served, tmp_path):
+    model_dir = served[0]
+    model = load_our_model(model_dir)
+    big = make_lora_adapter(model_dir, str(tmp_path / "big"), rank=32)
+    with pytest.raises(ValueError, match="rank 32, above --max-lora-rank 16"):
+        create_lora_manager(model, LoRAConfig({"big": big}))
+    head = make_lora_adapter(model_dir, str(tmp_path / "head"), targets=("lm_head",))
+    with pytest.raises(ValueError, match="'lm_head' is not a linear layer of this model"):
+        create_lora_manager(model, LoRAConfig({"head": head}))
+    with pytest.raises(FileNotFoundError, match="no adapter_config.json"):
+        create_lora_manager(model, LoRAConfig({"none": str(tmp_path)}))
+    # a start-up with a bad adapter fails with that message, before serving anything
+    with pytest.raises(ValueError, match="above --max-lora-rank"):
+        LLM(model=model_dir, lora_modules={"big": big}, **ENGINE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True])
+def test_lora_add_matches_dense_update(dtype, packed):
+    """Mixed slots (and base tokens), one slot for every token; the CPU packed-GEMM path and the
+    torch reference alike."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(7, 64, generator=g).to(dtype), torch.randn(7, 96, generator=g).to(dtype)
+    a = (torch.randn(3, 16, 64, generator=g) / 8).to(dtype)  # an O(1) update, as a trained adapter gives
+    b = (torch.randn(3, 96, 16, generator=g) / 4).to(dtype)
+    packs = [(ops.pack_linear_weight(a[s]), ops.pack_linear_weight(b[s])) for s in range(3)] if packed else None
+    xf, yf, af, bf = x.float(), y.float(), a.float(), b.float()
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+    slots = [2, -1, 0, 2, 0, -1, 2]
+    expect = yf.clone()
+    for t, s in enumerate(slots):
+        if s >= 0:
+            expect[t] += bf[s] @ (af[s] @ xf[t])
+    got = y.clone()
+    ops.lora_add_(got, x, a, b, [(0, torch.tensor([2, 4])), (2, torch.tensor([0, 3, 6]))], packs)
+    torch.testing.assert_close(got.float(), expect, **tol)
+    got = y.clone()
+    ops.lora_add_(got, x, a, b, [(1, None)], packs)
+    torch.testing.assert_close(got.float(), yf + xf @ (bf[1] @ af[1]).T, **tol)
+
+
+def test_cli_lora_flags(monkeypatch, tmp_path):
+    def parse(argv):
+        p = argparse.ArgumentParser()
+        cli.add_arguments(p)
+        return p.parse_args(argv)
+
+    args = parse(["m", "--enable-lora", "--lora-modules", "a=/x", json.dumps({"name": "b", "path": "/y"}),
+                  "--max-lora-rank", "32"])
+    config = cli.build_config(args)
+    assert config.lora_config == LoRAConfig({"a": "/x", "b": "/y"}, 32)
+    assert config.lora_config.lora_id("b") == 2 and config.lora_config.lora_id("c") is None
+    assert cli.build_config(parse(["m"])).lora_config is None
+    monkeypatch.setenv("LLMSVC_LORA_MODULES", "a=/x, b=/y")
+    assert cli.build_config(parse(["m"])).lora_config.modules == {"a": "/x", "b": "/y"}
+    with pytest.raises(SystemExit):
+        parse(["m", "--lora-modules", "nameonly"])
+    with pytest.raises(ValueError, match="once"):
+        cli.build_config(parse(["m", "--lora-modules", "a=/x", "a=/y"]))
