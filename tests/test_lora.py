@@ -1,6 +1,6 @@
 """LoRA adapters served beside the base model: greedy tokens equal Hugging Face's on the merged
 weights for every adapter, whatever the mix of adapters in a step (chunked prefills and decodes
-together), on uniproc, over gRPC with the engine core in its own process, and on two TP ranks;
+together), on every executor and over gRPC with the engine core in its own process;
 the prefix cache is per adapter; bad adapters fail at start-up and unknown names per request."""
 from __future__ import annotations
 
@@ -92,10 +92,11 @@ def test_offline_mixed_batch_matches_hf_merged_weights(served):
         llm.shutdown()
 
 
-def test_tensor_parallel_mixed_batch_matches_hf(served):
+@pytest.mark.parametrize("executor, tp", [("multiproc", 1), ("tp", 2)])
+def test_worker_executors_mixed_batch_matches_hf(served, executor, tp):
     model_dir, adapters, refs = served
-    llm = LLM(model=model_dir, lora_modules=adapters, max_lora_rank=8, tensor_parallel_size=2,
-              executor="tp", **ENGINE)
+    llm = LLM(model=model_dir, lora_modules=adapters, max_lora_rank=8, tensor_parallel_size=tp,
+              executor=executor, **ENGINE)
     try:
         mix = _mix()
         outs = llm.generate([PROMPTS[i] for i, _ in mix], GREEDY, use_tqdm=False, lora_request=[n for _, n in mix])
