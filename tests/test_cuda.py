@@ -248,3 +248,21 @@ def test_async_scheduling_on_cuda_matches_sync(model_dir, reference, cuda_sync, 
 
 def test_grpc_async_core_process_on_cuda(model_dir, reference):
     check_grpc_async_core_process(model_dir, reference, device="cuda")
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_lora_mixed_batch_on_cuda_matches_hf(tmp_path_factory, enforce_eager):
+    """LoRA on the GPU: adapter steps eager, base-only decode steps in CUDA graphs, tokens as
+    test_lora.py's HF references on merged weights."""
+    from test_lora import ENGINE, GREEDY, PROMPTS, _mix, build_served
+
+    model_dir, adapters, refs = build_served(tmp_path_factory.mktemp("lora"))
+    from llmsvc import LLM
+    llm = LLM(model=model_dir, lora_modules=adapters, max_lora_rank=8, device="cuda",
+              enforce_eager=enforce_eager, **ENGINE)
+    try:
+        mix = _mix()
+        outs = llm.generate([PROMPTS[i] for i, _ in mix], GREEDY, use_tqdm=False, lora_request=[n for _, n in mix])
+        assert [list(o.outputs[0].token_ids) for o in outs] == [refs[n][i] for i, n in mix]
+    finally:
+        llm.shutdown()

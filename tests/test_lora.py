@@ -34,8 +34,11 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
+    return build_served(tmp_path_factory.mktemp("lora"))
+
+
+def build_served(root):
     """(model dir, {adapter name: dir}, {None or name: [HF greedy tokens per prompt]})."""
-    root = tmp_path_factory.mktemp("lora")
     model_dir = make_tiny_served_model_dir(root)
     adapters = {
         "all": make_lora_adapter(model_dir, str(root / "all"), rank=4, alpha=8.0, seed=1),

@@ -159,9 +159,9 @@ class LlmService(pb_grpc.LlmServiceServicer):
             finally:
                 await gen.aclose()
             if tracker is not None and self.log_requests:
-                logger.info("request %s finished: %s; %d prompt tokens, %d generated", rid,
+                logger.info("request %s finished: %s; %d prompt tokens, %d generated%s", rid,
                             ",".join(tracker.reasons[i] for i in sorted(tracker.reasons)) or "-", len(ids),
-                            tracker.num_generated)
+                            tracker.num_generated, f"; LoRA {lora_name}" if lora_name else "")
         except (asyncio.CancelledError, GeneratorExit):
             code = grpc.StatusCode.CANCELLED
             if tracker is not None:
