@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 from collections.abc import Sequence
 
@@ -127,18 +128,30 @@ class LLM:
         return [done[i] for i in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, **template_kwargs) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+             add_generation_prompt: bool | None = None, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             lora_request=None, **template_kwargs) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate (vLLM's
+        arguments: add_generation_prompt defaults to not continue_final_message; tools and
+        chat_template_kwargs reach the template; lora_request as for generate)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message cannot be combined with add_generation_prompt=True")
+        add_gen = not continue_final_message if add_generation_prompt is None else add_generation_prompt
+        extra = {**(chat_template_kwargs or {}), **template_kwargs}
+        if tools:
+            extra["tools"] = tools
+        if continue_final_message:
+            extra["continue_final_message"] = True
         tok = self.get_tokenizer()
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in convs:
-            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                          **template_kwargs)
+            conv = [_parsed_tool_calls(m) for m in conv]
+            ids = tok.apply_chat_template(conv, add_generation_prompt=add_gen, tokenize=True, **extra)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             prompts.append(list(ids))
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
@@ -171,6 +184,22 @@ def _lora_name(request, lora_config) -> str | None:
                              "adapters are loaded when the LLM starts (lora_modules)")
         return request.lora_name
     raise TypeError(f"lora_request must be a name, a LoRARequest or None, got {type(request).__name__}")
+
+
+def _parsed_tool_calls(message: dict) -> dict:
+    """OpenAI's tool calls carry their arguments as JSON text; templates write them with tojson
+    and expect an object (as the gRPC server hands them over)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = []
+    for c in calls:
+        fn = c.get("function", {})
+        if isinstance(fn.get("arguments"), str):
+            fn = {**fn, "arguments": json.loads(fn["arguments"]) if fn["arguments"] else {}}
+            c = {**c, "function": fn}
+        out.append(c)
+    return {**message, "tool_calls": out}
 
 
 def _prompt_parts(prompt, tok) -> tuple[str | None, list[int]]:

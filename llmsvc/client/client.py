@@ -151,7 +151,8 @@ class Client(ClientBase):
     def tokenize(self, text: str | None = None, *, messages=None, timeout: float | None = _UNSET,
                  **kwargs) -> pb.TokenizeResponse:
         """Tokenize text (or chat messages); kwargs: add_special_tokens, add_generation_prompt,
-        return_offsets, return_pieces."""
+        return_offsets, return_pieces, and for chat continue_final_message, tools,
+        chat_template_kwargs."""
         return self._unary(self.stub.Tokenize, build_tokenize_request(text, messages=messages, **kwargs), timeout)
 
     def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None,

@@ -31,7 +31,8 @@ _SAMPLING = _field_names(pb.SamplingParams)
 _STOPPING = _field_names(pb.StoppingCriteria)
 _OUTPUT = _field_names(pb.OutputOptions) - _OUTPUT_ONLY_VIA_DICT
 
-GENERATE_KWARGS = frozenset(_SAMPLING | _STOPPING | _OUTPUT | _TOP_LEVEL | {"add_generation_prompt"})
+_CHAT = {"add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs"}
+GENERATE_KWARGS = frozenset(_SAMPLING | _STOPPING | _OUTPUT | _TOP_LEVEL | _CHAT)
 
 
 def _fill(msg, values: Mapping[str, Any]) -> None:
@@ -82,17 +83,40 @@ def _as_section(value, cls):
 
 
 def chat_messages(messages: ChatMessages) -> list[pb.ChatMessage]:
-    """Accept [{"role":..,"content":..}], [("role", "content")] or ChatMessage objects."""
+    """Accept [{"role":..,"content":..}] (OpenAI's message dicts: also name, tool_call_id and
+    tool_calls [{"id", "function": {"name", "arguments"}}], arguments as JSON text or a dict),
+    [("role", "content")] or ChatMessage objects."""
     out = []
     for m in messages:
         if isinstance(m, pb.ChatMessage):
             out.append(m)
         elif isinstance(m, Mapping):
-            out.append(pb.ChatMessage(role=m["role"], content=m["content"]))
+            msg = pb.ChatMessage(role=m["role"], content=m.get("content") or "")
+            for key in ("name", "tool_call_id"):
+                if m.get(key) is not None:
+                    setattr(msg, key, m[key])
+            for call in m.get("tool_calls") or ():
+                fn = call.get("function", call)
+                args = fn.get("arguments", "")
+                msg.tool_calls.add(id=call.get("id", ""), name=fn["name"],
+                                   arguments=args if isinstance(args, str) else json.dumps(args))
+            out.append(msg)
         else:
             role, content = m
             out.append(pb.ChatMessage(role=role, content=content))
     return out
+
+
+def _fill_chat(chat: pb.ChatPrompt, messages: ChatMessages, fields: Mapping[str, Any]) -> None:
+    chat.messages.extend(chat_messages(messages))
+    if fields.get("add_generation_prompt") is not None:
+        chat.add_generation_prompt = fields["add_generation_prompt"]
+    if fields.get("continue_final_message"):
+        chat.continue_final_message = True
+    for tool in fields.get("tools") or ():
+        chat.tools.add().update(tool)
+    if fields.get("chat_template_kwargs"):
+        chat.chat_template_kwargs.update(fields["chat_template_kwargs"])
 
 
 def build_generate_request(
@@ -121,15 +145,14 @@ def build_generate_request(
                         f"valid: {sorted(GENERATE_KWARGS)}")
     req = pb.GenerateRequest(request_id=request_id or "", stream=stream)
     if messages is not None:
-        req.chat.messages.extend(chat_messages(messages))
-        if fields.get("add_generation_prompt") is not None:
-            req.chat.add_generation_prompt = fields["add_generation_prompt"]
+        _fill_chat(req.chat, messages, fields)
     elif isinstance(prompt, str):
         req.text = prompt
     else:
         req.token_ids.ids.extend(int(t) for t in prompt)
-    if fields.get("add_generation_prompt") is not None and messages is None:
-        raise TypeError("add_generation_prompt applies to chat messages only")
+    misplaced = sorted(k for k in _CHAT if fields.get(k) is not None) if messages is None else []
+    if misplaced:
+        raise TypeError(f"{', '.join(misplaced)} apply to chat messages only")
 
     sections = {
         "sampling": (_as_section(sampling, pb.SamplingParams), _SAMPLING),
@@ -152,15 +175,17 @@ def build_tokenize_request(
     add_generation_prompt: bool | None = None,
     return_offsets: bool = False,
     return_pieces: bool = False,
+    **chat: Any,
 ) -> pb.TokenizeRequest:
-    """A TokenizeRequest for text or chat messages."""
+    """A TokenizeRequest for text or chat messages (chat: continue_final_message, tools,
+    chat_template_kwargs, as for generate)."""
     if (text is None) == (messages is None):
         raise TypeError("give exactly one of text or messages")
+    if set(chat) - _CHAT:
+        raise TypeError(f"unknown tokenize arguments {sorted(set(chat) - _CHAT)}")
     req = pb.TokenizeRequest(return_offsets=return_offsets, return_pieces=return_pieces)
     if messages is not None:
-        req.chat.messages.extend(chat_messages(messages))
-        if add_generation_prompt is not None:
-            req.chat.add_generation_prompt = add_generation_prompt
+        _fill_chat(req.chat, messages, {**chat, "add_generation_prompt": add_generation_prompt})
     else:
         req.text = text
     if add_special_tokens is not None:

@@ -1,7 +1,10 @@
 """Prompt input (text | token ids | chat) -> (prompt text, prompt token ids), with truncation."""
 from __future__ import annotations
 
+import json
+
 import grpc
+from google.protobuf import json_format
 
 from llmsvc.server.errors import ServiceError, invalid
 from llmsvc.server.validation import ModelLimits, check_chat, check_token_ids
@@ -13,18 +16,56 @@ def has_chat_template(tokenizer) -> bool:
 
 def render_chat(tokenizer, chat, field_prefix: str = "chat") -> str:
     """Apply the model's chat template; FAILED_PRECONDITION if it has none."""
-    check_chat(chat.messages, field_prefix)
+    check_chat(chat, field_prefix)
     if not has_chat_template(tokenizer):
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                            "this model has no chat template: send `text` or `token_ids` instead, "
                            "or start the server with --chat-template",
                            reason="NO_CHAT_TEMPLATE")
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-    add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    messages = [_message(m, f"{field_prefix}.messages[{i}]") for i, m in enumerate(chat.messages)]
+    cont = chat.continue_final_message
+    add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not cont
+    kwargs = _struct(chat.chat_template_kwargs) if chat.HasField("chat_template_kwargs") else {}
+    if chat.tools:
+        kwargs["tools"] = [_struct(t) for t in chat.tools]
+    if cont:
+        kwargs["continue_final_message"] = True
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, tokenize=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, tokenize=False, **kwargs)
     except Exception as e:  # jinja raise_exception(...) in templates: bad role order etc.
         raise invalid(f"{field_prefix}.messages", f"the chat template rejected the messages: {e}") from None
+
+
+def _struct(s) -> dict:
+    """A Struct as a dict with every object's keys sorted: a Struct keeps no key order (nor
+    a stable one between parses), and the same request must render the same prompt."""
+    def ordered(v):
+        if isinstance(v, dict):
+            return {k: ordered(v[k]) for k in sorted(v)}
+        return [ordered(x) for x in v] if isinstance(v, list) else v
+    return ordered(json_format.MessageToDict(s))
+
+
+def _message(m, field: str) -> dict:
+    """A ChatMessage as the dict chat templates read (OpenAI's shape; tool-call arguments parsed
+    to an object, as templates that write them with `tojson` expect)."""
+    out = {"role": m.role, "content": m.content}
+    if m.HasField("name"):
+        out["name"] = m.name
+    if m.HasField("tool_call_id"):
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for j, c in enumerate(m.tool_calls):
+            try:
+                args = json.loads(c.arguments) if c.arguments else {}
+            except ValueError as e:
+                raise invalid(f"{field}.tool_calls[{j}].arguments", f"not JSON: {e}") from None
+            if not isinstance(args, dict):
+                raise invalid(f"{field}.tool_calls[{j}].arguments", "must be a JSON object")
+            calls.append({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": args}})
+        out["tool_calls"] = calls
+    return out
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:

@@ -73,13 +73,32 @@ def check_labels(labels) -> None:
         raise invalid("labels", f"at most {MAX_LABELS} labels, got {len(labels)}")
 
 
-def check_chat(messages, field_prefix: str = "chat") -> None:
+MAX_TOOLS = 128
+# apply_chat_template's own parameters: not template variables a request may set
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_chat(chat, field_prefix: str = "chat") -> None:
+    messages = chat.messages
     if not messages:
         raise invalid(f"{field_prefix}.messages", "must contain at least one message")
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
             raise invalid(f"{field_prefix}.messages[{i}].role",
                           f"must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}")
+    if chat.continue_final_message and chat.HasField("add_generation_prompt") and chat.add_generation_prompt:
+        raise invalid(f"{field_prefix}.continue_final_message",
+                      "cannot be combined with add_generation_prompt=true (one opens a new turn, the other "
+                      "continues the last)")
+    if len(chat.tools) > MAX_TOOLS:
+        raise invalid(f"{field_prefix}.tools", f"at most {MAX_TOOLS} tools, got {len(chat.tools)}")
+    reserved = sorted(set(chat.chat_template_kwargs.fields) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise invalid(f"{field_prefix}.chat_template_kwargs",
+                      f"{', '.join(reserved)} cannot be set here (use the request's own fields)")
 
 
 def check_token_ids(name: str, ids, vocab_size: int) -> None:
