@@ -46,6 +46,11 @@ class Executor(ABC):
 
         Raises ExecutorError if a worker has died or failed (non_block: the future's result does)."""
 
+    def collective_rpc(self, method: str, *args):
+        """Worker.<method>(*args) on every worker, in order with the steps submitted before it;
+        rank 0's result. (LoRA adapter loading; raises ExecutorError if a worker fails.)"""
+        raise NotImplementedError(f"{self.name} executor has no collective_rpc")
+
     @abstractmethod
     def check_health(self) -> None:
         """Raise ExecutorError if any worker is dead."""

@@ -185,6 +185,9 @@ class MultiprocExecutor(Executor):
             if future is until:
                 return
 
+    def collective_rpc(self, method: str, *args):
+        return self._call(method, *args)
+
     def execute_stats(self) -> dict:
         """Rank 0's {"num_steps", "execute_time_s"} (benchmarks: IPC overhead = driver time - this)."""
         return self._call("execute_stats")

@@ -46,6 +46,11 @@ class UniprocExecutor(Executor):
         future = self._model_thread.submit(self.worker.execute_model, scheduler_output)
         return future if non_block else future.result()
 
+    def collective_rpc(self, method: str, *args):
+        if self._model_thread is not None:  # after the steps in flight
+            return self._model_thread.submit(getattr(self.worker, method), *args).result()
+        return getattr(self.worker, method)(*args)
+
     def execute_stats(self) -> dict:
         """The worker's {"num_steps", "execute_time_s"} (benchmarks: IPC overhead = driver time - this)."""
         return self.worker.execute_stats()

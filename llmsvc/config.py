@@ -115,29 +115,25 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 @dataclass
 class LoRAConfig:
-    """LoRA adapters served beside the base model, each loaded once at start-up into every worker.
+    """LoRA adapters served beside the base model: `modules` are loaded at start-up into every
+    worker, more may be loaded (and unloaded) while serving, up to max_loras at a time.
 
-    A request names one (GenerateRequest.lora_name); its id is its position here plus 1 (0: the
-    base model). Adapters of every rank up to max_lora_rank may share a step."""
+    A request names one (GenerateRequest.lora_name); a start-up adapter's id is its position
+    here plus 1 (0: the base model). Adapters of every rank up to max_lora_rank may share a step."""
     modules: dict[str, str] = field(default_factory=dict)  # name -> PEFT adapter directory
     max_lora_rank: int = 16
+    max_loras: int = 0  # adapter slots in every worker; 0: as many as `modules`, at least 1
 
     def __post_init__(self) -> None:
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_loras == 0:
+            self.max_loras = max(1, len(self.modules))
+        if self.max_loras < len(self.modules):
+            raise ValueError(f"max_loras ({self.max_loras}) must hold the {len(self.modules)} LoRA modules")
         for name, path in self.modules.items():
             if not name or not path:
                 raise ValueError(f"a LoRA module needs a name and a path, got {name!r}={path!r}")
-
-    def adapter_rank(self, name: str) -> int:
-        """The r of adapter `name`'s adapter_config.json (0 if it cannot be read)."""
-        import json
-        import os
-        try:
-            with open(os.path.join(self.modules[name], "adapter_config.json")) as f:
-                return int(json.load(f).get("r", 0))
-        except (OSError, ValueError, KeyError, TypeError):
-            return 0
 
     def lora_id(self, name: str) -> int | None:
         """1-based id of the adapter called `name`, None if there is none."""
@@ -177,13 +173,15 @@ class EngineConfig:
         model, cache, scheduler, parallel). None means "the default"; `kv_cache_memory` takes a
         size ("2GiB", parse_memory). TypeError for a name no section has; ValueError for a
         logprobs_mode that is not one of LOGPROBS_MODES. `lora_modules` ({name: path}) and
-        `max_lora_rank` build the LoRAConfig; `enable_lora` alone builds an empty one."""
+        `max_lora_rank` and `max_loras` build the LoRAConfig; `enable_lora` alone builds one with
+        no start-up adapters (they are loaded later)."""
         config = cls()
-        lora = {k: options.pop(k) for k in ("lora_modules", "max_lora_rank", "enable_lora") if k in options}
+        lora = {k: options.pop(k) for k in ("lora_modules", "max_lora_rank", "max_loras", "enable_lora")
+                if k in options}
         if lora.get("lora_modules") or lora.get("enable_lora"):
             config.lora_config = LoRAConfig(dict(lora.get("lora_modules") or {}),
-                                            **({} if lora.get("max_lora_rank") is None
-                                               else {"max_lora_rank": lora["max_lora_rank"]}))
+                                            **{k: lora[k] for k in ("max_lora_rank", "max_loras")
+                                               if lora.get(k) is not None})
         sections = (config, config.model_config, config.cache_config, config.scheduler_config,
                     config.parallel_config)
         for key, value in options.items():

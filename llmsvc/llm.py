@@ -37,6 +37,7 @@ class LLM:
 
         self.llm_engine = LLMEngine.from_config(config)
         self._counter = itertools.count()
+        self._lora_use: list[str] = []  # adapter names, least recently used first
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -70,7 +71,7 @@ class LLM:
         loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
-        loras = [_lora_name(r, self.llm_engine.config.lora_config) for r in loras]
+        loras = self._resolve_loras(loras)
         tok = self.get_tokenizer()
         engine = self.llm_engine
         self._compile_constraints(sampling_params)
@@ -91,6 +92,40 @@ class LLM:
             while engine.has_unfinished_requests():  # drain the abort outputs; frees every block
                 engine.step()
             raise
+
+    def _resolve_loras(self, requests: list) -> list[str | None]:
+        """Adapter names for the prompts. A LoRARequest of an adapter not loaded yet loads it, as
+        vLLM's LLM does (LLM(enable_lora=True, max_loras=N)); when the slots are full, the adapter
+        used longest ago that this call does not need is unloaded first. A LoRARequest naming a
+        loaded adapter with another path is refused."""
+        names = []
+        for r in requests:
+            if r is not None and not isinstance(r, str) and not hasattr(r, "lora_name"):
+                raise TypeError(f"lora_request must be a name, a LoRARequest or None, got {type(r).__name__}")
+            names.append(r if r is None or isinstance(r, str) else r.lora_name)
+        engine, needed = self.llm_engine, {n for n in names if n is not None}
+        for r in requests:
+            if r is None or isinstance(r, str) or not getattr(r, "lora_path", ""):
+                continue
+            loaded = {e.name: e for e in engine.loras.entries()}
+            if r.lora_name in loaded:
+                if os.path.realpath(r.lora_path) != os.path.realpath(loaded[r.lora_name].path):
+                    raise ValueError(f"LoRA adapter {r.lora_name!r} is loaded from {loaded[r.lora_name].path}, "
+                                     f"not {r.lora_path}")
+                continue
+            cfg = engine.config.lora_config
+            if cfg is not None and len(loaded) >= cfg.max_loras:
+                idle = [n for n in self._lora_use if n in loaded and n not in needed]
+                if not idle:
+                    raise ValueError(f"this call needs {len(needed)} LoRA adapters; max_loras is {cfg.max_loras}")
+                engine.remove_lora(idle[0])
+                self._lora_use.remove(idle[0])
+            engine.add_lora(r.lora_name, r.lora_path)
+        for n in needed:  # most recently used last
+            if n in self._lora_use:
+                self._lora_use.remove(n)
+            self._lora_use.append(n)
+        return names
 
     def _compile_constraints(self, sampling_params: Sequence[SamplingParams]) -> None:
         """Compile every distinct structured-output constraint (in parallel, in the engine's
@@ -165,25 +200,11 @@ class LLM:
 
 @dataclasses.dataclass(frozen=True)
 class LoRARequest:
-    """vLLM's LoRARequest shape. The adapter must be one the LLM serves (lora_modules): it is
-    picked by lora_name; lora_int_id and lora_path are accepted for compatibility, and a
-    lora_path other than the served one's is refused."""
+    """vLLM's LoRARequest: the adapter called lora_name, loaded from lora_path when the LLM does
+    not serve it yet (lora_int_id is accepted for compatibility; the engine numbers adapters)."""
     lora_name: str
     lora_int_id: int = 0
     lora_path: str = ""
-
-
-def _lora_name(request, lora_config) -> str | None:
-    if request is None or isinstance(request, str):
-        return request
-    if isinstance(request, LoRARequest) or hasattr(request, "lora_name"):
-        path = getattr(request, "lora_path", "") or ""
-        served = lora_config.modules.get(request.lora_name) if lora_config is not None else None
-        if path and served is not None and os.path.realpath(path) != os.path.realpath(served):
-            raise ValueError(f"LoRA adapter {request.lora_name!r} is served from {served}, not {path}; "
-                             "adapters are loaded when the LLM starts (lora_modules)")
-        return request.lora_name
-    raise TypeError(f"lora_request must be a name, a LoRARequest or None, got {type(request).__name__}")
 
 
 def _parsed_tool_calls(message: dict) -> dict:

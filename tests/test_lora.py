@@ -16,9 +16,10 @@ from llmsvc import LLM, LoRARequest, SamplingParams
 from llmsvc.client import Client
 from llmsvc.client.errors import LlmsvcError
 from llmsvc.config import EngineConfig, LoRAConfig
-from llmsvc.core.errors import LoRANotFoundError
+from llmsvc.core.errors import LoRAAdminError, LoRANotFoundError
 from llmsvc.engine.llm_engine import LLMEngine
-from llmsvc.engine.validation import lora_id_of
+from llmsvc.engine.lora_registry import LoRARegistry
+
 from llmsvc.models.lora import create_lora_manager
 from llmsvc.server import cli
 from tests.lora_utils import make_lora_adapter, merged_hf_model
@@ -72,9 +73,10 @@ def test_adapters_change_the_output(served):
     assert refs["all"] != refs[None] and refs["some"] != refs[None] and refs["all"] != refs["some"]
 
 
-def test_offline_mixed_batch_matches_hf_merged_weights(served):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_offline_mixed_batch_matches_hf_merged_weights(served, async_scheduling):
     model_dir, adapters, refs = served
-    llm = LLM(model=model_dir, lora_modules=adapters, max_lora_rank=8, **ENGINE)
+    llm = LLM(model=model_dir, lora_modules=adapters, max_lora_rank=8, async_scheduling=async_scheduling, **ENGINE)
     try:
         mix = _mix()
         outs = llm.generate([PROMPTS[i] for i, _ in mix], GREEDY, use_tqdm=False,
@@ -88,7 +90,7 @@ def test_offline_mixed_batch_matches_hf_merged_weights(served):
         assert [o.num_cached_tokens for o in again] == [(len(PROMPTS[i]) - 1) // 4 * 4 for i, _ in mix]
         with pytest.raises(ValueError, match="no LoRA adapter named 'nope'; served: all, some"):
             llm.generate(PROMPTS[0], GREEDY, lora_request="nope", use_tqdm=False)
-        with pytest.raises(ValueError, match="is served from"):
+        with pytest.raises(ValueError, match="is loaded from"):
             llm.generate(PROMPTS[0], GREEDY, lora_request=LoRARequest("all", 1, "/elsewhere"), use_tqdm=False)
         assert not llm.llm_engine.has_unfinished_requests()
     finally:
@@ -127,10 +129,99 @@ def test_grpc_lora_name_and_model_info(served):
         assert info.num_free_kv_blocks == info.num_kv_blocks and info.num_running == 0
 
 
+def test_offline_lora_requests_load_and_swap_adapters(served):
+    """vLLM's LLM loads the adapter a LoRARequest names; with one slot, the next one swaps it out."""
+    model_dir, adapters, refs = served
+    llm = LLM(model=model_dir, enable_lora=True, max_loras=1, max_lora_rank=8, **ENGINE)
+    try:
+        for name in ("all", "some", "all"):
+            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=LoRARequest(name, 1, adapters[name]))
+            assert [list(o.outputs[0].token_ids) for o in outs] == refs[name]
+            assert [e.name for e in llm.llm_engine.loras.entries()] == [name]
+        # a reload under the same name never reuses the earlier load's cached blocks
+        assert all(o.num_cached_tokens == 0 for o in outs)
+        with pytest.raises(ValueError, match="needs 2 LoRA adapters; max_loras is 1"):
+            llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False,
+                         lora_request=[LoRARequest(n, 1, adapters[n]) for n in ("all", "some")])
+    finally:
+        llm.shutdown()
+
+
+def test_grpc_load_and_unload_adapters_while_serving(served):
+    model_dir, adapters, refs = served
+    config = EngineConfig.from_options(model=model_dir, engine_core="process", log_stats_interval_s=0.0,
+                                       enable_lora=True, max_loras=2, max_lora_rank=8, **ENGINE)
+    with ServerThread(lambda: LLMEngine.from_config(config), admin_tokens=["root"]) as srv, \
+            Client(srv.address, timeout=60, token="root") as c:
+        def code(call, *args):
+            with pytest.raises(LlmsvcError) as ei:
+                call(*args)
+            return ei.value.code, ei.value.reason
+
+        assert list(c.model_info().lora_adapters) == []
+        assert code(lambda: c.generate(PROMPTS[0], max_tokens=2, lora_name="all")) == (
+            grpc.StatusCode.NOT_FOUND, "LORA_NOT_FOUND")
+        a = c.load_lora_adapter("all", adapters["all"])
+        assert (a.name, a.path, a.rank) == ("all", adapters["all"], 4)
+        first = c.generate(PROMPTS[2], max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, lora_name="all")
+        assert list(first.token_ids) == refs["all"][2]
+        assert code(c.load_lora_adapter, "all", adapters["some"]) == (grpc.StatusCode.ALREADY_EXISTS, "LORA_EXISTS")
+        c.load_lora_adapter("some", adapters["some"])
+        assert code(c.load_lora_adapter, "third", adapters["some"]) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED, "LORA_SLOTS_FULL")
+        c.unload_lora_adapter("some")
+        assert [x.name for x in c.model_info().lora_adapters] == ["all"]
+        assert code(c.unload_lora_adapter, "some") == (grpc.StatusCode.NOT_FOUND, "LORA_NOT_FOUND")
+        bad = code(c.load_lora_adapter, "broken", "/no/such/adapter")
+        assert bad == (grpc.StatusCode.INVALID_ARGUMENT, "LORA_LOAD_FAILED")
+        # the name "all" now means other weights: nothing cached under the old load is reused
+        c.unload_lora_adapter("all")
+        c.load_lora_adapter("all", adapters["some"])
+        again = c.generate(PROMPTS[2], max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, lora_name="all")
+        assert list(again.token_ids) == refs["some"][2] and again.prompt.num_cached_tokens == 0
+        info = c.server_info()
+        assert info.num_free_kv_blocks == info.num_kv_blocks and info.num_running == 0
+
+
+def test_unload_waits_for_the_requests_using_the_adapter(served):
+    """The engine core refuses to empty a slot that a request in flight still reads."""
+    model_dir, adapters, refs = served
+    config = EngineConfig.from_options(model=model_dir, engine_core="process", log_stats_interval_s=0.0,
+                                       enable_lora=True, max_loras=1, max_lora_rank=8, **ENGINE)
+    engine = LLMEngine.from_config(config)
+    try:
+        engine.add_lora("some", adapters["some"])
+        engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=50, temperature=0.0), lora_name="some")
+        engine.step()
+        with pytest.raises(LoRAAdminError, match="1 request.s. in flight use it") as ei:
+            engine.remove_lora("some")
+        assert ei.value.reason == "LORA_IN_USE"
+        engine.abort_request(["r"])
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.remove_lora("some")
+        assert engine.loras.entries() == []
+        with pytest.raises(LoRANotFoundError):
+            engine.add_request("r2", PROMPTS[0], GREEDY, lora_name="some")
+    finally:
+        engine.shutdown()
+
+
+def test_load_lora_needs_enable_lora():
+    from tests.server_harness import fake_engine_factory
+
+    with ServerThread(fake_engine_factory(), admin_tokens=["root"]) as srv, \
+            Client(srv.address, timeout=30, token="root") as c:
+        with pytest.raises(LlmsvcError) as ei:
+            c.load_lora_adapter("a", "/x")
+        assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION and ei.value.reason == "LORA_DISABLED"
+
+
 def test_lora_name_without_adapters_is_unknown():
+    registry = LoRARegistry(None)
     with pytest.raises(LoRANotFoundError, match="served: none"):
-        lora_id_of("x", None)
-    assert lora_id_of(None, None) == 0
+        registry.lookup("x")
+    assert registry.lookup(None) is None
 
 
 @pytest.mark.parametrize("change, message", [

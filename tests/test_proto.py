@@ -132,7 +132,8 @@ def test_api_md_rules():
         "Generate": True, "Abort": False, "Tokenize": False, "Detokenize": False,
         "GetModelInfo": False, "GetServerInfo": False}
     admin = d.services_by_name["AdminService"]  # apart, so its authorization differs
-    assert {m.name: m.server_streaming for m in admin.methods} == {"Drain": False, "FlushCache": False}
+    assert {m.name: m.server_streaming for m in admin.methods} == {
+        "Drain": False, "FlushCache": False, "LoadLoraAdapter": False, "UnloadLoraAdapter": False}
     assert d.message_types_by_name["DrainRequest"].fields_by_name["grace_seconds"].has_presence
     # every tunable is optional (explicit presence) so zero never silently changes sampling;
     # a repeated field's zero value, the empty list, means "no restriction"

@@ -140,6 +140,17 @@ class AsyncClient(ClientBase):
         while requests hold KV blocks."""
         await self._unary(self.admin_stub.FlushCache, pb.FlushCacheRequest(), timeout)
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *,
+                                timeout: float | None = _UNSET) -> pb.LoraAdapter:
+        """AdminService.LoadLoraAdapter (admin token), as Client.load_lora_adapter."""
+        req = pb.LoadLoraAdapterRequest(lora_name=lora_name, lora_path=lora_path)
+        return (await self._unary(self.admin_stub.LoadLoraAdapter, req, timeout)).adapter
+
+    async def unload_lora_adapter(self, lora_name: str, *, timeout: float | None = _UNSET) -> None:
+        """AdminService.UnloadLoraAdapter (admin token), as Client.unload_lora_adapter."""
+        await self._unary(self.admin_stub.UnloadLoraAdapter, pb.UnloadLoraAdapterRequest(lora_name=lora_name),
+                          timeout)
+
     async def model_info(self, *, timeout: float | None = _UNSET) -> pb.GetModelInfoResponse:
         return await self._unary(self.stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
 

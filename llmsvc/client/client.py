@@ -171,6 +171,17 @@ class Client(ClientBase):
         while requests hold KV blocks."""
         self._unary(self.admin_stub.FlushCache, pb.FlushCacheRequest(), timeout)
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, *,
+                          timeout: float | None = _UNSET) -> pb.LoraAdapter:
+        """AdminService.LoadLoraAdapter (admin token): load a PEFT adapter directory that the
+        server can read; requests may then name it (lora_name=...)."""
+        req = pb.LoadLoraAdapterRequest(lora_name=lora_name, lora_path=lora_path)
+        return self._unary(self.admin_stub.LoadLoraAdapter, req, timeout).adapter
+
+    def unload_lora_adapter(self, lora_name: str, *, timeout: float | None = _UNSET) -> None:
+        """AdminService.UnloadLoraAdapter (admin token); FailedPrecondition while it is in use."""
+        self._unary(self.admin_stub.UnloadLoraAdapter, pb.UnloadLoraAdapterRequest(lora_name=lora_name), timeout)
+
     def model_info(self, *, timeout: float | None = _UNSET) -> pb.GetModelInfoResponse:
         return self._unary(self.stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
 

@@ -60,6 +60,10 @@ class EngineCoreClient(ABC):
         """Forget every cached block hash; only possible while no request holds blocks."""
 
     @abstractmethod
+    def call_utility(self, method: str, *args):
+        """EngineCore.<method>(*args) between two steps (add_lora, remove_lora); its result."""
+
+    @abstractmethod
     def check_health(self) -> None:
         """Raise executors.base.ExecutorError if the core or one of its workers is dead."""
 
@@ -99,6 +103,9 @@ class InprocClient(EngineCoreClient):
 
     def reset_prefix_cache(self) -> bool:
         return self.core.kv_cache_manager.pool.reset_prefix_cache()
+
+    def call_utility(self, method: str, *args):
+        return getattr(self.core, method)(*args)
 
     def check_health(self) -> None:
         self.core.executor.check_health()

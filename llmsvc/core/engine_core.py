@@ -78,6 +78,18 @@ class EngineCore:
             request.structured = self.structured_output_manager.new_request(constraint)
         self.scheduler.add_request(request)
 
+    def add_lora(self, lora_id: int, name: str, path: str) -> str | None:
+        """Load an adapter into every worker's slot lora_id - 1. Returns None, or why not."""
+        return self.executor.collective_rpc("add_lora", lora_id - 1, name, path)
+
+    def remove_lora(self, lora_id: int) -> str | None:
+        """Empty slot lora_id - 1 unless a request still runs with it (then returns why not)."""
+        users = sum(r.lora_id == lora_id for r in self.scheduler.requests.values())
+        if users:
+            return f"{users} request(s) in flight use it"
+        self.executor.collective_rpc("remove_lora", lora_id - 1)
+        return None
+
     def abort_requests(self, request_ids, reason: str = ABORT) -> list[str]:
         """Finish these requests now (blocks freed, workers told next step); unknown ids ignored."""
         return [r.request_id for r in self.scheduler.finish_requests(request_ids, reason)]

@@ -39,6 +39,17 @@ class LoRANotFoundError(InvalidRequestError):
         self.name = name
 
 
+class LoRAAdminError(RuntimeError):
+    """Loading or unloading a LoRA adapter was refused; `reason` says why (the server maps it:
+    LORA_EXISTS -> ALREADY_EXISTS, LORA_SLOTS_FULL -> RESOURCE_EXHAUSTED, LORA_IN_USE and
+    LORA_DISABLED -> FAILED_PRECONDITION, LORA_LOAD_FAILED -> INVALID_ARGUMENT)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
 class DuplicateRequestError(KeyError):
     """A request with this id is already in flight."""
 

@@ -28,14 +28,14 @@ from llmsvc.core.request import Request
 NONE_HASH = b"\x00" * 32
 
 
-def salt_hash(cache_salt: str | None, lora_name: str | None = None) -> bytes | None:
+def salt_hash(cache_salt: str | None, lora_key: str | None = None) -> bytes | None:
     """The parent hash of a request's first block: None for an unsalted request of the base
     model; else a hash of its salt and its adapter (whose K/V differ from the base model's)."""
-    if not cache_salt and not lora_name:
+    if not cache_salt and not lora_key:
         return None
     h = hashlib.sha256(b"llmsvc cache_salt\0" + (cache_salt or "").encode())
-    if lora_name:
-        h.update(b"\0lora\0" + lora_name.encode())
+    if lora_key:
+        h.update(b"\0lora\0" + lora_key.encode())
     return h.digest()
 
 
@@ -97,7 +97,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         hashes = request.block_hashes
         for i in range(len(hashes), request.num_known_tokens // bs):
-            parent = hashes[-1] if hashes else salt_hash(request.cache_salt, request.lora_name)
+            parent = hashes[-1] if hashes else salt_hash(request.cache_salt, request.lora_key)
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
 
     # ---- lookups and allocation ------------------------------------------------------------

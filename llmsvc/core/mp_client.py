@@ -211,13 +211,16 @@ class MPClient(EngineCoreClient):
         return self._stats
 
     def reset_prefix_cache(self) -> bool:
+        return bool(self.call_utility("reset_prefix_cache"))
+
+    def call_utility(self, method: str, *args):
         call_id = next(self._call_ids)
-        self._send((m.UTILITY, call_id, "reset_prefix_cache", ()))
+        self._send((m.UTILITY, call_id, method, args))
         while call_id not in self._replies:
-            msg = self._recv(1000, "reset_prefix_cache")
+            msg = self._recv(1000, method)
             if msg is not None:
                 self._held.append(self._apply(msg[1]))
-        return bool(self._replies.pop(call_id))
+        return self._replies.pop(call_id)
 
     def check_health(self) -> None:
         if self._dead is not None:

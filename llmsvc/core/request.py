@@ -64,7 +64,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        lora_name: str | None = None,
+        lora_key: str | None = None,
         lora_id: int = 0,
     ) -> None:
         self.request_id = request_id
@@ -74,8 +74,8 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time  # wall clock
         self.priority = priority  # lower value = scheduled sooner (priority policy)
         self.cache_salt = cache_salt or None  # prefix-cache group (KVCacheManager hashes it into block 0)
-        self.lora_name = lora_name or None  # LoRA adapter (hashed into block 0 as well); None: base model
-        self.lora_id = lora_id  # its LoRAConfig id, what the workers index their adapters by
+        self.lora_key = lora_key or None  # LoRA adapter's cache identity (hashed into block 0 too); None: base
+        self.lora_id = lora_id  # the adapter's id: the workers' slot lora_id - 1; 0: the base model
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -49,7 +49,7 @@ class AsyncEngine(EngineThreadMixin):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
-        self._commands: deque = deque()  # ("add", kwargs, future) | ("abort", ids) | ("call", name, future)
+        self._commands: deque = deque()  # ("add", kwargs, future) | ("abort", ids) | ("call", (name, args), future)
         self._stop = False
         self._streams: dict[str, RequestStream] = {}  # event-loop side
         self._stats = EngineStats()
@@ -128,13 +128,34 @@ class AsyncEngine(EngineThreadMixin):
         """The engine's reset_prefix_cache(), run on the engine thread between two steps: False
         while a request holds KV blocks. EngineDeadError / EngineStoppedError when there is no
         engine to ask."""
+        return bool(await self._engine_call("reset_prefix_cache"))
+
+    async def add_lora(self, name: str, path: str):
+        """The engine's add_lora (LoRAEntry; LoRAAdminError), between two steps."""
+        return await self._engine_call("add_lora", name, path)
+
+    async def remove_lora(self, name: str) -> None:
+        """The engine's remove_lora (LoRANotFoundError, LoRAAdminError), between two steps."""
+        await self._engine_call("remove_lora", name)
+
+    def lora_entries(self) -> list:
+        """The served LoRA adapters (LoRAEntry), as the engine thread last changed them."""
+        registry = getattr(self.engine, "loras", None)
+        return registry.entries() if registry is not None else []
+
+    def lookup_lora(self, name: str | None):
+        """The adapter a request names, checked before its prompt is tokenized (LoRANotFoundError)."""
+        registry = getattr(self.engine, "loras", None)
+        return registry.lookup(name) if registry is not None and name is not None else None
+
+    async def _engine_call(self, name: str, *args):
         if self._dead is not None:
             raise EngineDeadError(f"engine loop died: {self._dead}")
         if self._thread is None or self._stop:
             raise EngineStoppedError("engine stopped")
         fut = self._loop.create_future()
-        self._send(("call", "reset_prefix_cache", fut))
-        return bool(await fut)
+        self._send(("call", (name, args), fut))
+        return await fut
 
     # ---- requests ----------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

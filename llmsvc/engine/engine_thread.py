@@ -85,10 +85,11 @@ class EngineThreadMixin:
                     burst.add(len(kw["prompt_token_ids"]))
         return had_abort
 
-    def _call(self, name: str, fut: asyncio.Future) -> None:
-        """engine.<name>() for AsyncEngine's utility calls; its result or error goes to fut."""
+    def _call(self, call: tuple, fut: asyncio.Future) -> None:
+        """engine.<name>(*args) for AsyncEngine's utility calls; its result or error goes to fut."""
+        name, args = call
         try:
-            result = getattr(self.engine, name)()
+            result = getattr(self.engine, name)(*args)
         except Exception as e:
             self._post(_set_future, fut, e)
             if is_worker_failure(e):  # the engine core died: so does this loop

@@ -17,12 +17,13 @@ from executors.base import Executor
 from llmsvc.config import EngineConfig
 from llmsvc.core.client import EngineCoreClient, InprocClient
 from llmsvc.core.engine_core import EngineCore
-from llmsvc.core.errors import DuplicateRequestError, InvalidRequestError
+from llmsvc.core.errors import DuplicateRequestError, InvalidRequestError, LoRAAdminError
 from llmsvc.engine.output_processor import OutputProcessor, ParentRequest
 from llmsvc.core.request import Request
 from llmsvc.engine.stats import StatsLogger
 from llmsvc.engine.bad_words import bad_words_token_ids
-from llmsvc.engine.validation import RequestLimits, check_cache_salt, check_request, lora_id_of
+from llmsvc.engine.lora_registry import LoRAEntry, LoRARegistry
+from llmsvc.engine.validation import RequestLimits, check_cache_salt, check_request
 from llmsvc.outputs import ABORT, STOP, EngineStats, RequestOutput
 from llmsvc.sampling_params import SamplingParams
 from llmsvc.structured.build import build_structured_output_manager, model_eos_token_ids, model_vocab_size
@@ -53,6 +54,7 @@ class LLMEngine:
             self.core_client = InprocClient(EngineCore(config, core, self.structured_output_manager))
         self.output_processor = OutputProcessor(tokenizer, config.scheduler_config.stream_interval)
         self.stats_logger = StatsLogger(config.log_stats_interval_s)
+        self.loras = LoRARegistry(config.lora_config)
         self._shutdown = False
 
     @classmethod
@@ -123,7 +125,7 @@ class LLMEngine:
         prompt_token_ids = list(prompt_token_ids)
         self.validate(prompt_token_ids, params)
         check_cache_salt(cache_salt)
-        lora_id = lora_id_of(lora_name, self.config.lora_config)
+        lora = self.loras.lookup(lora_name)
         arrival_time = time.time() if arrival_time is None else arrival_time
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(62))
@@ -138,7 +140,8 @@ class LLMEngine:
                 self.core_client.add_request(Request(child.req_id, prompt_token_ids, child.params,
                                                      eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
                                                      priority=priority, cache_salt=cache_salt,
-                                                     lora_name=lora_name, lora_id=lora_id))
+                                                     lora_key=lora.key if lora else None,
+                                                     lora_id=lora.lora_id if lora else 0))
                 added.append(child.req_id)
         except BaseException:
             self.core_client.abort_requests(added)
@@ -166,6 +169,27 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished()
+
+    def add_lora(self, name: str, path: str) -> LoRAEntry:
+        """Load a LoRA adapter into a free slot of every worker; requests may name it from then on.
+        Raises LoRAAdminError (off, name taken, no free slot, the adapter would not load)."""
+        entry = self.loras.reserve(name, path)
+        error = self.core_client.call_utility("add_lora", entry.lora_id, name, path)
+        if error:
+            raise LoRAAdminError("LORA_LOAD_FAILED", error)
+        self.loras.commit(entry)
+        logger.info("LoRA adapter %s loaded from %s into slot %d", name, path, entry.lora_id - 1)
+        return entry
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter. LoRANotFoundError for an unknown name; LoRAAdminError while requests
+        in flight use it (requests that reach the engine afterwards get NOT_FOUND)."""
+        entry = self.loras.lookup(name)
+        error = self.core_client.call_utility("remove_lora", entry.lora_id)
+        if error:
+            raise LoRAAdminError("LORA_IN_USE", f"LoRA adapter {name!r}: {error}; unload it when they finished")
+        self.loras.remove(name)
+        logger.info("LoRA adapter %s unloaded", name)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash; only possible while no request holds blocks."""

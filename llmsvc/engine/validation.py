@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmsvc.core.errors import InvalidRequestError, LoRANotFoundError, PromptTooLongError
+from llmsvc.core.errors import InvalidRequestError, PromptTooLongError
 from llmsvc.sampling_params import SamplingParams
 
 MAX_SEED = 2 ** 63  # seeds are drawn and hashed as signed 64-bit integers
@@ -116,19 +116,6 @@ def check_cache_salt(cache_salt: str | None) -> None:
     if len(cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidRequestError("cache_salt", f"must be at most {MAX_CACHE_SALT_CHARS} characters, "
                                   f"got {len(cache_salt)}")
-
-
-def lora_id_of(lora_name: str | None, lora_config) -> int:
-    """The adapter id a request runs with: 0 for the base model (no name), else the id of the
-    adapter called lora_name (LoRANotFoundError if none is)."""
-    if lora_name is None:
-        return 0
-    if not isinstance(lora_name, str) or not lora_name:
-        raise InvalidRequestError("lora_name", "must be a non-empty string when set")
-    lora_id = lora_config.lora_id(lora_name) if lora_config is not None else None
-    if lora_id is None:
-        raise LoRANotFoundError(lora_name, list(lora_config.modules) if lora_config is not None else [])
-    return lora_id
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:

@@ -8,7 +8,8 @@ sub-projection's low-rank product to its own output rows. B is sharded like the 
 (loaded through the layer's own weight_loader); a row-parallel layer's A is sharded along its
 input, and its partial update is added before the all-reduce (the update is linear in x).
 
-Per step the runner calls `set_mapping(token slots)`; the layers read the mapping's groups.
+Per step the runner calls `set_mapping(token slots)`; the layers read the mapping's groups. A
+layer skips the slots whose adapter leaves it alone.
 """
 from __future__ import annotations
 
@@ -31,67 +32,83 @@ class LoRALayer:
 
     def __init__(self, manager: "LoRAManager", lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
         self.manager, self.lora_a, self.lora_b = manager, lora_a, lora_b
-        self.packed = [(ops.pack_linear_weight(lora_a[s]), ops.pack_linear_weight(lora_b[s]))
-                       for s in range(lora_a.shape[0])]
+        self.packed: list = [(None, None)] * lora_a.shape[0]
+        self.loaded = [False] * lora_a.shape[0]  # slots whose adapter touches this layer
+
+    def repack(self, slot: int) -> None:
+        self.packed[slot] = (ops.pack_linear_weight(self.lora_a[slot]), ops.pack_linear_weight(self.lora_b[slot]))
 
     def add_(self, y: torch.Tensor, x: torch.Tensor) -> None:
-        groups = self.manager.groups
+        groups = [g for g in self.manager.groups if self.loaded[g[0]]]
         if groups:
             ops.lora_add_(y, x, self.lora_a, self.lora_b, groups, self.packed)
 
 
 class LoRAManager:
-    """Owns the adapters' buffers in one rank's model and the current step's token -> slot map."""
+    """Owns the adapter slots of one rank's model: every linear layer of the decoder gets zeroed
+    buffers for `slots` adapters at start-up, so that adapters load and unload at any time
+    without allocating. Also holds the current step's token -> slot map."""
 
-    def __init__(self, model: nn.Module, adapters: list[LoRAAdapter], max_rank: int) -> None:
-        self.names = [a.name for a in adapters]
+    def __init__(self, model: nn.Module, slots: int, max_rank: int) -> None:
+        self.model, self.slots, self.max_rank = model, slots, max_rank
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # (slot, token rows or None = all)
-        layers = dict(model.named_modules())
-        wanted: dict[str, list] = {}  # our layer name -> [(slot, sub, A, B piece, shard id)]
-        for slot, adapter in enumerate(adapters):
-            for module, (a, b) in adapter.modules.items():
-                hits = list(checkpoint_targets(model, module + ".weight", b, model.checkpoint_splits()))
-                for target, shard_id, piece in hits:
-                    layer_name = target.removesuffix(".weight")
-                    if not isinstance(layers.get(layer_name), LinearBase):
-                        raise ValueError(f"LoRA adapter {adapter.path!r}: module {module!r} is not a "
-                                         "linear layer of this model")
-                    wanted.setdefault(layer_name, []).append((slot, shard_id, a, piece))
-        for layer_name, entries in wanted.items():
-            self._install(model, layers[layer_name], layer_name, entries, len(adapters), max_rank)
-        self.num_layers = len(wanted)
+        self.layers: dict[str, LinearBase] = {}
+        for name, m in model.named_modules():
+            if isinstance(m, LinearBase) and ".layers." in f".{name}":
+                w = m.weight
+                width = len(model.shard_ids(name + ".weight")) * max_rank
+                m.lora = LoRALayer(self, torch.zeros(slots, width, w.shape[1], dtype=w.dtype, device=w.device),
+                                   torch.zeros(slots, w.shape[0], width, dtype=w.dtype, device=w.device))
+                self.layers[name] = m
+        if hasattr(model, "model") and hasattr(model.model, "lora_manager"):
+            model.model.lora_manager = self
 
-    @staticmethod
-    def _install(model, layer: LinearBase, name: str, entries: list, slots: int, max_rank: int) -> None:
-        sub_ids = model.shard_ids(name + ".weight")
-        w = layer.weight
-        width = len(sub_ids) * max_rank
-        lora_a = torch.zeros(slots, width, w.shape[1], dtype=w.dtype, device=w.device)
-        lora_b = torch.zeros(slots, w.shape[0], width, dtype=w.dtype, device=w.device)
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Put `adapter` into `slot` (replacing what was there). Raises ValueError, leaving the
+        slot as it was, when a module of the adapter is not one of the model's linear layers."""
+        wanted: dict[str, list] = {}  # our layer name -> [(shard id, A, B piece)]
+        for module, (a, b) in adapter.modules.items():
+            for target, shard_id, piece in checkpoint_targets(self.model, module + ".weight", b,
+                                                              self.model.checkpoint_splits()):
+                layer_name = target.removesuffix(".weight")
+                if layer_name not in self.layers:
+                    raise ValueError(f"LoRA adapter {adapter.path!r}: module {module!r} is not a linear layer "
+                                     "of this model's decoder")
+                wanted.setdefault(layer_name, []).append((shard_id, a, piece))
+        self.clear(slot)
+        for layer_name, entries in wanted.items():
+            self._install(self.layers[layer_name], layer_name, slot, entries)
+
+    def clear(self, slot: int) -> None:
+        for layer in self.layers.values():
+            if layer.lora.loaded[slot]:
+                layer.lora.lora_a[slot].zero_()
+                layer.lora.lora_b[slot].zero_()
+                layer.lora.loaded[slot] = False
+                layer.lora.packed[slot] = (None, None)
+
+    def _install(self, layer: LinearBase, name: str, slot: int, entries: list) -> None:
+        sub_ids = self.model.shard_ids(name + ".weight")
+        w, r_max = layer.weight, self.max_rank
+        lora_a, lora_b = layer.lora.lora_a, layer.lora.lora_b
         row_parallel = isinstance(layer, RowParallelLinear)
-        for slot, shard_id, a, b in entries:
+        for shard_id, a, b in entries:
             i = sub_ids.index(shard_id)
-            cols = slice(i * max_rank, (i + 1) * max_rank)
+            cols = slice(i * r_max, (i + 1) * r_max)
             r = a.shape[0]
             if row_parallel:  # A [r, in] sharded along in; B [out, r] whole
                 n = w.shape[1]
                 a = a.narrow(1, layer.tp_rank * n, n)
                 lora_b[slot, :, cols][:, :r] = b.to(w.dtype)
             else:  # B's rows go where the layer's weight rows for this shard go
-                padded = torch.zeros(b.shape[0], max_rank, dtype=w.dtype)
+                padded = torch.zeros(b.shape[0], r_max, dtype=w.dtype)
                 padded[:, :r] = b
                 layer.weight_loader(lora_b[slot, :, cols], padded.to(w.device), shard_id)
             if a.shape[1] != w.shape[1]:
                 raise ValueError(f"LoRA A of {name} has {a.shape[1]} inputs, the layer {w.shape[1]}")
             lora_a[slot, cols][:r] = a.to(w.dtype)
-        layer.lora = LoRALayer(None, lora_a, lora_b)
-
-    def attach(self, model: nn.Module) -> None:
-        for m in model.modules():
-            if isinstance(getattr(m, "lora", None), LoRALayer):
-                m.lora.manager = self
-            if hasattr(m, "lora_manager"):
-                m.lora_manager = self
+        layer.lora.loaded[slot] = True
+        layer.lora.repack(slot)
 
     def set_mapping(self, token_slots: np.ndarray | None, device: torch.device) -> None:
         """token_slots: [T] int, each token's adapter slot (-1: base model), or None: no adapter."""
@@ -112,12 +129,14 @@ class LoRAManager:
 
 
 def create_lora_manager(model: nn.Module, lora_config) -> LoRAManager | None:
-    """Load every adapter of lora_config into `model` (this rank's shards); None without adapters."""
-    if lora_config is None or not lora_config.modules:
+    """Slots for lora_config.max_loras adapters in `model` (this rank's shards), the start-up
+    adapters loaded into the first ones; None when LoRA is off."""
+    if lora_config is None:
         return None
-    adapters = [load_adapter(n, p, lora_config.max_lora_rank) for n, p in lora_config.modules.items()]
-    manager = LoRAManager(model, adapters, lora_config.max_lora_rank)
-    manager.attach(model)
-    for a in adapters:
-        logger.info("LoRA adapter %s loaded from %s (rank %d, %d modules)", a.name, a.path, a.rank, len(a.modules))
+    manager = LoRAManager(model, lora_config.max_loras, lora_config.max_lora_rank)
+    for slot, (name, path) in enumerate(lora_config.modules.items()):
+        adapter = load_adapter(name, path, lora_config.max_lora_rank)
+        manager.load(slot, adapter)
+        logger.info("LoRA adapter %s loaded from %s (rank %d, %d modules)", name, path, adapter.rank,
+                    len(adapter.modules))
     return manager

@@ -71,3 +71,27 @@ class AdminService(pb_grpc.AdminServiceServicer):
                 reason="KV_BLOCKS_IN_USE"))
         logger.info("FlushCache RPC from %s: prefix cache emptied", context.peer())
         return pb.FlushCacheResponse()
+
+    async def LoadLoraAdapter(self, request, context):
+        await self._check_enabled(context)
+        ae = self._engine()
+        if ae is None:
+            await errors.abort(context, errors.unavailable("model is loading; retry shortly", reason="LOADING"))
+        try:
+            entry = await ae.add_lora(request.lora_name, request.lora_path)
+        except Exception as e:  # noqa: BLE001 - LoRAAdminError and the rest map to their status
+            await errors.abort(context, e)
+        logger.info("LoadLoraAdapter RPC from %s: %s from %s", context.peer(), entry.name, entry.path)
+        return pb.LoadLoraAdapterResponse(adapter=pb.LoraAdapter(name=entry.name, path=entry.path, rank=entry.rank))
+
+    async def UnloadLoraAdapter(self, request, context):
+        await self._check_enabled(context)
+        ae = self._engine()
+        if ae is None:
+            await errors.abort(context, errors.unavailable("model is loading; retry shortly", reason="LOADING"))
+        try:
+            await ae.remove_lora(request.lora_name)
+        except Exception as e:  # noqa: BLE001
+            await errors.abort(context, e)
+        logger.info("UnloadLoraAdapter RPC from %s: %s", context.peer(), request.lora_name)
+        return pb.UnloadLoraAdapterResponse()

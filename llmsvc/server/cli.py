@@ -143,8 +143,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=_lora_modules_env(),
                    metavar="NAME=PATH", help="LoRA adapters (PEFT directories) served beside the model, each "
                    "picked by GenerateRequest.lora_name; implies --enable-lora [LLMSVC_LORA_MODULES]")
-    opt("--enable-lora", bool, help="accepted for vLLM command lines: adapters come from --lora-modules")
+    opt("--enable-lora", bool, help="serve LoRA adapters: those of --lora-modules, and those AdminService."
+        "LoadLoraAdapter loads while serving")
     opt("--max-lora-rank", _positive_int, 16, help="largest LoRA rank accepted; adapter weights are padded to it")
+    opt("--max-loras", _positive_int, None, help="LoRA adapters loaded at once (every worker keeps a slot for "
+        "each; default: the number of --lora-modules, at least 1)")
     opt("--seed", int, 0, help="seed of the model's random initialisation and of the seeds given to sampled "
         "requests that set none (SamplingParams.seed)")
     opt("--max-num-seqs", int, 128, help="max requests running at once")
@@ -231,9 +234,10 @@ def _lora(args) -> dict:
     modules = dict(args.lora_modules or ())
     if len(modules) != len(args.lora_modules or ()):
         raise ValueError("--lora-modules: each adapter name may appear once")
-    if not modules:
+    if not modules and not args.enable_lora:
         return {}
-    return {"lora_modules": modules, "max_lora_rank": args.max_lora_rank}
+    return {"lora_modules": modules, "enable_lora": True, "max_lora_rank": args.max_lora_rank,
+            "max_loras": args.max_loras}
 
 
 def executor_name(args) -> str:

@@ -14,8 +14,8 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from llmsvc.engine.async_engine import EngineDeadError, EngineStepError, EngineStoppedError, OutputBacklogError
-from llmsvc.core.errors import (DuplicateRequestError, InvalidRequestError, LoRANotFoundError, PromptTooLongError,
-                                QueueFullError)
+from llmsvc.core.errors import (DuplicateRequestError, InvalidRequestError, LoRAAdminError, LoRANotFoundError,
+                                PromptTooLongError, QueueFullError)
 from llmsvc.structured.errors import ConstraintError
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,10 @@ def proto_field(name: str) -> str:
     return f"{parent}.{name}" if parent else name
 
 
+_LORA_CODES = {"LORA_EXISTS": grpc.StatusCode.ALREADY_EXISTS, "LORA_SLOTS_FULL": grpc.StatusCode.RESOURCE_EXHAUSTED,
+               "LORA_LOAD_FAILED": grpc.StatusCode.INVALID_ARGUMENT}
+
+
 def to_service_error(exc: BaseException) -> ServiceError:
     """Map an exception from validation, the engine or AsyncEngine to its status."""
     if isinstance(exc, ServiceError):
@@ -109,6 +113,10 @@ def to_service_error(exc: BaseException) -> ServiceError:
         return constraint_error(exc)
     if isinstance(exc, PromptTooLongError):
         return prompt_too_long(exc.prompt_tokens, exc.max_model_len, exc.message)
+    if isinstance(exc, LoRAAdminError):
+        code = _LORA_CODES.get(exc.reason, grpc.StatusCode.FAILED_PRECONDITION)
+        return ServiceError(code, exc.message, reason=exc.reason,
+                            field="lora_path" if exc.reason == "LORA_LOAD_FAILED" else None)
     if isinstance(exc, LoRANotFoundError):
         return ServiceError(grpc.StatusCode.NOT_FOUND, exc.message, reason="LORA_NOT_FOUND", field="lora_name",
                             metadata={"lora_name": exc.name})

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from llmsvc.engine.output_stream import merge_delta
-from llmsvc.engine.validation import check_cache_salt, lora_id_of
+from llmsvc.engine.validation import check_cache_salt
 from llmsvc.server import errors
 from llmsvc.server.logging_setup import request_id_var, request_labels_var
 from llmsvc.server.prompt import encode, has_chat_template, render_chat
@@ -123,7 +123,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
             cache_salt = request.cache_salt if request.HasField("cache_salt") else None
             check_cache_salt(cache_salt)
             lora_name = request.lora_name if request.HasField("lora_name") else None
-            lora_id_of(lora_name, self.config.lora_config if self.config else None)  # before tokenizing: NOT_FOUND for an unknown name
+            self.engine.lookup_lora(lora_name)  # before tokenizing: NOT_FOUND for an unknown name
             params = build_sampling_params(request, self.limits)
             prompt, ids = await off_loop_if_large(request, resolve_prompt, request, self.tokenizer, self.limits)
             check_prompt_fits(params, len(ids), self.limits)
@@ -272,9 +272,8 @@ class LlmService(pb_grpc.LlmServiceServicer):
             resp.pad_token_id = mc.pad_token_id
         d = self.limits.default_sampling()
         resp.default_sampling.CopyFrom(pb.SamplingParams(n=1, **d))
-        lc = self.config.lora_config
-        for name, path in (lc.modules.items() if lc is not None else ()):
-            resp.lora_adapters.add(name=name, path=path, rank=lc.adapter_rank(name))
+        for entry in self.engine.lora_entries():
+            resp.lora_adapters.add(name=entry.name, path=entry.path, rank=entry.rank)
         return resp
 
     async def GetServerInfo(self, request, context):

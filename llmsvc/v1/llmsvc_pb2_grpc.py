@@ -384,6 +384,16 @@ class AdminServiceStub:
                 request_serializer=llmsvc_dot_v1_dot_llmsvc__pb2.FlushCacheRequest.SerializeToString,
                 response_deserializer=llmsvc_dot_v1_dot_llmsvc__pb2.FlushCacheResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/llmsvc.v1.AdminService/LoadLoraAdapter',
+                request_serializer=llmsvc_dot_v1_dot_llmsvc__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=llmsvc_dot_v1_dot_llmsvc__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/llmsvc.v1.AdminService/UnloadLoraAdapter',
+                request_serializer=llmsvc_dot_v1_dot_llmsvc__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=llmsvc_dot_v1_dot_llmsvc__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -410,6 +420,25 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Load a LoRA adapter (a PEFT directory on the server's file system) into a free slot, after
+        which requests may name it. Needs --enable-lora (FAILED_PRECONDITION, reason LORA_DISABLED).
+        ALREADY_EXISTS (LORA_EXISTS) for a name in use; RESOURCE_EXHAUSTED (LORA_SLOTS_FULL) when
+        --max-loras adapters are loaded; INVALID_ARGUMENT (LORA_LOAD_FAILED) when the adapter does
+        not load (missing files, DoRA, a rank above --max-lora-rank, a module the model lacks...).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unload a LoRA adapter. NOT_FOUND (LORA_NOT_FOUND) for an unknown name;
+        FAILED_PRECONDITION (LORA_IN_USE) while requests in flight use it (retry when they finished).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -422,6 +451,16 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.FlushCache,
                     request_deserializer=llmsvc_dot_v1_dot_llmsvc__pb2.FlushCacheRequest.FromString,
                     response_serializer=llmsvc_dot_v1_dot_llmsvc__pb2.FlushCacheResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=llmsvc_dot_v1_dot_llmsvc__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=llmsvc_dot_v1_dot_llmsvc__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=llmsvc_dot_v1_dot_llmsvc__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=llmsvc_dot_v1_dot_llmsvc__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -481,6 +520,60 @@ class AdminService:
             '/llmsvc.v1.AdminService/FlushCache',
             llmsvc_dot_v1_dot_llmsvc__pb2.FlushCacheRequest.SerializeToString,
             llmsvc_dot_v1_dot_llmsvc__pb2.FlushCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmsvc.v1.AdminService/LoadLoraAdapter',
+            llmsvc_dot_v1_dot_llmsvc__pb2.LoadLoraAdapterRequest.SerializeToString,
+            llmsvc_dot_v1_dot_llmsvc__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmsvc.v1.AdminService/UnloadLoraAdapter',
+            llmsvc_dot_v1_dot_llmsvc__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            llmsvc_dot_v1_dot_llmsvc__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -135,6 +135,23 @@ class Worker:
         self.num_steps += 1
         return out
 
+    def add_lora(self, slot: int, name: str, path: str) -> str | None:
+        """Load a LoRA adapter into `slot`. Returns None, or why it could not (a bad or missing
+        adapter is the caller's error, never a worker failure: a TP group would die of it)."""
+        from llmsvc.models.lora_adapter import load_adapter
+
+        lora = self.runner.lora
+        if lora is None:
+            return "LoRA is not enabled (start with --enable-lora or --lora-modules)"
+        try:
+            lora.load(slot, load_adapter(name, path, lora.max_rank))
+        except (OSError, ValueError, KeyError, RuntimeError) as e:  # RuntimeError: unreadable tensors
+            return str(e)
+        return None
+
+    def remove_lora(self, slot: int) -> None:
+        self.runner.lora.clear(slot)
+
     def execute_stats(self) -> dict:
         """Since start: {"num_steps", "execute_time_s"} (the worker's own share of each step),
         "host_gap_s" (summed waits between consecutive steps) and "host_gap_median_s" (median of
