@@ -254,15 +254,6 @@ def test_grpc_async_core_process_on_cuda(model_dir, reference):
 def test_lora_mixed_batch_on_cuda_matches_hf(tmp_path_factory, enforce_eager):
     """LoRA on the GPU: adapter steps eager, base-only decode steps in CUDA graphs, tokens as
     test_lora.py's HF references on merged weights."""
-    from test_lora import ENGINE, GREEDY, PROMPTS, _mix, build_served
+    from test_lora import build_served, check_mixed_batch
 
-    model_dir, adapters, refs = build_served(tmp_path_factory.mktemp("lora"))
-    from llmsvc import LLM
-    llm = LLM(model=model_dir, lora_modules=adapters, max_lora_rank=8, device="cuda",
-              enforce_eager=enforce_eager, **ENGINE)
-    try:
-        mix = _mix()
-        outs = llm.generate([PROMPTS[i] for i, _ in mix], GREEDY, use_tqdm=False, lora_request=[n for _, n in mix])
-        assert [list(o.outputs[0].token_ids) for o in outs] == [refs[n][i] for i, n in mix]
-    finally:
-        llm.shutdown()
+    check_mixed_batch(build_served(tmp_path_factory.mktemp("lora")), device="cuda", enforce_eager=enforce_eager)

@@ -68,6 +68,18 @@ def _mix():
     return [(i, name) for name in (None, "all", "some") for i in range(len(PROMPTS))]
 
 
+def check_mixed_batch(served, **llm_kw) -> None:
+    """Every prompt under both adapters and the base model in one generate call equals HF."""
+    model_dir, adapters, refs = served
+    llm = LLM(model=model_dir, lora_modules=adapters, max_lora_rank=8, **ENGINE, **llm_kw)
+    try:
+        mix = _mix()
+        outs = llm.generate([PROMPTS[i] for i, _ in mix], GREEDY, use_tqdm=False, lora_request=[n for _, n in mix])
+        assert [list(o.outputs[0].token_ids) for o in outs] == [refs[n][i] for i, n in mix]
+    finally:
+        llm.shutdown()
+
+
 def test_adapters_change_the_output(served):
     _, _, refs = served
     assert refs["all"] != refs[None] and refs["some"] != refs[None] and refs["all"] != refs["some"]
@@ -99,15 +111,7 @@ def test_offline_mixed_batch_matches_hf_merged_weights(served, async_scheduling)
 
 @pytest.mark.parametrize("executor, tp", [("multiproc", 1), ("tp", 2)])
 def test_worker_executors_mixed_batch_matches_hf(served, executor, tp):
-    model_dir, adapters, refs = served
-    llm = LLM(model=model_dir, lora_modules=adapters, max_lora_rank=8, tensor_parallel_size=tp,
-              executor=executor, **ENGINE)
-    try:
-        mix = _mix()
-        outs = llm.generate([PROMPTS[i] for i, _ in mix], GREEDY, use_tqdm=False, lora_request=[n for _, n in mix])
-        assert [list(o.outputs[0].token_ids) for o in outs] == [refs[n][i] for i, n in mix]
-    finally:
-        llm.shutdown()
+    check_mixed_batch(served, tensor_parallel_size=tp, executor=executor)
 
 
 def test_grpc_lora_name_and_model_info(served):

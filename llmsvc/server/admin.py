@@ -55,15 +55,20 @@ class AdminService(pb_grpc.AdminServiceServicer):
                                 num_waiting=stats.num_waiting if stats else 0,
                                 already_draining=already, grace_seconds=in_force)
 
-    async def FlushCache(self, request, context):
+    async def _engine_call(self, context, method: str, *args):
+        """AsyncEngine.<method>(*args) for an admin call; every failure ends the call with its
+        status (a loading, stopped or dead engine: UNAVAILABLE)."""
         await self._check_enabled(context)
         ae = self._engine()
         if ae is None:
             await errors.abort(context, errors.unavailable("model is loading; retry shortly", reason="LOADING"))
         try:
-            flushed = await ae.reset_prefix_cache()
-        except Exception as e:  # noqa: BLE001 - a stopped or dead engine maps to UNAVAILABLE
+            return await getattr(ae, method)(*args)
+        except Exception as e:  # noqa: BLE001 - LoRAAdminError, EngineDeadError... map to their status
             await errors.abort(context, e)
+
+    async def FlushCache(self, request, context):
+        flushed = await self._engine_call(context, "reset_prefix_cache")
         if not flushed:
             await errors.abort(context, ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -73,25 +78,11 @@ class AdminService(pb_grpc.AdminServiceServicer):
         return pb.FlushCacheResponse()
 
     async def LoadLoraAdapter(self, request, context):
-        await self._check_enabled(context)
-        ae = self._engine()
-        if ae is None:
-            await errors.abort(context, errors.unavailable("model is loading; retry shortly", reason="LOADING"))
-        try:
-            entry = await ae.add_lora(request.lora_name, request.lora_path)
-        except Exception as e:  # noqa: BLE001 - LoRAAdminError and the rest map to their status
-            await errors.abort(context, e)
+        entry = await self._engine_call(context, "add_lora", request.lora_name, request.lora_path)
         logger.info("LoadLoraAdapter RPC from %s: %s from %s", context.peer(), entry.name, entry.path)
         return pb.LoadLoraAdapterResponse(adapter=pb.LoraAdapter(name=entry.name, path=entry.path, rank=entry.rank))
 
     async def UnloadLoraAdapter(self, request, context):
-        await self._check_enabled(context)
-        ae = self._engine()
-        if ae is None:
-            await errors.abort(context, errors.unavailable("model is loading; retry shortly", reason="LOADING"))
-        try:
-            await ae.remove_lora(request.lora_name)
-        except Exception as e:  # noqa: BLE001
-            await errors.abort(context, e)
+        await self._engine_call(context, "remove_lora", request.lora_name)
         logger.info("UnloadLoraAdapter RPC from %s: %s", context.peer(), request.lora_name)
         return pb.UnloadLoraAdapterResponse()
