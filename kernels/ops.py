@@ -187,7 +187,7 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: to
     adapter in the step. packed: per slot, pack_linear_weight of lora_a[slot] and lora_b[slot]
     (the CPU's packed GEMM; torch's own bf16 GEMM of these thin shapes is ~3x slower on a CPU
     without bf16 arithmetic)."""
-    if packed is None or not x.is_cpu or any(pa is None or pb is None for pa, pb in packed):
+    if packed is None or not x.is_cpu or any(packed[s][0] is None or packed[s][1] is None for s, _ in groups):
         return _ref.lora_add_(y, x, lora_a, lora_b, groups)
     for slot, rows in groups:
         pa, pb = packed[slot]

@@ -21,6 +21,7 @@ from llmsvc.engine.llm_engine import LLMEngine
 from llmsvc.engine.lora_registry import LoRARegistry
 
 from llmsvc.models.lora import create_lora_manager
+from llmsvc.models.lora_adapter import load_adapter
 from llmsvc.server import cli
 from tests.lora_utils import make_lora_adapter, merged_hf_model
 from tests.model_utils import load_hf_model, load_our_model
@@ -249,6 +250,18 @@ def test_adapter_errors_name_the_problem(served, tmp_path):
     head = make_lora_adapter(model_dir, str(tmp_path / "head"), targets=("lm_head",))
     with pytest.raises(ValueError, match="'lm_head' is not a linear layer of this model"):
         create_lora_manager(model, LoRAConfig({"head": head}))
+    # shapes that do not fit, found after earlier modules were written: the slot is emptied again
+    from safetensors.torch import load_file, save_file
+    odd = make_lora_adapter(model_dir, str(tmp_path / "odd"))
+    tensors = load_file(f"{odd}/adapter_model.safetensors")
+    key = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
+    tensors[key] = tensors[key][:, :7].contiguous()
+    save_file(tensors, f"{odd}/adapter_model.safetensors")
+    manager = create_lora_manager(model, LoRAConfig({}, max_loras=1))
+    with pytest.raises(ValueError, match=r"down_proj \(A \(4, 7\).* do not fit the layer \(128 inputs"):
+        manager.load(0, load_adapter("odd", odd, 16))
+    assert all(not layer.lora.loaded[0] and not layer.lora.lora_a[0].any() and not layer.lora.lora_b[0].any()
+               for layer in manager.layers.values())
     with pytest.raises(FileNotFoundError, match="no adapter_config.json"):
         create_lora_manager(model, LoRAConfig({"none": str(tmp_path)}))
     # a start-up with a bad adapter fails with that message, before serving anything

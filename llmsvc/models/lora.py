@@ -1,6 +1,7 @@
 """Serving LoRA adapters beside the base model: one slot per adapter, every step mixing any of them.
 
-Every linear layer an adapter touches gets two stacked buffers (zero where a slot leaves it alone):
+Every linear layer of the decoder gets two stacked buffers at start-up (zero where a slot's
+adapter leaves the layer alone), so loading an adapter only copies into them:
   lora_a [slots, n_sub * max_rank, in_per_rank]   sub-projection i (q/k/v of qkv_proj, gate/up of
   lora_b [slots, out_per_rank, n_sub * max_rank]  gate_up_proj) owns rows / columns i * max_rank ...
 so that the update of a fused projection is one pair of GEMMs whose block-diagonal B sends each
@@ -65,7 +66,8 @@ class LoRAManager:
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Put `adapter` into `slot` (replacing what was there). Raises ValueError, leaving the
-        slot as it was, when a module of the adapter is not one of the model's linear layers."""
+        slot empty, when a module of the adapter is not one of the model's linear layers or its
+        shapes do not fit."""
         wanted: dict[str, list] = {}  # our layer name -> [(shard id, A, B piece)]
         for module, (a, b) in adapter.modules.items():
             for target, shard_id, piece in checkpoint_targets(self.model, module + ".weight", b,
@@ -76,26 +78,33 @@ class LoRAManager:
                                      "of this model's decoder")
                 wanted.setdefault(layer_name, []).append((shard_id, a, piece))
         self.clear(slot)
-        for layer_name, entries in wanted.items():
-            self._install(self.layers[layer_name], layer_name, slot, entries)
+        try:
+            for layer_name, entries in wanted.items():
+                self._install(self.layers[layer_name], layer_name, slot, entries)
+        except ValueError:
+            self.clear(slot)
+            raise
 
     def clear(self, slot: int) -> None:
         for layer in self.layers.values():
-            if layer.lora.loaded[slot]:
-                layer.lora.lora_a[slot].zero_()
-                layer.lora.lora_b[slot].zero_()
-                layer.lora.loaded[slot] = False
-                layer.lora.packed[slot] = (None, None)
+            layer.lora.lora_a[slot].zero_()
+            layer.lora.lora_b[slot].zero_()
+            layer.lora.loaded[slot] = False
+            layer.lora.packed[slot] = (None, None)
 
     def _install(self, layer: LinearBase, name: str, slot: int, entries: list) -> None:
         sub_ids = self.model.shard_ids(name + ".weight")
         w, r_max = layer.weight, self.max_rank
         lora_a, lora_b = layer.lora.lora_a, layer.lora.lora_b
         row_parallel = isinstance(layer, RowParallelLinear)
+        full_in = w.shape[1] * (layer.tp_size if row_parallel else 1)
         for shard_id, a, b in entries:
             i = sub_ids.index(shard_id)
             cols = slice(i * r_max, (i + 1) * r_max)
             r = a.shape[0]
+            if a.shape[1] != full_in or (row_parallel and b.shape[0] != w.shape[0]):
+                raise ValueError(f"LoRA weights of {name} (A {tuple(a.shape)}, B {tuple(b.shape)}) do not fit "
+                                 f"the layer ({full_in} inputs, {w.shape[0]} outputs on this rank)")
             if row_parallel:  # A [r, in] sharded along in; B [out, r] whole
                 n = w.shape[1]
                 a = a.narrow(1, layer.tp_rank * n, n)
@@ -104,8 +113,6 @@ class LoRAManager:
                 padded = torch.zeros(b.shape[0], r_max, dtype=w.dtype)
                 padded[:, :r] = b
                 layer.weight_loader(lora_b[slot, :, cols], padded.to(w.device), shard_id)
-            if a.shape[1] != w.shape[1]:
-                raise ValueError(f"LoRA A of {name} has {a.shape[1]} inputs, the layer {w.shape[1]}")
             lora_a[slot, cols][:r] = a.to(w.dtype)
         layer.lora.loaded[slot] = True
         layer.lora.repack(slot)
