@@ -134,6 +134,24 @@ def test_grpc_lora_name_and_model_info(served):
         assert info.num_free_kv_blocks == info.num_kv_blocks and info.num_running == 0
 
 
+def test_preempted_requests_resume_with_their_adapter(served):
+    """A KV pool too small for the batch: requests are preempted and recomputed, each with its
+    own adapter again; n=2 children share the parent's adapter."""
+    model_dir, adapters, refs = served
+    llm = LLM(model=model_dir, lora_modules=adapters, max_lora_rank=8,
+              **{**ENGINE, "num_kv_blocks_override": 12})  # 48 token slots for 9 requests of 20-26
+    try:
+        mix = _mix()
+        outs = llm.generate([PROMPTS[i] for i, _ in mix], GREEDY, use_tqdm=False, lora_request=[n for _, n in mix])
+        assert [list(o.outputs[0].token_ids) for o in outs] == [refs[n][i] for i, n in mix]
+        assert sum(o.metrics.num_preemptions for o in outs) > 0
+        (two,) = llm.generate(PROMPTS[1], SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
+                              use_tqdm=False, lora_request="some")
+        assert [list(c.token_ids) for c in two.outputs] == [refs["some"][1]] * 2
+    finally:
+        llm.shutdown()
+
+
 def test_offline_lora_requests_load_and_swap_adapters(served):
     """vLLM's LLM loads the adapter a LoRARequest names; with one slot, the next one swaps it out."""
     model_dir, adapters, refs = served
