@@ -119,7 +119,8 @@ def test_grpc_lora_name_and_model_info(served):
     model_dir, adapters, refs = served
     config = EngineConfig.from_options(model=model_dir, engine_core="process", log_stats_interval_s=0.0,
                                        lora_modules=adapters, max_lora_rank=8, **ENGINE)
-    with ServerThread(lambda: LLMEngine.from_config(config)) as srv, Client(srv.address, timeout=60) as c:
+    with ServerThread(lambda: LLMEngine.from_config(config), metrics_label_keys=("lora_name",)) as srv, \
+            Client(srv.address, timeout=60) as c:
         info = c.model_info()
         assert [(a.name, a.path, a.rank) for a in info.lora_adapters] == [
             ("all", adapters["all"], 4), ("some", adapters["some"], 8)]
@@ -130,6 +131,10 @@ def test_grpc_lora_name_and_model_info(served):
             c.generate(PROMPTS[0], max_tokens=2, lora_name="nope")
         assert ei.value.code == grpc.StatusCode.NOT_FOUND and ei.value.reason == "LORA_NOT_FOUND"
         assert "served: all, some" in ei.value.message and ei.value.field_violations[0][0] == "lora_name"
+        from prometheus_client import generate_latest
+        text = generate_latest(srv.server.metrics.registry).decode()
+        for name in ("some", "", "all"):  # --metrics-label-keys lora_name: series per adapter
+            assert f'llmsvc_request_success_total{{finish_reason="length",lora_name="{name}"}} 1.0' in text
         info = c.server_info()
         assert info.num_free_kv_blocks == info.num_kv_blocks and info.num_running == 0
 

@@ -10,7 +10,8 @@ Series (all `llmsvc_`):
   request_generation_tokens (histograms).
   These also carry one Prometheus label per allow-listed GenerateRequest.labels key
   (`label_keys`, the --metrics-label-keys flag): "" when a request lacks it, and "other" once a
-  key has seen MAX_LABEL_VALUES distinct values, so the number of series stays bounded.
+  key has seen MAX_LABEL_VALUES distinct values, so the number of series stays bounded. The key
+  `lora_name` is the request's LoRA adapter ("" for the base model), whatever its labels say.
 - engine (sampled on scrape from AsyncEngine.get_stats(), which never blocks on the engine
   thread): num_requests_running / num_requests_waiting / kv_cache_usage_perc (0..1) /
   prefix_cache_hit_rate (0..1, since start) / num_kv_blocks / num_free_kv_blocks gauges;

@@ -135,7 +135,8 @@ class LlmService(pb_grpc.LlmServiceServicer):
             gen = self.engine.generate(rid, ids, params, prompt=prompt, priority=request.priority,
                                        cache_salt=cache_salt, lora_name=lora_name,
                                        on_admitted=lambda: context.send_initial_metadata((("x-request-id", rid),)))
-            tracker = self.metrics.track(params.n, dict(request.labels)) if self.metrics is not None else None
+            if self.metrics is not None:  # the key lora_name carries the adapter ("": the base model)
+                tracker = self.metrics.track(params.n, {**request.labels, "lora_name": lora_name or ""})
             try:
                 if request.stream:
                     async for out in gen:
