@@ -214,12 +214,16 @@ def decoder_layers_plan(layers: list, dtype: torch.dtype, hidden: int, num_heads
                                   intermediate, eps, cos_sin_cache, scale, sliding_window)
 
 
-def decoder_layers(plan, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches):
+NativeLoRA = _cpu_decoder.NativeLoRA
+
+
+def decoder_layers(plan, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches, lora=None):
     """(hidden, residual) after every layer, bit for bit what the per-op layers give, or None
-    when this step must run layer by layer. hidden [T, H] (the embeddings) is overwritten."""
+    when this step must run layer by layer. hidden [T, H] (the embeddings) is overwritten.
+    lora: a NativeLoRA, the step's LoRA adapters (each projection adds them as lora_add_ does)."""
     if plan is None or _forced:
         return None
-    return plan.run(hidden, positions, meta, kv_caches)
+    return plan.run(hidden, positions, meta, kv_caches, lora)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -171,3 +171,38 @@ def test_profile_times_every_kind_of_call_and_changes_no_logit(tmp_path, dtype):
     assert profile.shape == (2, len(decoder.PROFILE_KINDS))
     assert (wall > 0).all(), dict(zip(decoder.PROFILE_KINDS, wall.tolist()))  # every kind ran and was timed
     assert cpu.sum() > 0 and (cpu <= wall + 1e-3).all()  # the calling thread's share of each
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lora_adapters_in_the_native_call_equal_the_per_op_layers(tmp_path, count_native, dtype):
+    """Two adapters (all projections at rank 4; q/v/down at rank 8) and base-model rows mixed in
+    every step, a 300-row prefill among them (the fp32 MLP's row chunks split the groups)."""
+    import numpy as np
+
+    from llmsvc.config import LoRAConfig
+    from llmsvc.models.lora import create_lora_manager
+    from tests.lora_utils import make_lora_adapter
+
+    if not _native_available(dtype):
+        pytest.skip(f"no native {dtype} GEMM on this CPU")
+    d = make_tiny_model_dir(tmp_path, "llama")
+    config = LoRAConfig({"a": make_lora_adapter(d, str(tmp_path / "a"), seed=1),
+                         "b": make_lora_adapter(d, str(tmp_path / "b"), rank=8, seed=2,
+                                                targets=("q_proj", "v_proj", "down_proj"))}, max_lora_rank=8)
+    slot_of = {0: 0, 1: 1, 2: -1, 3: 0}  # sequence -> adapter slot (-1: the base model)
+
+    def steps(runner):
+        manager = create_lora_manager(runner.model, config)
+        g = torch.Generator().manual_seed(5)
+        batches = [{i: torch.randint(3, 300, (n,), generator=g).tolist() for i, n in enumerate([150, 12, 140, 5])},
+                   {0: [5], 1: [7, 8, 9], 2: [4], 3: [6]}, {i: [10 + i] for i in range(4)}]
+        out = []
+        for batch in batches:
+            manager.set_mapping(np.repeat([slot_of[i] for i in batch], [len(t) for t in batch.values()]),
+                                torch.device("cpu"))
+            out.append(runner.step(batch))
+        return out
+
+    native, per_op = _native_and_per_op(d, dtype, steps)
+    assert count_native == {"native": 3, "per_op": 0}
+    _assert_same_logits(native, per_op)

@@ -76,7 +76,7 @@ _SIGNATURES = {
     "llmsvc_gemm_bf16_dp_supported": [],
     "llmsvc_gemm_bf16_dp": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
     "llmsvc_llama_layers": [_i, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _p, _i64, _p,
-                            _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f, _f, _i64, _i, _p],
+                            _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f, _f, _i64, _i, _p, _p],
     "llmsvc_rotary_neox": [_i, _p, _p, _i64, _i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _i],
 }
 

@@ -16,11 +16,16 @@
  * and the calling thread's CPU seconds (row 1: unlike wall time, not inflated while another
  * process holds the core; the whole work with one thread). PROF_* below;
  * benchmarks/step_profile.py reads them. Four clock reads per call, ~11 calls a layer.
+ * lora: NULL, or the step's LoRA adapters (lora_t below): after each projection's GEMM, every
+ * group of rows sharing an adapter gets (x[rows] @ A^T) @ B^T added, through the same packed
+ * GEMMs and the same rounding as the per-op path's ops.lora_add_.
  */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c11 */
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+
+#include "bf16.h"
 
 enum { LP_IN_NORM, LP_POST_NORM, LP_QKV, LP_QKV_BIAS, LP_O, LP_GATE_UP, LP_DOWN, LP_K_CACHE,
        LP_V_CACHE, LP_N };
@@ -51,12 +56,57 @@ int llmsvc_gemm_f32(const float *a, int64_t lda, const float *packed, const floa
 int llmsvc_gemm_bf16(const uint16_t *a, int64_t lda, const uint16_t *packed, const uint16_t *bias,
                      uint16_t *c, int64_t ldc, int64_t M, int64_t N, int64_t K, int nt);
 
+/* The step's LoRA adapters. Group g holds rows[off[g] .. off[g+1]) (ascending token indexes)
+ * that run with adapter slot slot[g]. ptrs [L][LORA_N][S][2]: the packed A [R, K] and B [N, R]
+ * of each layer, projection and slot (0: the slot's adapter leaves it alone); width [L][LORA_N]:
+ * R. Scratch: xg [T, max K], h [T, max R], d [T, max N], ridx [T]. */
+enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_N };
+typedef struct {
+    int64_t G, S;
+    const int64_t *slot, *off, *rows, *ptrs, *width;
+    void *xg, *h, *d;
+    int64_t *ridx;
+} lora_t;
+
 /* c [M, N] (contiguous) = a [M, K] (contiguous) @ packed weight (+ bias) */
 static int gemm(int dtype, const void *a, int64_t K, int64_t packed, int64_t bias, void *c,
                 int64_t M, int64_t N, int nt) {
     if (dtype == 1)
         return llmsvc_gemm_bf16(a, K, (const uint16_t *)packed, (const uint16_t *)bias, c, N, M, N, K, nt);
     return llmsvc_gemm_f32(a, K, (const float *)packed, (const float *)bias, c, N, M, N, K, nt);
+}
+
+/* out rows [r0, r0 + m) (out, in: row r0 first; widths N, K) += each group's LoRA update of
+ * projection `proj` of layer l, for the group's rows in that range */
+static int lora_add(int dtype, const lora_t *lo, int64_t l, int proj, const void *in, int64_t K,
+                    void *out, int64_t N, int64_t r0, int64_t m, int nt) {
+    const int64_t esz = dtype ? 2 : 4, R = lo->width[l * LORA_N + proj];
+    for (int64_t g = 0; g < lo->G; g++) {
+        const int64_t *p = lo->ptrs + ((l * LORA_N + proj) * lo->S + lo->slot[g]) * 2;
+        if (!p[0]) continue;
+        int64_t n = 0;
+        for (int64_t i = lo->off[g]; i < lo->off[g + 1]; i++) {
+            const int64_t row = lo->rows[i] - r0;
+            if (row < 0 || row >= m) continue;
+            memcpy((char *)lo->xg + n * K * esz, (const char *)in + row * K * esz, (size_t)(K * esz));
+            lo->ridx[n++] = row;
+        }
+        if (!n) continue;
+        if (gemm(dtype, lo->xg, K, p[0], 0, lo->h, n, R, nt) != 0) return -1;
+        if (gemm(dtype, lo->h, R, p[1], 0, lo->d, n, N, nt) != 0) return -1;
+        for (int64_t j = 0; j < n; j++) {
+            if (dtype) {
+                uint16_t *y = (uint16_t *)out + lo->ridx[j] * N;
+                const uint16_t *dv = (const uint16_t *)lo->d + j * N;
+                for (int64_t c = 0; c < N; c++) y[c] = f32_to_bf16(bf16_to_f32(y[c]) + bf16_to_f32(dv[c]));
+            } else {
+                float *y = (float *)out + lo->ridx[j] * N;
+                const float *dv = (const float *)lo->d + j * N;
+                for (int64_t c = 0; c < N; c++) y[c] += dv[c];
+            }
+        }
+    }
+    return 0;
 }
 
 static double seconds(clockid_t clock) {
@@ -93,7 +143,7 @@ int llmsvc_llama_layers(int dtype, int64_t L, const int64_t *lps, void *x, void 
                         int64_t num_slots, const int32_t *bt, int64_t bt_stride,
                         const int32_t *qsl, const int32_t *seq_lens, int64_t B, int64_t T,
                         int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I, int64_t BS,
-                        float eps, float scale, int64_t window, int nt, double *prof) {
+                        float eps, float scale, int64_t window, int nt, double *prof, const lora_t *lora) {
     if (dtype < 0 || dtype > 1 || L <= 0 || T <= 0) return -1;
     const int64_t esz = dtype ? 2 : 4, Q = Hq * D, KV = Hkv * D, NQKV = Q + 2 * KV;
     char *q = (char *)qkv, *k = q + Q * esz, *v = k + KV * esz;
@@ -107,18 +157,25 @@ int llmsvc_llama_layers(int dtype, int64_t L, const int64_t *lps, void *x, void 
             CALL(PROF_NORM, llmsvc_fused_add_rms_norm(dtype, x, H, res, H, P(LP_IN_NORM), nrm, res, T, H, eps, nt));
         }
         CALL(PROF_QKV, gemm(dtype, nrm, H, lp[LP_QKV], lp[LP_QKV_BIAS], qkv, T, NQKV, nt));
+        if (lora) CALL(PROF_QKV, lora_add(dtype, lora, l, LORA_QKV, nrm, H, qkv, NQKV, 0, T, nt));
         CALL(PROF_ROPE, llmsvc_rotary_neox(dtype, pos, q, NQKV, Hq, k, NQKV, Hkv, D, cos_sin, rot, max_pos, T, nt));
         CALL(PROF_STORE_KV, llmsvc_store_kv(k, NQKV, v, NQKV, P(LP_K_CACHE), P(LP_V_CACHE), slots, T, KV,
                                             num_slots, esz));
         CALL(PROF_ATTENTION, llmsvc_paged_attention(dtype, q, NQKV, P(LP_K_CACHE), P(LP_V_CACHE), bt, bt_stride,
                                                     qsl, seq_lens, B, Hq, Hkv, D, BS, scale, window, 0.f, att, nt));
         CALL(PROF_O, gemm(dtype, att, Q, lp[LP_O], 0, x, T, H, nt));
+        if (lora) CALL(PROF_O, lora_add(dtype, lora, l, LORA_O, att, Q, x, H, 0, T, nt));
         CALL(PROF_NORM, llmsvc_fused_add_rms_norm(dtype, x, H, res, H, P(LP_POST_NORM), nrm, res, T, H, eps, nt));
         for (int64_t r0 = 0; r0 < T; r0 += mlp_rows) {
             const int64_t m = T - r0 < mlp_rows ? T - r0 : mlp_rows;
             CALL(PROF_GATE_UP, gemm(dtype, (char *)nrm + r0 * H * esz, H, lp[LP_GATE_UP], 0, gu, m, 2 * I, nt));
+            if (lora)
+                CALL(PROF_GATE_UP, lora_add(dtype, lora, l, LORA_GATE_UP, (char *)nrm + r0 * H * esz, H, gu, 2 * I,
+                                            r0, m, nt));
             CALL(PROF_SILU, llmsvc_silu_and_mul(dtype, gu, 2 * I, act, m, I, nt));
             CALL(PROF_DOWN, gemm(dtype, act, I, lp[LP_DOWN], 0, (char *)x + r0 * H * esz, m, H, nt));
+            if (lora)
+                CALL(PROF_DOWN, lora_add(dtype, lora, l, LORA_DOWN, act, I, (char *)x + r0 * H * esz, H, r0, m, nt));
         }
     }
     return 0;

@@ -9,6 +9,7 @@ is this op's reference: `tests/test_native_layers.py` checks it.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from dataclasses import dataclass
@@ -24,6 +25,24 @@ logger = logging.getLogger(__name__)
 LP_N = 9  # decoder.c's LP_* fields per layer
 # decoder.c's PROF_* slots, in order: what `DecoderPlan.profile` accumulates seconds under
 PROFILE_KINDS = ("norm", "qkv", "rope", "store_kv", "attention", "o", "gate_up", "silu", "down")
+
+
+class _LoraArgs(ctypes.Structure):
+    """decoder.c's lora_t."""
+    _fields_ = [(name, ctypes.c_int64) for name in ("G", "S")] + [
+        (name, ctypes.c_void_p) for name in ("slot", "off", "rows", "ptrs", "width", "xg", "h", "d", "ridx")]
+
+
+@dataclass
+class NativeLoRA:
+    """A step's LoRA adapters for `DecoderPlan.run`: groups of rows (ascending token indexes)
+    per adapter slot, and per layer the packed A / B of each projection (q/k/v, o, gate/up, down)
+    and slot, as addresses (0: that slot's adapter leaves the projection alone)."""
+    group_slots: torch.Tensor  # [G] int64
+    group_offsets: torch.Tensor  # [G + 1] int64: group g is rows[offsets[g]:offsets[g + 1]]
+    rows: torch.Tensor  # [sum of group sizes] int64
+    ptrs: torch.Tensor  # [L, 4, S, 2] int64
+    widths: torch.Tensor  # [L, 4] int64: R of each projection's A (rows) and B (columns)
 
 
 @dataclass
@@ -86,10 +105,11 @@ class DecoderPlan:
         return True
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta,
-            kv_caches: Optional[list]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+            kv_caches: Optional[list], lora: Optional[NativeLoRA] = None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """hidden: [T, H] embeddings (overwritten). Returns (hidden, residual) after the last
         layer, as the per-op loop would, or None when this step must take that loop (no cache,
-        too many rows for the native GEMMs, unexpected dtypes or layouts)."""
+        too many rows for the native GEMMs, unexpected dtypes or layouts). lora: the step's
+        adapters, added after each projection as ops.lora_add_ adds them."""
         t = hidden.shape[0]
         if (not kv_caches or t == 0 or t > self.max_m or hidden.dtype != self.dtype
                 or not hidden.is_cpu or not hidden.is_contiguous() or not self._bind_caches(kv_caches)):
@@ -104,17 +124,30 @@ class DecoderPlan:
         res, nrm = torch.empty((t, self.h), dtype=dt), torch.empty((t, self.h), dtype=dt)
         qkv, att = torch.empty((t, q + 2 * kv), dtype=dt), torch.empty((t, q), dtype=dt)
         gu, act = torch.empty((t, 2 * self.i), dtype=dt), torch.empty((t, self.i), dtype=dt)
+        lora_args = None if lora is None else self._lora_args(lora, t, q + 2 * kv)
         rc = self._fn(self.code, len(self.layers), self.ptrs.data_ptr(), hidden.data_ptr(), res.data_ptr(),
                       nrm.data_ptr(), qkv.data_ptr(), att.data_ptr(), gu.data_ptr(), act.data_ptr(),
                       pos.data_ptr(), self.cos_sin.data_ptr(), self.cos_sin.shape[1], self.cos_sin.shape[0],
                       slots.data_ptr(), nb * bs, bt.data_ptr(), bt.stride(0), qsl.data_ptr(), sl.data_ptr(),
                       sl.shape[0], t, self.h, self.hq, self.hkv, self.d, self.i, bs, self.eps, self.scale,
                       self.window, torch.get_num_threads(),
-                      None if self.profile is None else self.profile.data_ptr())
+                      None if self.profile is None else self.profile.data_ptr(),
+                      None if lora_args is None else ctypes.addressof(lora_args[0]))
         if rc != 0:
             raise ValueError("CPU decoder layers: a kernel rejected its arguments "
                              "(position or slot out of range, or query longer than its context)")
         return hidden, res
+
+
+    def _lora_args(self, lora: NativeLoRA, t: int, n_qkv: int) -> tuple:
+        """(lora_t, the tensors it points into: kept alive through the call)."""
+        r_max = int(lora.widths.max())
+        keep = (lora.group_slots, lora.group_offsets, lora.rows, lora.ptrs, lora.widths,
+                torch.empty((t, max(self.h, self.hq * self.d, self.i)), dtype=self.dtype),
+                torch.empty((t, r_max), dtype=self.dtype), torch.empty((t, max(n_qkv, self.h, 2 * self.i)), dtype=self.dtype),
+                torch.empty(t, dtype=torch.int64))
+        args = _LoraArgs(lora.group_slots.shape[0], lora.ptrs.shape[2], *(x.data_ptr() for x in keep))
+        return args, keep
 
 
 def make_plan(layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_heads: int,

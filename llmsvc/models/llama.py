@@ -119,13 +119,16 @@ class LlamaModel(nn.Module):
         self.lora_manager = None  # llmsvc.models.lora.LoRAManager when adapters are served
 
     def _native_out(self, hidden, positions, meta, kv_caches):
-        """The native whole-stack call's (hidden, residual), or None: layer by layer (always so
-        while an adapter is active in the step: the native layers have no LoRA update)."""
+        """The native whole-stack call's (hidden, residual), or None: layer by layer (also when
+        the step's LoRA adapters have weights the native GEMMs cannot take)."""
         if not self._native_planned:
             self._native_plan, self._native_planned = self._make_native_plan(), True
-        if self.lora_manager is not None and self.lora_manager.active:
-            return None
-        return ops.decoder_layers(self._native_plan, hidden, positions, meta, kv_caches)
+        lora = None
+        if self._native_plan is not None and self.lora_manager is not None and self.lora_manager.active:
+            lora = self.lora_manager.native(self.layers)
+            if lora is None:
+                return None
+        return ops.decoder_layers(self._native_plan, hidden, positions, meta, kv_caches, lora)
 
     def forward(self, input_ids, positions, meta, kv_caches):
         hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]

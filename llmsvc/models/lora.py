@@ -53,6 +53,8 @@ class LoRAManager:
     def __init__(self, model: nn.Module, slots: int, max_rank: int) -> None:
         self.model, self.slots, self.max_rank = model, slots, max_rank
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # (slot, token rows or None = all)
+        self._native_groups: tuple | None = None  # the groups as ops.NativeLoRA wants them
+        self._native_table: tuple | None = None  # (ptrs, widths) or (None, None); reset by load / clear
         self.layers: dict[str, LinearBase] = {}
         for name, m in model.named_modules():
             if isinstance(m, LinearBase) and ".layers." in f".{name}":
@@ -78,6 +80,7 @@ class LoRAManager:
                                      "of this model's decoder")
                 wanted.setdefault(layer_name, []).append((shard_id, a, piece))
         self.clear(slot)
+        self._native_table = None
         try:
             for layer_name, entries in wanted.items():
                 self._install(self.layers[layer_name], layer_name, slot, entries)
@@ -86,6 +89,7 @@ class LoRAManager:
             raise
 
     def clear(self, slot: int) -> None:
+        self._native_table = None
         for layer in self.layers.values():
             layer.lora.lora_a[slot].zero_()
             layer.lora.lora_b[slot].zero_()
@@ -119,16 +123,49 @@ class LoRAManager:
 
     def set_mapping(self, token_slots: np.ndarray | None, device: torch.device) -> None:
         """token_slots: [T] int, each token's adapter slot (-1: base model), or None: no adapter."""
-        self.groups = []
+        self.groups, self._native_groups = [], None
         if token_slots is None:
             return
         slots = np.unique(token_slots)
+        all_rows = []
         for slot in slots[slots >= 0].tolist():
-            if len(slots) == 1:
-                self.groups.append((slot, None))
-            else:
-                rows = np.flatnonzero(token_slots == slot)
-                self.groups.append((slot, torch.from_numpy(rows).to(device)))
+            rows = np.flatnonzero(token_slots == slot)
+            all_rows.append(rows)
+            self.groups.append((slot, None if len(slots) == 1 else torch.from_numpy(rows).to(device)))
+        if all_rows and device.type == "cpu":
+            offsets = np.cumsum([0] + [len(r) for r in all_rows])
+            self._native_groups = (torch.tensor([g[0] for g in self.groups], dtype=torch.int64),
+                                   torch.from_numpy(offsets.astype(np.int64)),
+                                   torch.from_numpy(np.concatenate(all_rows).astype(np.int64)))
+
+    def native(self, layers) -> "ops.NativeLoRA | None":
+        """This step's adapters for the native decoder call over `layers` (the decoder layers, in
+        order), or None where that call cannot apply them (a loaded adapter's weights not packed
+        as the native GEMMs' panels)."""
+        if self._native_groups is None:
+            return None
+        if self._native_table is None:
+            self._native_table = self._make_native_table(layers)
+        ptrs, widths = self._native_table
+        if ptrs is None:
+            return None
+        return ops.NativeLoRA(*self._native_groups, ptrs, widths)
+
+    def _make_native_table(self, layers) -> tuple:
+        ptrs = torch.zeros((len(layers), 4, self.slots, 2), dtype=torch.int64)
+        widths = torch.zeros((len(layers), 4), dtype=torch.int64)
+        for l, layer in enumerate(layers):
+            projs = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            for p, proj in enumerate(projs):
+                widths[l, p] = proj.lora.lora_a.shape[1]
+                for slot in range(self.slots):
+                    if not proj.lora.loaded[slot]:
+                        continue
+                    pa, pb = proj.lora.packed[slot]
+                    if pa is None or pb is None or pa.dim() != 3 or pb.dim() != 3:
+                        return None, None
+                    ptrs[l, p, slot, 0], ptrs[l, p, slot, 1] = pa.data_ptr(), pb.data_ptr()
+        return ptrs, widths
 
     @property
     def active(self) -> bool:
