@@ -3,11 +3,14 @@
     python -m benchmarks.soak                      # starts `llmsvc serve` (default model), 10 minutes
     python -m benchmarks.soak --minutes 2 --model /path/to/tiny-model-dir
     python -m benchmarks.soak --server 127.0.0.1:50051 --server-pid 1234
+    python -m benchmarks.soak --lora --minutes 3   # also LoRA traffic and adapter load/unload churn
 
 Traffic (each client thread draws one per request): streamed and unary completions, n=2, stop
 strings, chat, client cancels mid-stream, Abort RPCs, short deadlines, slow readers, bad requests.
 Every --interval seconds it samples the RSS of the server process and its children and the KV free
-block count (GetServerInfo) and prints a table row; at the end it waits for the server to go idle
+block count (GetServerInfo) and prints a table row. With --lora the started server serves a random
+adapter ("soak") and may hold a second ("churn") that a thread loads and unloads every ~2 s through
+AdminService while requests name either, or none, or an unknown one; at the end it waits for the server to go idle
 and prints a JSON summary: start/end/max RSS, free blocks at the end == total, calls by status code.
 Exit code 0 when nothing leaked (all blocks free, nothing running/waiting, no INTERNAL/UNKNOWN).
 """
@@ -18,8 +21,10 @@ import collections
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -72,10 +77,11 @@ def rss_bytes(pid: int) -> int:
 
 
 class Traffic:
-    def __init__(self, target: str, seed: int, max_tokens: int) -> None:
+    def __init__(self, target: str, seed: int, max_tokens: int, lora_names: tuple = ()) -> None:
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.LlmServiceStub(self.channel)
         self.seed, self.max_tokens = seed, max_tokens
+        self.lora_names = lora_names  # adapters requests may name (None: the base model)
         self.codes: collections.Counter = collections.Counter()  # "KIND:CODE"
         self.by_code: collections.Counter = collections.Counter()
         self.tokens = 0
@@ -94,6 +100,10 @@ class Traffic:
                                sampling=pb.SamplingParams(temperature=rng.choice([0.0, 0.7, 1.0]),
                                                           top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1 << 30)),
                                stopping=ST(max_tokens=rng.randint(1, self.max_tokens), ignore_eos=rng.random() < 0.5))
+        if self.lora_names:
+            name = rng.choice(self.lora_names)
+            if name is not None:
+                r.lora_name = name
         if kind == "n2":
             r.sampling.n = 2
         elif kind == "stop":
@@ -142,12 +152,46 @@ class Traffic:
             i += 1
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+LORA_NAMES = (None, "soak", "churn", "never-loaded")
+ADMIN_TOKEN = "soak-admin"
+
+
+def lora_churn(traffic: Traffic, path: str) -> None:
+    """Load and unload the adapter "churn" every ~2 s (a refused unload: it is in use)."""
+    admin = pb_grpc.AdminServiceStub(traffic.channel)
+    md = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
+    loaded = False
+    while not traffic.stop.wait(2.0):
+        try:
+            if loaded:
+                admin.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(lora_name="churn"), metadata=md, timeout=60)
+            else:
+                admin.LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name="churn", lora_path=path), metadata=md,
+                                      timeout=60)
+            loaded = not loaded
+            traffic._count("unload" if not loaded else "load", "OK")
+        except grpc.RpcError as e:
+            traffic._count("unload" if loaded else "load", e.code().name)
+
+
+def start_server(args, tmp: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    lora = []
+    if args.lora:
+        from benchmarks.lora import write_random_adapter
+        from llmsvc.config import ModelConfig
+        from llmsvc.models.resolve import resolve_model_config
+
+        args.lora_path = write_random_adapter(resolve_model_config(ModelConfig(model=args.model)),
+                                              os.path.join(tmp, "adapter"), 8)
+        with open(os.path.join(tmp, "admin-tokens"), "w") as f:
+            f.write(ADMIN_TOKEN + "\n")
+        lora = ["--lora-modules", f"soak={args.lora_path}", "--max-loras", "2", "--max-lora-rank", "8",
+                "--admin-token-file", os.path.join(tmp, "admin-tokens")]
     cmd = [sys.executable, "-m", "llmsvc", "serve"] + ([args.model] if args.model else []) + [
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(args.max_model_len),
         "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs),
-        "--log-level", "WARNING", *args.serve_arg]
+        "--log-level", "WARNING", *lora, *args.serve_arg]
     proc = subprocess.Popen(cmd, env=dict(os.environ))
     target = f"127.0.0.1:{port}"
     wait_serving(target, 900, proc)
@@ -179,15 +223,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the summary here")
+    p.add_argument("--lora", action="store_true", help="the started server serves LoRA adapters (see above)")
     args = p.parse_args(argv)
+    if args.lora and args.server:
+        p.error("--lora starts its own server")
 
     proc = None
+    tmp = tempfile.mkdtemp(prefix="llmsvc-soak-")
     if args.server:
         target, pid = args.server, args.server_pid
     else:
-        proc, target = start_server(args)
+        proc, target = start_server(args, tmp)
         pid = proc.pid
-    traffic = Traffic(target, args.seed, args.max_tokens)
+    traffic = Traffic(target, args.seed, args.max_tokens, LORA_NAMES if args.lora else ())
     stub = traffic.stub
     samples = []
     try:
@@ -197,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'t_s':>7} {'rss_mib':>9} {'free_blk':>8} {'running':>7} {'waiting':>7} {'calls':>7} "
               f"{'tokens':>8} {'errors':>6}", flush=True)
         threads = [threading.Thread(target=traffic.worker, args=(w,), daemon=True) for w in range(args.concurrency)]
+        if args.lora:
+            threads.append(threading.Thread(target=lora_churn, args=(traffic, args.lora_path), daemon=True))
         t0 = time.monotonic()
         for t in threads:
             t.start()
@@ -244,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         traffic.channel.close()
         if proc is not None:
             stop_server(proc, 60)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
