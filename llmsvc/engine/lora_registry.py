@@ -57,8 +57,8 @@ class LoRARegistry:
     def reserve(self, name: str, path: str) -> LoRAEntry:
         """A new entry for an adapter about to load (not yet served: `commit` it once loaded)."""
         if self.config is None:
-            raise LoRAAdminError("LORA_DISABLED", "LoRA is off: start the server with --enable-lora "
-                                 "(and --max-loras for the adapters to hold at once)")
+            raise LoRAAdminError("LORA_DISABLED", "LoRA is off: start the server with --enable-lora (and "
+                                 "--max-loras for the adapters to hold at once), or LLM(enable_lora=True)")
         if not name or not path:
             raise InvalidRequestError("lora_name" if not name else "lora_path", "must not be empty")
         if name in self._entries:
