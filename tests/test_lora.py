@@ -209,6 +209,7 @@ def test_grpc_load_and_unload_adapters_while_serving(served):
         assert list(again.token_ids) == refs["some"][2] and again.prompt.num_cached_tokens == 0
         info = c.server_info()
         assert info.num_free_kv_blocks == info.num_kv_blocks and info.num_running == 0
+        assert (info.max_loras, info.max_lora_rank) == (2, 8)
 
 
 def test_unload_waits_for_the_requests_using_the_adapter(served):

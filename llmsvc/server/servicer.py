@@ -294,4 +294,6 @@ class LlmService(pb_grpc.LlmServiceServicer):
             max_num_batched_tokens=c.scheduler_config.max_num_batched_tokens, num_running=st.num_running,
             num_waiting=st.num_waiting, kv_cache_usage=st.kv_cache_usage,
             prefix_cache_hit_rate=st.prefix_cache_hit_rate, draining=self.state.draining))
+        if c.lora_config is not None:
+            resp.max_loras, resp.max_lora_rank = c.lora_config.max_loras, c.lora_config.max_lora_rank
         return resp

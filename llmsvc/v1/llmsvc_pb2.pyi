@@ -430,7 +430,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("version", "api_version", "instance_id", "uptime_seconds", "device", "tensor_parallel_size", "executor", "kv_block_size", "num_kv_blocks", "num_free_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "draining")
+    __slots__ = ("version", "api_version", "instance_id", "uptime_seconds", "device", "tensor_parallel_size", "executor", "kv_block_size", "num_kv_blocks", "num_free_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "draining", "max_loras", "max_lora_rank")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -448,6 +448,8 @@ class GetServerInfoResponse(_message.Message):
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     version: str
     api_version: str
     instance_id: str
@@ -465,7 +467,9 @@ class GetServerInfoResponse(_message.Message):
     kv_cache_usage: float
     prefix_cache_hit_rate: float
     draining: bool
-    def __init__(self, version: _Optional[str] = ..., api_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., executor: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+    max_loras: int
+    max_lora_rank: int
+    def __init__(self, version: _Optional[str] = ..., api_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., executor: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., draining: _Optional[bool] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")
