@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from kernels.triton_ops import fused_moe as _moe
+from kernels.triton_ops import lora as _lora
 from kernels.triton_ops import paged_attention as _attn
 from kernels.triton_ops import rms_norm as _norm
 from kernels.triton_ops import rotary_embedding as _rope
@@ -99,3 +100,14 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
 @fused_moe.register_fake
 def _(hidden, w13, w2, topk_weights, topk_ids):
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("llmsvc::lora_add_", mutates_args=("y",))
+def lora_add_(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+              token_slots: torch.Tensor) -> None:
+    _lora.lora_add_(y, x, lora_a, lora_b, token_slots)
+
+
+@lora_add_.register_fake
+def _(y, x, lora_a, lora_b, token_slots):
+    return None

@@ -181,12 +181,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-              groups: list, packed: Optional[list] = None) -> None:
+              groups: list, packed: Optional[list] = None, token_slots: Optional[torch.Tensor] = None) -> None:
     """LoRA's low-rank update, in place: y[rows] += (x[rows] @ lora_a[slot].T) @ lora_b[slot].T
     for each (slot, rows) of groups (reference.lora_add_ has the shapes). Two small GEMMs per
     adapter in the step. packed: per slot, pack_linear_weight of lora_a[slot] and lora_b[slot]
     (the CPU's packed GEMM; torch's own bf16 GEMM of these thin shapes is ~3x slower on a CPU
-    without bf16 arithmetic)."""
+    without bf16 arithmetic). token_slots: the same mapping per token ([T], -1: base model), for
+    the Triton kernels on CUDA (one launch per projection whatever the mix of adapters)."""
+    if token_slots is not None and _use_triton(x):
+        return _tri.lora_add_(y, x, lora_a, lora_b, token_slots)
     if packed is None or not x.is_cpu or any(packed[s][0] is None or packed[s][1] is None for s, _ in groups):
         return _ref.lora_add_(y, x, lora_a, lora_b, groups)
     for slot, rows in groups:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "store_kv",
            "varlen_attention", "paged_decode_split", "paged_decode_reduce", "fused_moe_gate_up",
-           "fused_moe_down"}
+           "fused_moe_down", "lora_shrink", "lora_expand"}
 SMEM_LIMIT = 228 * 1024  # H100 / A100 max dynamic shared memory per block is <= 228 KiB
 
 

@@ -15,6 +15,7 @@ from triton.compiler import ASTSource
 from kernels.triton_ops.fused_moe import BLOCK_K as MOE_BLOCK_K
 from kernels.triton_ops.fused_moe import BLOCK_N as MOE_BLOCK_N
 from kernels.triton_ops.fused_moe import _moe_gemm_kernel
+from kernels.triton_ops.lora import _lora_expand_kernel, _lora_shrink_kernel
 from kernels.triton_ops.paged_decode import _decode_reduce_kernel, _decode_split_kernel
 from kernels.triton_ops.rms_norm import _rms_norm_kernel
 from kernels.triton_ops.rotary_embedding import _rope_kernel
@@ -81,6 +82,12 @@ def kernel_specs(dtype: str = "fp16", head_dim: int = 64, group: int = 4):
          dict(part_o_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", out_ptr=p,
               qsl_ptr="*i32", stride_ot=i, stride_oh=i, head_size=i, num_q_heads=i,
               num_splits=i), dict(S_PAD=16, D_PAD=d_pad), 4),
+        ("lora_shrink", _lora_shrink_kernel,
+         dict(x_ptr=p, a_ptr=p, slot_ptr="*i32", h_ptr="*fp32", stride_x=i, stride_as=i, stride_ar=i,
+              stride_h=i, K=i, R=i), dict(BLOCK_R=64, BLOCK_K=128), 4),
+        ("lora_expand", _lora_expand_kernel,
+         dict(h_ptr="*fp32", b_ptr=p, slot_ptr="*i32", y_ptr=p, stride_h=i, stride_bs=i, stride_bn=i,
+              stride_y=i, R=i, N=i), dict(BLOCK_N=128, BLOCK_R=64), 4),
     ] + [
         (name, _moe_gemm_kernel,
          dict(a_ptr=p, b_ptr=p, c_ptr=c, w_ptr="*fp32", pair_ptr="*i32", tile_expert_ptr="*i32",

@@ -42,7 +42,7 @@ class LoRALayer:
     def add_(self, y: torch.Tensor, x: torch.Tensor) -> None:
         groups = [g for g in self.manager.groups if self.loaded[g[0]]]
         if groups:
-            ops.lora_add_(y, x, self.lora_a, self.lora_b, groups, self.packed)
+            ops.lora_add_(y, x, self.lora_a, self.lora_b, groups, self.packed, self.manager.token_slots)
 
 
 class LoRAManager:
@@ -54,6 +54,7 @@ class LoRAManager:
         self.model, self.slots, self.max_rank = model, slots, max_rank
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # (slot, token rows or None = all)
         self._native_groups: tuple | None = None  # the groups as ops.NativeLoRA wants them
+        self.token_slots: torch.Tensor | None = None  # [T] int32 on the device: the groups per token
         self._native_table: tuple | None = None  # (ptrs, widths) or (None, None); reset by load / clear
         self.layers: dict[str, LinearBase] = {}
         for name, m in model.named_modules():
@@ -123,9 +124,10 @@ class LoRAManager:
 
     def set_mapping(self, token_slots: np.ndarray | None, device: torch.device) -> None:
         """token_slots: [T] int, each token's adapter slot (-1: base model), or None: no adapter."""
-        self.groups, self._native_groups = [], None
+        self.groups, self._native_groups, self.token_slots = [], None, None
         if token_slots is None:
             return
+        self.token_slots = torch.from_numpy(token_slots.astype(np.int32)).to(device)
         slots = np.unique(token_slots)
         all_rows = []
         for slot in slots[slots >= 0].tolist():
