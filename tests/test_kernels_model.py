@@ -39,13 +39,20 @@ def test_tiny_model_forward_triton_equals_torch(tmp_path):
         k_cache.fill_(float("nan"))
         v_cache.fill_(float("nan"))
     for step in _steps():
-        expected = torch_runner.step(step)
-        with ops.force_triton():
-            got = triton_runner.step(step)
-        for sid in step:
-            assert not torch.isnan(got[sid]).any(), sid
-            torch.testing.assert_close(got[sid], expected[sid], atol=1e-4, rtol=1e-4)
+        expected = _same_step(torch_runner, triton_runner, step)
         assert expected["a"].abs().max() > 0.1  # logits are not trivially zero
+
+
+def _same_step(torch_runner, triton_runner, step: dict) -> dict:
+    """Run `step` on both runners (the second with every op on the Triton path); their logits
+    agree. Returns the torch path's."""
+    expected = torch_runner.step(step)
+    with ops.force_triton():
+        got = triton_runner.step(step)
+    for sid in step:
+        assert not torch.isnan(got[sid]).any(), sid
+        torch.testing.assert_close(got[sid], expected[sid], atol=1e-4, rtol=1e-4)
+    return expected
 
 
 def test_tiny_model_with_lora_adapters_triton_equals_torch(tmp_path):
@@ -71,9 +78,4 @@ def test_tiny_model_with_lora_adapters_triton_equals_torch(tmp_path):
         manager.set_mapping(np.repeat([slot_of[s] for s in step], [len(t) for t in step.values()]),
                             torch.device("cpu"))
         model.model._native_plan, model.model._native_planned = None, True  # per-op: ops dispatch each call
-        expected = torch_runner.step(step)
-        with ops.force_triton():
-            got = triton_runner.step(step)
-        for sid in step:
-            assert not torch.isnan(got[sid]).any(), sid
-            torch.testing.assert_close(got[sid], expected[sid], atol=1e-4, rtol=1e-4)
+        _same_step(torch_runner, triton_runner, step)
