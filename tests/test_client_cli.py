@@ -71,6 +71,21 @@ def test_generate_chat(server, capsys):
     assert rc == 0 and [(m.role, m.content) for m in msgs] == [("system", "be brief"), ("user", "hi there")]
 
 
+def test_generate_chat_tools_and_template_kwargs(server, capsys, tmp_path):
+    tools = tmp_path / "tools.json"
+    tools.write_text('[{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]')
+    rc, _, _ = run(capsys, "generate", "weather?", "--server", server.target, "--chat", "--tools", str(tools),
+                   "--chat-template-kwargs", '{"enable_thinking": false}')
+    chat = server.service.requests[-1].chat
+    assert rc == 0 and chat.tools[0]["function"]["name"] == "weather"
+    assert chat.chat_template_kwargs["enable_thinking"] is False
+    for argv, why in ((["--tools", str(tools)], "--tools needs --chat"),
+                      (["--chat", "--chat-template-kwargs", "[1]"], "must be a JSON object"),
+                      (["--chat", "--chat-template-kwargs", "{oops"], "not JSON")):
+        with pytest.raises(SystemExit, match=why):
+            run(capsys, "generate", "x", "--server", server.target, *argv)
+
+
 def test_generate_error_exit_code_and_message(server, capsys):
     rc, out, err = run(capsys, "generate", "error:INVALID_ARGUMENT", "--server", server.target)
     assert rc == 1 and out == ""

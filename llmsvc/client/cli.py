@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user chat message (the model's chat template applies)")
     parser.add_argument("--system", default=None, help="system message (with --chat)")
+    parser.add_argument("--tools", default=None, metavar="FILE",
+                        help="with --chat: a JSON file holding a list of OpenAI function tools for the template")
+    parser.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                        help='with --chat: extra chat-template variables, e.g. \'{"enable_thinking": false}\'')
     parser.add_argument("--json", action="store_true", help="machine-readable JSON output")
     parser.add_argument("--request-id", default=None, help="request id (default: made by the server)")
     parser.add_argument("--max-retries", type=int, default=0, metavar="N",
@@ -70,11 +74,27 @@ def request_kwargs(args: argparse.Namespace) -> dict:
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         kwargs["messages"] = messages + [{"role": "user", "content": args.prompt}]
+        if args.tools:
+            kwargs["tools"] = _json_arg("--tools", open(args.tools).read(), list)
+        if args.chat_template_kwargs:
+            kwargs["chat_template_kwargs"] = _json_arg("--chat-template-kwargs", args.chat_template_kwargs, dict)
     else:
-        if args.system:
-            raise SystemExit("llmsvc generate: --system needs --chat")
+        for flag, value in (("--system", args.system), ("--tools", args.tools),
+                            ("--chat-template-kwargs", args.chat_template_kwargs)):
+            if value:
+                raise SystemExit(f"llmsvc generate: {flag} needs --chat")
         kwargs["prompt"] = args.prompt
     return kwargs
+
+
+def _json_arg(flag: str, text: str, kind: type):
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise SystemExit(f"llmsvc generate: {flag}: not JSON: {e}") from None
+    if not isinstance(value, kind):
+        raise SystemExit(f"llmsvc generate: {flag}: must be a JSON {'list' if kind is list else 'object'}")
+    return value
 
 
 def _result_json(result) -> dict:
