@@ -135,13 +135,6 @@ class LoRAConfig:
             if not name or not path:
                 raise ValueError(f"a LoRA module needs a name and a path, got {name!r}={path!r}")
 
-    def lora_id(self, name: str) -> int | None:
-        """1-based id of the adapter called `name`, None if there is none."""
-        for i, known in enumerate(self.modules, 1):
-            if known == name:
-                return i
-        return None
-
 
 @dataclass
 class EngineConfig:

@@ -328,7 +328,10 @@ def test_cli_lora_flags(monkeypatch, tmp_path):
                   "--max-lora-rank", "32"])
     config = cli.build_config(args)
     assert config.lora_config == LoRAConfig({"a": "/x", "b": "/y"}, 32)
-    assert config.lora_config.lora_id("b") == 2 and config.lora_config.lora_id("c") is None
+    registry = LoRARegistry(config.lora_config)
+    assert registry.lookup("b").lora_id == 2
+    with pytest.raises(LoRANotFoundError):
+        registry.lookup("c")
     assert cli.build_config(parse(["m"])).lora_config is None
     monkeypatch.setenv("LLMSVC_LORA_MODULES", "a=/x, b=/y")
     assert cli.build_config(parse(["m"])).lora_config.modules == {"a": "/x", "b": "/y"}

@@ -38,7 +38,7 @@ class LoRARegistry:
         self._loads = itertools.count()
         self._entries: dict[str, LoRAEntry] = {}
         for i, (name, path) in enumerate((lora_config.modules if lora_config else {}).items(), 1):
-            self._entries[name] = LoRAEntry(name, path, i, f"{name}\0{next(self._loads)}", adapter_rank(path))
+            self._entries[name] = self._new_entry(name, path, i)
 
     def entries(self) -> list[LoRAEntry]:
         return sorted(list(self._entries.values()), key=lambda e: e.lora_id)  # list(): one atomic copy
@@ -69,7 +69,10 @@ class LoRARegistry:
         if free is None:
             raise LoRAAdminError("LORA_SLOTS_FULL", f"all {self.config.max_loras} LoRA slots are in use "
                                  f"({', '.join(self._entries)}); unload one or raise --max-loras")
-        return LoRAEntry(name, path, free, f"{name}\0{next(self._loads)}", adapter_rank(path))
+        return self._new_entry(name, path, free)
+
+    def _new_entry(self, name: str, path: str, lora_id: int) -> LoRAEntry:
+        return LoRAEntry(name, path, lora_id, f"{name}\0{next(self._loads)}", adapter_rank(path))
 
     def commit(self, entry: LoRAEntry) -> None:
         self._entries[entry.name] = entry
