@@ -166,6 +166,19 @@ def test_engine_errors_map_to_status(exc, code):
 
 
 
+@pytest.mark.parametrize("exc", [EngineDeadError("engine loop died: ExecutorError: worker failed:\nTraceback (most "
+                                                 "recent call last):\n" + "  File x, line 1\n" * 500),
+                                 EngineDeadError("engine loop died: " + "x" * 9000)])
+def test_engine_death_tells_the_client_one_bounded_line(exc):
+    """A worker's traceback stays in the server's log: sent whole it passed the client's 8 KiB
+    trailer limit, and the client saw RESOURCE_EXHAUSTED instead of UNAVAILABLE."""
+    err = to_service_error(exc)
+    assert err.code == grpc.StatusCode.UNAVAILABLE and err.reason == "ENGINE_DEAD"
+    assert "\n" not in err.message and "Traceback" not in err.message and len(err.message) < 400
+    assert err.message.startswith("engine is not running: engine loop died: ")
+
+
+
 def test_stream_interval_from_output_options():
     assert build_sampling_params(req(stream=True), LIMITS).stream_interval is None  # the server's
     assert build_sampling_params(req(stream=True, output=O(stream_interval=0)), LIMITS).stream_interval is None

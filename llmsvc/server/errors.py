@@ -133,15 +133,27 @@ def to_service_error(exc: BaseException) -> ServiceError:
         return ServiceError(grpc.StatusCode.INTERNAL, "the engine failed while running this request "
                             "(the server stops serving and exits for a restart)", reason="ENGINE_ERROR")
     if isinstance(exc, EngineDeadError):
-        return unavailable(f"engine is not running: {exc}", reason="ENGINE_DEAD")
+        return unavailable(f"engine is not running: {_first_line(exc)}", reason="ENGINE_DEAD")
     if isinstance(exc, EngineStoppedError):
         return unavailable("server is shutting down", reason="DRAINING")
     if isinstance(exc, ValueError):  # SamplingParams.verify(): "<field> <why>"
         field, _, why = str(exc).partition(" ")
         return invalid(field or "request", why or str(exc))
     if type(exc).__name__ == "ExecutorError":
-        return unavailable(f"engine is not running: {exc}", reason="ENGINE_DEAD")
+        return unavailable(f"engine is not running: {_first_line(exc)}", reason="ENGINE_DEAD")
     return ServiceError(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})", reason="INTERNAL")
+
+
+_MAX_CAUSE_CHARS = 300
+
+
+def _first_line(exc: BaseException) -> str:
+    """What a client is told of why the engine died: the first line of the cause, bounded. A
+    worker's failure text carries its traceback (the server log has it whole); sent as is, it
+    would reach clients and could pass the 8 KiB of trailers a gRPC client accepts, which then
+    reports RESOURCE_EXHAUSTED instead of this status."""
+    line = str(exc).strip().split("\n", 1)[0]
+    return line if len(line) <= _MAX_CAUSE_CHARS else line[:_MAX_CAUSE_CHARS - 3] + "..."
 
 
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException, request_id: str | None = None):
