@@ -27,7 +27,7 @@ def step_messages(n: int) -> tuple[SchedulerOutput, ModelRunnerOutput]:
     cached = CachedRequestData(req_ids=ids, new_token_ids=[[1234] for _ in ids], new_block_ids=[[] for _ in ids],
                                num_computed_tokens=[200 + i for i in range(n)])
     return (SchedulerOutput([], cached, {r: 1 for r in ids}, n, set()),
-            ModelRunnerOutput(req_ids=ids, sampled_token_ids=[4321] * n))
+            ModelRunnerOutput(req_ids=ids, sampled_token_ids=[[4321] for _ in ids]))
 
 
 def _worker(conn, n: int) -> None:

@@ -136,6 +136,61 @@ class LoRAConfig:
                 raise ValueError(f"a LoRA module needs a name and a path, got {name!r}={path!r}")
 
 
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (vLLM's "ngram" method): a decoding request's last n
+    tokens (prompt_lookup_max >= n >= prompt_lookup_min, longest first) are looked up earlier in
+    its own tokens, and the up to num_speculative_tokens tokens that followed that occurrence are
+    verified in the same step as the request's next token. Accepted drafts are exactly the tokens
+    decoding one at a time would have produced (docs/spec-decode.md)."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    # no drafts in a step while more than this many requests run (None: always draft)
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        # unset: as vLLM, both 5; one set: the other equals it
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_max = self.prompt_lookup_min = 5
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def from_dict(cls, value: "dict | str | SpeculativeConfig") -> "SpeculativeConfig":
+        """From vLLM's --speculative-config form: a dict or its JSON text. ValueError if bad."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
@@ -155,6 +210,7 @@ class EngineConfig:
     grammar_cache_size: int = 256  # compiled grammars kept, by (kind, spec), least recently used out
     engine_core: str = "inline"  # inline: EngineCore in the caller's process | process: its own, over ZeroMQ
     lora_config: LoRAConfig | None = None  # None: no adapters (requests naming one fail)
+    speculative_config: SpeculativeConfig | None = None  # None: one token per decode step
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)
@@ -167,8 +223,12 @@ class EngineConfig:
         size ("2GiB", parse_memory). TypeError for a name no section has; ValueError for a
         logprobs_mode that is not one of LOGPROBS_MODES. `lora_modules` ({name: path}) and
         `max_lora_rank` and `max_loras` build the LoRAConfig; `enable_lora` alone builds one with
-        no start-up adapters (they are loaded later)."""
+        no start-up adapters (they are loaded later). `speculative_config` (a dict or its JSON)
+        builds the SpeculativeConfig; it excludes async scheduling (ValueError)."""
         config = cls()
+        spec = options.pop("speculative_config", None)
+        if spec is not None:
+            config.speculative_config = SpeculativeConfig.from_dict(spec)
         lora = {k: options.pop(k) for k in ("lora_modules", "max_lora_rank", "max_loras", "enable_lora")
                 if k in options}
         if lora.get("lora_modules") or lora.get("enable_lora"):
@@ -186,6 +246,9 @@ class EngineConfig:
             if section is None:
                 raise TypeError(f"unknown engine option {key!r}")
             setattr(section, key, value)
+        if config.speculative_config is not None and config.scheduler_config.async_scheduling:
+            raise ValueError("speculative decoding needs each step's tokens before the next is "
+                             "scheduled: it cannot run with async scheduling")
         if config.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
                              f"got {config.logprobs_mode!r}")

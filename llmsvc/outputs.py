@@ -62,6 +62,25 @@ class RequestOutput:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding counters since start-up: a draft is one request's draft tokens of one
+    step; accepted_per_pos[i] counts the drafts whose token i was accepted."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verified draft, the one every step samples included (1 + accepted / drafts)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+@dataclass
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -73,3 +92,4 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     extra: dict = field(default_factory=dict)
+    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding off

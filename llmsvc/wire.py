@@ -14,6 +14,13 @@ Async scheduling: step N+1 is scheduled before step N's tokens are known, so a t
 step N reaches the worker in step N+1's new_token_ids as PLACEHOLDER_TOKEN_ID. A placeholder only
 ever stands for the token the worker itself sampled for r in the step just before (it executes
 steps in order); the worker substitutes it before building the step's inputs.
+
+Speculative decoding: a request with draft tokens in scheduled_spec_decode_tokens computes
+tokens(r)[num_computed_tokens] followed by its drafts (num_scheduled_tokens[r] = 1 + drafts), and
+samples at every one of those positions; the worker returns the drafts it accepted plus one more
+token (1 to 1 + drafts tokens). The drafts never enter tokens(r): accepted ones come back in the
+next step's new_token_ids like any sampled token, and num_computed_tokens is rolled back past the
+rejected ones by the scheduler.
 """
 from __future__ import annotations
 
@@ -75,6 +82,8 @@ class SchedulerOutput:
     # set iff token t is allowed) is the mask of structured_output_req_ids[i]
     structured_output_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # speculative decoding: req_id -> draft tokens verified this step (only requests that have any)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":
@@ -94,8 +103,10 @@ class SampleLogprobs:
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]  # requests that sampled this step, in batch order
-    sampled_token_ids: list[int]  # one per req_id
-    logprobs: list[SampleLogprobs | None] | None = None  # per req_id, when asked
+    # per req_id, the tokens it produced: one, or with draft tokens the accepted drafts plus one
+    sampled_token_ids: list[list[int]]
+    # per req_id one entry per token of sampled_token_ids (None where the request asked for none)
+    logprobs: list[list[SampleLogprobs] | None] | None = None
     # prompt logprobs for prompt positions computed this step: req_id -> one entry per
     # position (None for the first prompt token), when SamplingParams.prompt_logprobs is set
     prompt_logprobs: dict[str, list[SampleLogprobs | None]] = field(default_factory=dict)

@@ -62,6 +62,7 @@ class FakeExecutor(Executor):
         self.shut_down = False
         self.prev_sampled: dict[str, int] = {}  # what an async placeholder stands for
         self.num_placeholders = 0  # placeholders received (async scheduling)
+        self.num_accepted = 0  # draft tokens accepted (speculative decoding)
 
     def determine_num_kv_blocks(self) -> int:
         return self.num_blocks
@@ -117,34 +118,47 @@ class FakeExecutor(Executor):
             assert ncomp == r.num_computed, (rid, ncomp, r.num_computed)
         assert set(so.num_scheduled_tokens) == {n.req_id for n in so.scheduled_new_reqs} | set(c.req_ids)
         # store every scheduled token's "K/V" first, then check what each request attends to
+        spec = so.scheduled_spec_decode_tokens
         for rid, n in so.num_scheduled_tokens.items():
             r = self.reqs[rid]
-            assert n > 0 and r.num_computed + n <= len(r.tokens), (rid, n, r.num_computed, len(r.tokens))
+            seq = r.tokens + spec.get(rid, [])  # drafts follow the last known token
+            assert n > 0 and r.num_computed + n <= len(seq), (rid, n, r.num_computed, len(seq))
+            assert rid not in spec or r.num_computed + n == len(seq), (rid, "drafts of a request mid-prefill")
             assert len(r.block_ids) * self.block_size >= r.num_computed + n, (rid, "block table too short")
+            assert r.num_computed + n <= (self.config.model_config.max_model_len or 1 << 31), (rid, "past the context")
             for pos in range(r.num_computed, r.num_computed + n):
-                self.kv[self._slot(r, pos)] = (pos, r.tokens[pos])
+                self.kv[self._slot(r, pos)] = (pos, seq[pos])
         out = ModelRunnerOutput([], [], logprobs=[])
         for rid, n in so.num_scheduled_tokens.items():
             r = self.reqs[rid]
             end = r.num_computed + n
+            drafts = spec.get(rid, [])
+            seq = r.tokens + drafts
             for pos in range(end):
-                assert self.kv.get(self._slot(r, pos)) == (pos, r.tokens[pos]), (rid, pos, "stale KV")
+                assert self.kv.get(self._slot(r, pos)) == (pos, seq[pos]), (rid, pos, "stale KV")
             pl = getattr(r.params, "prompt_logprobs", None)
             if pl is not None and r.num_computed < len(r.tokens) and end > 0:
                 lps = []
                 for pos in range(r.num_computed, min(end, len(r.tokens))):
                     lps.append(None if pos == 0 else SampleLogprobs(-float(pos % 7), 1 + pos % 3))
                 out.prompt_logprobs[rid] = lps
-            r.num_computed = end
-            if end == len(r.tokens):
-                tok = obey_grammar(so, rid, self.token_fn(r.tokens))
+            if end == len(seq):
+                toks = []  # each draft is accepted iff it is the token token_fn gives there
+                for j in range(len(drafts) + 1):
+                    toks.append(obey_grammar(so, rid, self.token_fn(r.tokens + drafts[:j])))
+                    if j == len(drafts) or toks[-1] != drafts[j]:
+                        break
+                end -= len(drafts) + 1 - len(toks)
+                self.num_accepted += len(toks) - 1
                 out.req_ids.append(rid)
-                out.sampled_token_ids.append(tok)
+                out.sampled_token_ids.append(toks)
                 k = getattr(r.params, "logprobs", None)
-                out.logprobs.append(None if k is None else SampleLogprobs(
-                    -0.5, 1, [tok, (tok + 1) % VOCAB][:max(k, 0) or 1], [-0.5, -1.5][:max(k, 0) or 1]))
+                out.logprobs.append(None if k is None else [SampleLogprobs(
+                    -0.5, 1, [tok, (tok + 1) % VOCAB][:max(k, 0) or 1], [-0.5, -1.5][:max(k, 0) or 1])
+                    for tok in toks])
+            r.num_computed = end
         self.steps.append(rec)
-        self.prev_sampled = dict(zip(out.req_ids, out.sampled_token_ids))
+        self.prev_sampled = {rid: toks[-1] for rid, toks in zip(out.req_ids, out.sampled_token_ids)}
         return out
 
 

@@ -53,7 +53,7 @@ def greedy_generate(executor, prompts: list[list[int]], max_new: int, block_size
         for i in range(len(prompts)):
             if ids[i] in so.num_scheduled_tokens:
                 computed[i] += so.num_scheduled_tokens[ids[i]]
-        for req_id, tok in zip(out.req_ids, out.sampled_token_ids):
+        for req_id, (tok,) in zip(out.req_ids, out.sampled_token_ids):  # no drafts: one token each
             i = ids.index(req_id)
             outs[i].append(tok)
             tokens[i].append(tok)

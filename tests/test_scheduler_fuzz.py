@@ -6,7 +6,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine_fakes import FakeExecutor, make_config
+from engine_fakes import FakeExecutor, make_config, next_token
+from llmsvc.config import SpeculativeConfig
 from llmsvc.core.engine_core import EngineCore
 from llmsvc.core.errors import PromptTooLongError
 from llmsvc.core.request import Request, RequestStatus
@@ -16,8 +17,16 @@ from llmsvc.sampling_params import SamplingParams
 PREFIXES = [list(range(10, 18)), list(range(10, 14)) + [99, 98, 97, 96], []]
 
 
+def loopy_token(tokens: list[int]) -> int:
+    """A 'model' that mostly repeats what it said 3 tokens ago, so prompt-lookup drafts are often
+    right and sometimes wrong."""
+    return tokens[-3] if len(tokens) % 5 and len(tokens) >= 3 else next_token(tokens)
+
+
 class EngineMachine(RuleBasedStateMachine):
     async_scheduling = False
+    speculative_config = None
+    token_fn = staticmethod(next_token)
     @initialize(num_blocks=st.integers(4, 24), block_size=st.sampled_from([2, 4]),
                 budget=st.integers(1, 40), max_seqs=st.integers(1, 6),
                 policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans(),
@@ -27,11 +36,13 @@ class EngineMachine(RuleBasedStateMachine):
                           max_num_seqs=max_seqs, policy=policy, enable_prefix_caching=caching,
                           chunked=chunked, max_model_len=64)
         cfg.scheduler_config.async_scheduling = self.async_scheduling
-        self.ex = FakeExecutor(cfg, num_blocks=num_blocks)
+        cfg.speculative_config = self.speculative_config
+        self.ex = FakeExecutor(cfg, num_blocks=num_blocks, token_fn=self.token_fn)
         self.core = EngineCore(cfg, self.ex)
         self.kv = self.core.kv_cache_manager
         self.next_id = 0
         self.live: set[str] = set()
+        self.room: dict[str, int] = {}  # output tokens each live request may still get
 
     @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 999), max_size=12),
           max_tokens=st.integers(1, 20), priority=st.integers(-2, 2), eos=st.booleans())
@@ -49,6 +60,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert len(prompt) >= self.core.max_len
             return
         self.live.add(rid)
+        self.room[rid] = max_tokens
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), reason=st.sampled_from(["abort", "stop"]))
@@ -64,6 +76,8 @@ class EngineMachine(RuleBasedStateMachine):
             outs, _ = self.core.step()
             for o in outs:
                 assert o.req_id in self.live
+                self.room[o.req_id] -= len(o.new_token_ids)
+                assert self.room[o.req_id] >= 0, f"{o.req_id}: more tokens than max_tokens"
                 if o.finished:
                     self.live.discard(o.req_id)
 
@@ -111,3 +125,15 @@ class AsyncEngineMachine(EngineMachine):
 
 AsyncEngineMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 TestAsyncEngineMachine = AsyncEngineMachine.TestCase
+
+
+class SpecEngineMachine(EngineMachine):
+    """The same, with prompt-lookup drafts verified in the steps: lookahead slots, rolled-back
+    num_computed_tokens, several tokens per step, max_tokens and stop tokens inside a draft."""
+
+    speculative_config = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+    token_fn = staticmethod(loopy_token)
+
+
+SpecEngineMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+TestSpecEngineMachine = SpecEngineMachine.TestCase

@@ -65,13 +65,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--kv-cache-memory", default=None)
     e.add_argument("--async-scheduling", action="store_true", help="as `llmsvc serve`'s")
     e.add_argument("--stream-interval", type=int, default=None, help="as `llmsvc serve`'s")
+    e.add_argument("--speculative-config", default=None, metavar="JSON", help="as `llmsvc serve`'s")
 
 
 def _serve_args(a, prefix_caching: bool = True) -> list[str]:
     out = ([a.model] if a.model else []) + ["--dtype", a.dtype, "--executor", a.executor,
                                             "--engine-core", a.engine_core,
                                             "--tensor-parallel-size", str(a.tensor_parallel_size)]
-    for flag in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "stream_interval"):
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "stream_interval",
+                 "speculative_config"):
         if getattr(a, flag, None) is not None:
             out += ["--" + flag.replace("_", "-"), str(getattr(a, flag))]
     return (out + ([] if prefix_caching else ["--no-prefix-caching"])
@@ -100,7 +102,8 @@ def _offline_engine(a, prefix_caching: bool = True):
         model=a.model, dtype=a.dtype, enable_prefix_caching=prefix_caching, max_num_seqs=a.max_num_seqs or None,
         max_num_batched_tokens=a.max_num_batched_tokens or None, kv_cache_memory=a.kv_cache_memory or None,
         executor="uniproc" if a.executor == "auto" else a.executor, tensor_parallel_size=a.tensor_parallel_size,
-        async_scheduling=a.async_scheduling, stream_interval=a.stream_interval))
+        async_scheduling=a.async_scheduling, stream_interval=a.stream_interval,
+        speculative_config=getattr(a, "speculative_config", None)))
 
 
 def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict, vllm=None) -> None:

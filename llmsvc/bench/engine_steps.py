@@ -77,7 +77,7 @@ def decode_steps(runner, seqs: int, context: int, steps: int, seed: int = 0) -> 
     for computed in range(context, context + steps):
         so = SchedulerOutput.make_empty()
         so.scheduled_cached_reqs = CachedRequestData(
-            list(out.req_ids), [[t] for t in out.sampled_token_ids], [[] for _ in out.req_ids],
+            list(out.req_ids), [list(t) for t in out.sampled_token_ids], [[] for _ in out.req_ids],
             [computed] * len(out.req_ids))
         so.num_scheduled_tokens = {r: 1 for r in out.req_ids}
         so.total_num_scheduled_tokens = len(out.req_ids)

@@ -53,8 +53,11 @@ class EngineCore:
                                                kv_release_window(config.model_config.hf_config))
         max_model_len = config.model_config.max_model_len or _UNBOUNDED_LEN
         self.async_scheduling = config.scheduler_config.async_scheduling
+        if self.async_scheduling and config.speculative_config is not None:
+            raise ValueError("speculative decoding cannot run with async scheduling")
         scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
-        self.scheduler = scheduler_cls(config.scheduler_config, cache, self.kv_cache_manager, max_model_len)
+        self.scheduler = scheduler_cls(config.scheduler_config, cache, self.kv_cache_manager, max_model_len,
+                                       config.speculative_config)
         self.num_steps = 0
         # model seconds per scheduled token of recent prefill-sized steps (None: none yet); what a
         # step of n prompt tokens will take, for the core loop's burst wait (proc.py)
@@ -198,6 +201,7 @@ class EngineCore:
             generation_tokens_total=s.generation_tokens_total,
             extra={"num_steps": self.num_steps, "prefix_cache_queries": kv.prefix_queries,
                    "prefix_cache_hits": kv.prefix_hits},
+            spec_decode=None if s.speculator is None else s.speculator.stats(),
         )
 
     def shutdown(self) -> None:

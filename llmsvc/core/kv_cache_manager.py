@@ -120,9 +120,12 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[int] | tuple = ()) -> list[int] | None:
+                       new_computed_blocks: list[int] | tuple = (),
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after request.num_computed_tokens (plus the
-        tokens of `new_computed_blocks`, prefix-cache hits for a request not yet holding blocks).
+        tokens of `new_computed_blocks`, prefix-cache hits for a request not yet holding blocks),
+        and for `num_lookahead_tokens` draft tokens after them (speculative decoding: slots only;
+        no block is registered in the prefix cache on their account).
 
         Returns the newly allocated block ids (possibly []), or None when the pool cannot supply
         them (then nothing changed but the release of blocks outside the sliding window)."""
@@ -133,7 +136,8 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
         assert num_total <= request.num_tokens, (num_total, request)
-        num_new_blocks = max(0, cdiv(num_total, self.block_size) - len(req_blocks) - len(new_computed_blocks))
+        num_slots = num_total + num_lookahead_tokens
+        num_new_blocks = max(0, cdiv(num_slots, self.block_size) - len(req_blocks) - len(new_computed_blocks))
         # hits sitting in the free queue stop being free once touched
         num_evictable_hits = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:

@@ -5,21 +5,23 @@ import time
 from collections.abc import Iterable
 
 from llmsvc import outputs
-from llmsvc.config import CacheConfig, SchedulerConfig
+from llmsvc.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.core.errors import PromptTooLongError
+from llmsvc.core.grammar_wait import GrammarWaitMixin
 from llmsvc.core.kv_cache_manager import KVCacheManager
 from llmsvc.core.preemption import PreemptionMixin
 from llmsvc.core.request import Request, RequestStatus
 from llmsvc.core.request_queue import create_request_queue
+from llmsvc.core.spec_decode import Speculator
 from llmsvc.core.stop import check_grammar, check_stop, fresh_prompt_logprobs
-from llmsvc.structured.errors import ConstraintError
 from llmsvc.wire import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
-class Scheduler(PreemptionMixin):
+class Scheduler(PreemptionMixin, GrammarWaitMixin):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+                 kv_cache_manager: KVCacheManager, max_model_len: int,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         self.config = scheduler_config
         self.kv = kv_cache_manager
         # a request never holds more tokens than the context nor than the whole pool
@@ -37,6 +39,7 @@ class Scheduler(PreemptionMixin):
         self.num_preemptions = 0
         self.prompt_tokens_total = 0  # prompt tokens computed (cache hits excluded)
         self.generation_tokens_total = 0
+        self.speculator = Speculator(speculative_config) if speculative_config else None  # None: off
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -102,6 +105,8 @@ class Scheduler(PreemptionMixin):
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
         num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        draft = self.speculator is not None and self.speculator.enabled(len(self.running))
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData.make_empty()
         preempted = False
@@ -118,10 +123,14 @@ class Scheduler(PreemptionMixin):
                 continue
             num_new = min(num_new, budget)
             assert num_new > 0, req
+            drafts = self.speculator.propose(req, budget, self.max_len) if draft and num_new == 1 else []
             while True:
-                new_blocks = self.kv.allocate_slots(req, num_new)
+                new_blocks = self.kv.allocate_slots(req, num_new, num_lookahead_tokens=len(drafts))
                 if new_blocks is not None:
                     break
+                if drafts:  # no room for the drafts: decode one token as usual
+                    drafts = []
+                    continue
                 # recompute-preemption among the requests not scheduled yet this step
                 victim = self._pick_victim(self.running[i:])
                 self.running.remove(victim)
@@ -131,6 +140,9 @@ class Scheduler(PreemptionMixin):
                     break
             if new_blocks is None:
                 continue  # req itself was preempted; running[i] is now the next one
+            if drafts:
+                spec_tokens[req.request_id] = drafts
+                num_new += len(drafts)
             num_scheduled[req.request_id] = num_new
             budget -= num_new
             cached.req_ids.append(req.request_id)
@@ -174,32 +186,8 @@ class Scheduler(PreemptionMixin):
         finished = set(self.finished_req_ids)
         if total > 0:  # otherwise nothing runs; keep them for the next executed step
             self.finished_req_ids.clear()
-        return SchedulerOutput(new_reqs, cached, num_scheduled, total, finished)
-
-    def _promote_ready_grammars(self) -> None:
-        """Queue the WAITING_FOR_FSM requests whose grammar has compiled (in arrival order);
-        finish those whose compile failed or ran out of time (aborted: the front end reports
-        the ConstraintError itself; nothing was allocated)."""
-        now = time.monotonic()
-        still = []
-        for req in self.waiting_for_fsm:
-            try:
-                ready = req.structured.poll(now)
-            except ConstraintError:
-                req.status = RequestStatus.FINISHED_ABORTED
-                self._free(req)
-                self._grammar_failed.append(req)
-                continue
-            if ready:
-                req.status = RequestStatus.WAITING
-                self.waiting.add(req)
-            else:
-                still.append(req)
-        self.waiting_for_fsm = still
-
-    def compiling_grammars(self) -> list:
-        """Futures of the compiles that WAITING_FOR_FSM requests wait for."""
-        return [r.structured.future for r in self.waiting_for_fsm]
+        return SchedulerOutput(new_reqs, cached, num_scheduled, total, finished,
+                               scheduled_spec_decode_tokens=spec_tokens)
 
     # ---- async scheduling hooks (no-ops here; llmsvc.core.async_scheduler) -------------------
     def after_schedule(self, scheduler_output: SchedulerOutput) -> None:
@@ -244,22 +232,30 @@ class Scheduler(PreemptionMixin):
                 continue
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or preempted meanwhile
+            k = index.get(rid)
+            tokens = runner_output.sampled_token_ids[k] if k is not None else []
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+            if drafts:  # the rejected drafts' positions are computed again next step
+                n -= len(drafts) + 1 - len(tokens)
+                self.speculator.observe(len(drafts), len(tokens) - 1)
             self._advance(req, n)
             prompt_lp = fresh_prompt_logprobs(req, runner_output.prompt_logprobs.get(rid))
-            k = index.get(rid)
             if k is None:
                 if prompt_lp:
                     out.append(self._output(req, [], None, prompt_lp))
                 continue
-            token = runner_output.sampled_token_ids[k]
-            lp = None
+            lps = None
             if runner_output.logprobs is not None and req.sampling_params.logprobs is not None:
-                lp = [runner_output.logprobs[k]]
-            self._record_token(req, token)
-            self.generation_tokens_total += 1
-            if check_stop(req, token, self.max_len) or check_grammar(req, token):
-                stopped.append(req)
-            out.append(self._output(req, [token], lp, prompt_lp))
+                lps = runner_output.logprobs[k]
+            kept = 0
+            for token in tokens:  # an accepted draft may end the request: the rest are dropped
+                kept += 1
+                self._record_token(req, token)
+                self.generation_tokens_total += 1
+                if check_stop(req, token, self.max_len) or check_grammar(req, token):
+                    stopped.append(req)
+                    break
+            out.append(self._output(req, tokens[:kept], lps[:kept] if lps is not None else None, prompt_lp))
         for req in stopped:
             req.discard_placeholders()  # async: a next step already scheduled computes in vain
             self.running.remove(req)

@@ -16,6 +16,7 @@ class StatsLogger:
         self._last_time: float | None = None
         self._last_prompt = 0
         self._last_gen = 0
+        self._last_spec = (0, 0, 0)  # drafts, draft tokens, accepted tokens at the last line
 
     def format(self, stats: EngineStats, elapsed: float) -> str:
         prompt_tps = (stats.prompt_tokens_total - self._last_prompt) / elapsed if elapsed > 0 else 0.0
@@ -25,7 +26,18 @@ class StatsLogger:
                 f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
                 f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%, "
                 f"Prefix cache hit rate: {100 * stats.prefix_cache_hit_rate:.1f}%, "
-                f"Preemptions: {stats.num_preemptions}")
+                f"Preemptions: {stats.num_preemptions}" + self._spec_decode(stats))
+
+    def _spec_decode(self, stats: EngineStats) -> str:
+        """Acceptance over the interval (vLLM logs the same two figures)."""
+        spec = stats.spec_decode
+        if spec is None:
+            return ""
+        drafts, tokens, accepted = (spec.num_drafts - self._last_spec[0], spec.num_draft_tokens - self._last_spec[1],
+                                    spec.num_accepted_tokens - self._last_spec[2])
+        rate = 100 * accepted / tokens if tokens else 0.0
+        length = 1 + accepted / drafts if drafts else 1.0
+        return f", Draft acceptance rate: {rate:.1f}%, Mean acceptance length: {length:.2f}"
 
     def maybe_log(self, stats: EngineStats, now: float | None = None) -> str | None:
         """Log (and return) a line when `interval_s` passed since the last one; else None."""
@@ -45,3 +57,6 @@ class StatsLogger:
         self._last_time = now
         self._last_prompt = stats.prompt_tokens_total
         self._last_gen = stats.generation_tokens_total
+        spec = stats.spec_decode
+        self._last_spec = (0, 0, 0) if spec is None else (spec.num_drafts, spec.num_draft_tokens,
+                                                          spec.num_accepted_tokens)

@@ -172,6 +172,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--async-scheduling", bool, help="schedule the next step while the model computes this one "
         "(pays on a GPU, where the host's scheduling otherwise leaves it idle between steps; see "
         "docs/engine-core.md)")
+    opt("--speculative-config", _json_object, None,
+        help='speculative decoding by prompt lookup, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (also "disable_by_batch_size"); tokens are those '
+             'of decoding without it (docs/spec-decode.md); excludes --async-scheduling')
     opt("--stream-interval", _positive_int, 1,
         help="new tokens per streamed message (the first token and the end go at once); larger values cost "
              "the server less CPU per token, which on a small CPU box the model gets back (a request's "
@@ -227,7 +231,8 @@ def build_config(args):
         tensor_parallel_size=args.tensor_parallel_size, device=args.device, engine_core=args.engine_core,
         grammar_compile_timeout_s=args.grammar_compile_timeout, grammar_cache_size=args.grammar_cache_size,
         async_scheduling=args.async_scheduling, stream_interval=args.stream_interval,
-        burst_wait_ms=args.burst_wait_ms, **_lora(args), **_multi_node(args))
+        burst_wait_ms=args.burst_wait_ms, speculative_config=args.speculative_config,
+        **_lora(args), **_multi_node(args))
 
 
 def _lora(args) -> dict:

@@ -18,6 +18,9 @@ Series (all `llmsvc_`):
   prompt_tokens_total, generation_tokens_total, num_preemptions_total, prefix_cache_queries_total
   and prefix_cache_hits_total (prompt tokens looked up / found; rate() of their ratio is the hit
   rate over any window, as vLLM's) counters; server_ready, server_draining, engine_healthy gauges.
+  With speculative decoding: spec_decode_num_drafts_total, spec_decode_num_draft_tokens_total,
+  spec_decode_num_accepted_tokens_total and spec_decode_num_accepted_tokens_per_pos_total{position}
+  counters (vLLM's names), so rate(accepted) / rate(draft tokens) is the acceptance rate.
 """
 from __future__ import annotations
 
@@ -225,6 +228,18 @@ class EngineCollector(Collector):
                      s.extra.get("prefix_cache_hits", 0)))
         for name, doc, value in counters:
             yield CounterMetricFamily("llmsvc_" + name, doc, value=float(value))
+        spec = s.spec_decode
+        if spec is not None:
+            for name, doc, value in (("num_drafts", "Drafts verified (one request's draft tokens of one step)",
+                                      spec.num_drafts),
+                                     ("num_draft_tokens", "Draft tokens verified", spec.num_draft_tokens),
+                                     ("num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens)):
+                yield CounterMetricFamily("llmsvc_spec_decode_" + name, doc, value=float(value))
+            per_pos = CounterMetricFamily("llmsvc_spec_decode_num_accepted_tokens_per_pos",
+                                          "Drafts whose token at this position was accepted", labels=["position"])
+            for i, value in enumerate(spec.accepted_per_pos):
+                per_pos.add_metric([str(i)], float(value))
+            yield per_pos
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):

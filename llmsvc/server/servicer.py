@@ -296,4 +296,10 @@ class LlmService(pb_grpc.LlmServiceServicer):
             prefix_cache_hit_rate=st.prefix_cache_hit_rate, draining=self.state.draining))
         if c.lora_config is not None:
             resp.max_loras, resp.max_lora_rank = c.lora_config.max_loras, c.lora_config.max_lora_rank
+        if c.speculative_config is not None:
+            resp.speculative_method = c.speculative_config.method
+            resp.num_speculative_tokens = c.speculative_config.num_speculative_tokens
+            if st.spec_decode is not None:
+                resp.spec_decode_acceptance_rate = st.spec_decode.acceptance_rate
+                resp.spec_decode_mean_acceptance_length = st.spec_decode.mean_acceptance_length
         return resp

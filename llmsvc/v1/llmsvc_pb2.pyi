@@ -430,7 +430,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("version", "api_version", "instance_id", "uptime_seconds", "device", "tensor_parallel_size", "executor", "kv_block_size", "num_kv_blocks", "num_free_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "draining", "max_loras", "max_lora_rank")
+    __slots__ = ("version", "api_version", "instance_id", "uptime_seconds", "device", "tensor_parallel_size", "executor", "kv_block_size", "num_kv_blocks", "num_free_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "draining", "max_loras", "max_lora_rank", "speculative_method", "num_speculative_tokens", "spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -450,6 +450,10 @@ class GetServerInfoResponse(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     version: str
     api_version: str
     instance_id: str
@@ -469,7 +473,11 @@ class GetServerInfoResponse(_message.Message):
     draining: bool
     max_loras: int
     max_lora_rank: int
-    def __init__(self, version: _Optional[str] = ..., api_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., executor: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., draining: _Optional[bool] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    speculative_method: str
+    num_speculative_tokens: int
+    spec_decode_acceptance_rate: float
+    spec_decode_mean_acceptance_length: float
+    def __init__(self, version: _Optional[str] = ..., api_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., executor: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., draining: _Optional[bool] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., spec_decode_acceptance_rate: _Optional[float] = ..., spec_decode_mean_acceptance_length: _Optional[float] = ...) -> None: ...
 
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")

@@ -21,14 +21,19 @@ class ModelInputs:
     # prompt logprobs: req_id -> (first flattened row, number of rows, first target prompt position)
     prompt_logprob_rows: dict[str, tuple[int, int, int]]
     token_lora_slots: np.ndarray | None = None  # [T] adapter slot per token (-1: base); None: no adapter
+    # speculative decoding: logits rows of each sampling request (1 + its drafts); None: one each
+    num_sample_rows: list[int] | None = None
 
 
 def build_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[str, int],
-                 block_size: int, device: torch.device) -> ModelInputs:
+                 block_size: int, device: torch.device,
+                 spec_tokens: dict[str, list[int]] | None = None) -> ModelInputs:
     """Requests keep the scheduler's order (dict order of num_scheduled_tokens).
 
     Request r computes tokens [c, c + n) with c = num_computed_tokens, n = num_scheduled[r];
     its attention context afterwards is c + n tokens; it samples iff c + n == len(tokens).
+    A request with drafts d (spec_tokens[r], n = 1 + len(d)) computes tokens[c] then d, and
+    samples at each of those n positions.
     """
     req_ids = list(num_scheduled)
     n_tok = np.fromiter((num_scheduled[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
@@ -43,9 +48,22 @@ def build_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[str,
     logits_rows: list[int] = []
     sampling_req_ids: list[str] = []
     prompt_rows: dict[str, tuple[int, int, int]] = {}
+    sample_rows: list[int] | None = [] if spec_tokens else None
     for i, r in enumerate(req_ids):
         st = states[r]
         c, n, s = st.num_computed_tokens, int(n_tok[i]), int(qsl[i])
+        drafts = spec_tokens.get(r) if spec_tokens else None
+        if drafts:
+            assert c + 1 == len(st.token_ids) and n == 1 + len(drafts), (r, c, n, len(st.token_ids))
+            input_ids[s] = st.token_ids[c]
+            input_ids[s + 1:s + n] = drafts
+            positions[s:s + n] = np.arange(c, c + n)
+            seq_lens[i] = c + n
+            block_tables[i, :len(st.block_ids)] = st.block_ids
+            logits_rows.extend(range(s, s + n))
+            sampling_req_ids.append(r)
+            sample_rows.append(n)
+            continue
         if n == 1:
             input_ids[s] = st.token_ids[c]
             positions[s] = c
@@ -57,6 +75,8 @@ def build_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[str,
         if c + n == len(st.token_ids):
             logits_rows.append(s + n - 1)
             sampling_req_ids.append(r)
+            if sample_rows is not None:
+                sample_rows.append(1)
         if st.sampling_params.prompt_logprobs is not None and c < st.prompt_len - 1:
             last = min(c + n, st.prompt_len - 1)  # rows whose next token is still a prompt token
             prompt_rows[r] = (s, last - c, c + 1)
@@ -77,4 +97,4 @@ def build_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[str,
     )
     return ModelInputs(req_ids, as_t(input_ids), as_t(positions), meta,
                        torch.tensor(logits_rows, dtype=torch.int64, device=device),
-                       sampling_req_ids, prompt_rows, token_lora_slots)
+                       sampling_req_ids, prompt_rows, token_lora_slots, sample_rows)

@@ -18,6 +18,7 @@ from llmsvc.worker.kv_memory import KVHostPool
 from llmsvc.worker.request_state import RequestStates
 from llmsvc.worker.sampler import Sampler, compute_prompt_logprobs
 from llmsvc.worker.sampling_metadata import SamplingMetadata
+from llmsvc.worker.spec_decode import accept, expand_rows
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,8 @@ class ModelRunner:
         self.states.apply(so)
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput.make_empty() if get_tp_rank() == 0 else None
-        inp = build_inputs(self.states, so.num_scheduled_tokens, self.block_size, self.device)
+        inp = build_inputs(self.states, so.num_scheduled_tokens, self.block_size, self.device,
+                           so.scheduled_spec_decode_tokens)
         n = len(inp.req_ids)
         if self.lora is not None:
             self.lora.set_mapping(inp.token_lora_slots, self.device)
@@ -134,18 +136,27 @@ class ModelRunner:
             self.states.prev_sampled = {}
             return ModelRunnerOutput([], [], None, prompt_logprobs)
         states = [self.states[r] for r in inp.sampling_req_ids]
-        md = SamplingMetadata.build(
-            [s.sampling_params for s in states],
-            [s.token_ids[:s.prompt_len] for s in states],
-            [s.output_token_ids for s in states],
-            vocab_size=logits.shape[-1], device=self.device,
-            eos_token_ids=self.config.model_config.eos_token_ids)
+        if inp.num_sample_rows is None:  # one row per request
+            params, prompts, outputs = ([s.sampling_params for s in states],
+                                        [s.token_ids[:s.prompt_len] for s in states],
+                                        [s.output_token_ids for s in states])
+            row_req_ids = inp.sampling_req_ids
+        else:  # speculative decoding: a row per draft position (spec_decode.py)
+            params, prompts, outputs, row_req_ids = expand_rows(states, inp.num_sample_rows,
+                                                                so.scheduled_spec_decode_tokens)
+        md = SamplingMetadata.build(params, prompts, outputs, vocab_size=logits.shape[-1],
+                                    device=self.device, eos_token_ids=self.config.model_config.eos_token_ids)
         if so.grammar_bitmask is not None:
-            md.set_grammar_bitmask(inp.sampling_req_ids, so.structured_output_req_ids, so.grammar_bitmask)
+            md.set_grammar_bitmask(row_req_ids, so.structured_output_req_ids, so.grammar_bitmask)
         out = self.sampler.forward(logits, md)
-        sampled = out.sampled_token_ids.tolist()
-        self.states.prev_sampled = dict(zip(inp.sampling_req_ids, sampled))
-        logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else None
+        flat = out.sampled_token_ids.tolist()
+        if inp.num_sample_rows is None:
+            sampled, logprobs = [[t] for t in flat], [None if lp is None else [lp] for lp in out.logprobs]
+        else:
+            sampled, logprobs = accept(flat, out.logprobs, inp.sampling_req_ids, inp.num_sample_rows,
+                                       so.scheduled_spec_decode_tokens)
+        self.states.prev_sampled = {r: t[-1] for r, t in zip(inp.sampling_req_ids, sampled)}
+        logprobs = logprobs if any(lp is not None for lp in logprobs) else None
         return ModelRunnerOutput(inp.sampling_req_ids, sampled, logprobs, prompt_logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp) -> dict:
