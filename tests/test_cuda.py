@@ -257,3 +257,12 @@ def test_lora_mixed_batch_on_cuda_matches_hf(tmp_path_factory, enforce_eager):
     from test_lora import build_served, check_mixed_batch
 
     check_mixed_batch(build_served(tmp_path_factory.mktemp("lora")), device="cuda", enforce_eager=enforce_eager)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_spec_decode_on_cuda_matches_hf(tmp_path_factory, enforce_eager):
+    """Prompt-lookup drafts on the GPU: draft steps eager, decode steps without drafts in CUDA
+    graphs, HF's greedy tokens (test_spec_decode_model.py's check, on the CPU there)."""
+    from test_spec_decode_model import build_served, check_greedy
+
+    check_greedy(build_served(tmp_path_factory.mktemp("spec")), device="cuda", enforce_eager=enforce_eager)

@@ -31,8 +31,12 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
+    return build_served(tmp_path_factory.mktemp("spec"))
+
+
+def build_served(root) -> tuple[str, list[list[int]]]:
     """(model dir, HF greedy tokens per prompt)."""
-    model_dir = make_tiny_served_model_dir(tmp_path_factory.mktemp("spec"))
+    model_dir = make_tiny_served_model_dir(root)
     hf = load_hf_model(model_dir)
     refs = []
     with torch.no_grad():
@@ -54,8 +58,13 @@ def _generate(llm: LLM, prompts, params) -> list:
 
 @pytest.mark.parametrize("executor,tp", [("uniproc", 1), ("multiproc", 1), ("tp", 2)])
 def test_greedy_tokens_equal_hf_on_every_executor(served, executor, tp):
+    check_greedy(served, executor=executor, tensor_parallel_size=tp)
+
+
+def check_greedy(served, **engine) -> None:
+    """HF's greedy tokens with drafts accepted (tests/test_cuda.py runs it on the GPU too)."""
     model_dir, refs = served
-    llm = LLM(model=model_dir, executor=executor, tensor_parallel_size=tp, speculative_config=SPEC, **ENGINE)
+    llm = LLM(model=model_dir, speculative_config=SPEC, **ENGINE, **engine)
     try:
         outs = _generate(llm, _prompts(), GREEDY)
         assert [list(o.outputs[0].token_ids) for o in outs] == refs

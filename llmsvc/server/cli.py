@@ -174,7 +174,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "docs/engine-core.md)")
     opt("--speculative-config", _json_object, None,
         help='speculative decoding by prompt lookup, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
-             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (also "disable_by_batch_size"); tokens are those '
+             '"prompt_lookup_min": 3, "prompt_lookup_max": 5}\' (also "disable_by_batch_size"); tokens are those '
              'of decoding without it (docs/spec-decode.md); excludes --async-scheduling')
     opt("--stream-interval", _positive_int, 1,
         help="new tokens per streamed message (the first token and the end go at once); larger values cost "
