@@ -152,6 +152,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     # no drafts in a step while more than this many requests run (None: always draft)
     disable_by_batch_size: int | None = None
+    # draft at a batch size only while steps with drafts emit more tokens per second than steps
+    # without, as measured while serving (llmsvc/core/draft_governor.py); not a vLLM key
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:

@@ -131,7 +131,9 @@ class SpecEngineMachine(EngineMachine):
     """The same, with prompt-lookup drafts verified in the steps: lookahead slots, rolled-back
     num_computed_tokens, several tokens per step, max_tokens and stop tokens inside a draft."""
 
-    speculative_config = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+    # adaptive off: the governor's choices follow the wall clock, and hypothesis replays examples
+    speculative_config = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1,
+                                           adaptive=False)
     token_fn = staticmethod(loopy_token)
 
 

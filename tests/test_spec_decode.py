@@ -98,7 +98,8 @@ REQUESTS = [("a", [5, 6, 7, 8, 5, 6, 7, 8, 5], SamplingParams(max_tokens=30)),
             ("b", [11, 12, 13, 14, 15, 16], SamplingParams(max_tokens=23)),
             ("c", list(range(40, 60)) + [40, 41], SamplingParams(max_tokens=1)),
             ("d", [3, 4, 3, 4, 3], SamplingParams(max_tokens=17, stop_token_ids=[4], min_tokens=5))]
-SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
+# adaptive off: these tests count steps, and the governor's choices follow the wall clock
+SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2, adaptive=False)
 
 
 @pytest.mark.parametrize("cfg", [dict(), dict(max_num_batched_tokens=6), dict(num_blocks=12),
@@ -140,7 +141,7 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_request_there():
 
 def test_disable_by_batch_size_turns_drafting_off_for_large_batches():
     spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2,
-                             disable_by_batch_size=2)
+                             disable_by_batch_size=2, adaptive=False)
     _, _, core, ex = run(spec, REQUESTS[:2])
     assert core.stats.spec_decode.num_drafts > 0
     _, _, core, ex = run(spec, [(f"{r}{i}", p, sp) for i in range(2) for r, p, sp in REQUESTS[:2]])

@@ -115,9 +115,13 @@ class EngineCore:
         executed = so.total_num_scheduled_tokens > 0
         t0 = time.perf_counter()
         runner_output = self.executor.execute_model(so) if executed else ModelRunnerOutput.make_empty()
-        self._note_cost(so, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self._note_cost(so, seconds)
         self.num_steps += executed
-        return self.scheduler.update_from_output(so, runner_output), executed
+        outputs = self.scheduler.update_from_output(so, runner_output)
+        if self.scheduler.speculator is not None and executed:
+            self.scheduler.speculator.step_done(sum(len(o.new_token_ids) for o in outputs), seconds)
+        return outputs, executed
 
     def _schedule(self, idle_wait: bool = True) -> SchedulerOutput:
         so = self.scheduler.schedule()

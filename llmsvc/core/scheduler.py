@@ -107,6 +107,7 @@ class Scheduler(PreemptionMixin, GrammarWaitMixin):
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
         draft = self.speculator is not None and self.speculator.enabled(len(self.running))
+        decode_only = True  # every request scheduled decodes (the draft governor times those steps)
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData.make_empty()
         preempted = False
@@ -123,6 +124,7 @@ class Scheduler(PreemptionMixin, GrammarWaitMixin):
                 continue
             num_new = min(num_new, budget)
             assert num_new > 0, req
+            decode_only = decode_only and num_new == 1
             drafts = self.speculator.propose(req, budget, self.max_len) if draft and num_new == 1 else []
             while True:
                 new_blocks = self.kv.allocate_slots(req, num_new, num_lookahead_tokens=len(drafts))
@@ -183,6 +185,8 @@ class Scheduler(PreemptionMixin, GrammarWaitMixin):
             req.num_output_tokens_sent = req.num_output_tokens
 
         total = sum(num_scheduled.values())
+        if self.speculator is not None:
+            self.speculator.scheduled(len(num_scheduled), bool(spec_tokens), decode_only and not new_reqs)
         finished = set(self.finished_req_ids)
         if total > 0:  # otherwise nothing runs; keep them for the next executed step
             self.finished_req_ids.clear()

@@ -17,6 +17,7 @@ from __future__ import annotations
 from array import array
 
 from llmsvc.config import SpeculativeConfig
+from llmsvc.core.draft_governor import DraftGovernor
 from llmsvc.core.request import Request
 from llmsvc.outputs import SpecDecodeStats
 
@@ -55,14 +56,27 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.proposer = NgramProposer(config)
+        self.governor = DraftGovernor() if config.adaptive else None
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * config.num_speculative_tokens  # [k]: drafts whose token i was accepted
 
     def enabled(self, num_running: int) -> bool:
+        """Whether this step drafts: under disable_by_batch_size, and where the governor finds
+        that drafts pay at this batch size."""
         limit = self.config.disable_by_batch_size
-        return limit is None or num_running <= limit
+        if limit is not None and num_running > limit:
+            return False
+        return self.governor is None or self.governor.should_draft(num_running)
+
+    def scheduled(self, num_decodes: int, drafted: bool, decode_only: bool) -> None:
+        if self.governor is not None:
+            self.governor.scheduled(num_decodes, drafted, decode_only)
+
+    def step_done(self, num_tokens: int, seconds: float) -> None:
+        if self.governor is not None:
+            self.governor.step_done(num_tokens, seconds)
 
     def propose(self, req: Request, budget: int, max_len: int) -> list[int]:
         """Drafts for a decoding request: as many as the step's token budget, its max_tokens and
