@@ -23,7 +23,7 @@ def feed(g: DraftGovernor, n: int, rate_with: float, rate_without: float, steps:
     for _ in range(steps):
         d = g.should_draft(n)
         decisions.append(d)
-        g.scheduled(n, drafted=d, decode_only=True)
+        g.scheduled(drafted=d, decode_only=True)
         g.step_done(num_tokens=100, seconds=100 / (rate_with if d else rate_without))
     return decisions
 
@@ -52,10 +52,15 @@ def test_buckets_are_separate_and_only_decode_only_steps_count():
     assert g.drafting() == {1: True, 5: False}
     assert [DraftGovernor.bucket_of(n) for n in (1, 2, 3, 4, 7, 8, 16, 31)] == [1, 2, 2, 3, 3, 4, 5, 5]
     before = g.buckets[5].count
-    g.scheduled(16, drafted=True, decode_only=False)  # a prefill chunk rode along: not timed
+    g.should_draft(16)
+    g.scheduled(drafted=True, decode_only=False)  # a prefill chunk rode along: not timed
     g.step_done(num_tokens=10, seconds=1.0)
     g.step_done(num_tokens=10, seconds=1.0)  # nothing scheduled: nothing to attribute
     assert g.buckets[5].count == before
+    assert g.should_draft(16, allowed=False) is False and g.buckets[5].steps == 25  # not a decision
+    g.scheduled(drafted=False, decode_only=True)  # but timed, as a step without drafts
+    g.step_done(num_tokens=10, seconds=1.0)
+    assert g.buckets[5].count == (before[0] + 1, before[1])
 
 
 class ClockedExecutor(FakeExecutor):

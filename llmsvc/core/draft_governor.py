@@ -45,15 +45,20 @@ class _Bucket:
 class DraftGovernor:
     def __init__(self) -> None:
         self.buckets: dict[int, _Bucket] = {}
+        self._bucket = 0  # bucket of the step being scheduled (set by should_draft)
         self._pending: tuple[int, bool] | None = None  # (bucket, drafted) of the step scheduled
 
     @staticmethod
     def bucket_of(num_decodes: int) -> int:
         return max(num_decodes, 1).bit_length()  # 1 -> 1, 2-3 -> 2, 4-7 -> 3, ...
 
-    def should_draft(self, num_decodes: int) -> bool:
-        """Whether the step about to be scheduled, with num_decodes requests decoding, drafts."""
-        b = self.buckets.setdefault(self.bucket_of(num_decodes), _Bucket())
+    def should_draft(self, num_running: int, allowed: bool = True) -> bool:
+        """Whether the step about to be scheduled, with num_running requests running, drafts
+        (never when not `allowed`: such a step is still timed, as one without drafts)."""
+        self._bucket = self.bucket_of(num_running)
+        if not allowed:
+            return False
+        b = self.buckets.setdefault(self._bucket, _Bucket())
         b.steps += 1
         if b.count[1] < PROBE_STEPS:
             return True
@@ -62,10 +67,10 @@ class DraftGovernor:
         better = b.rate[1] >= b.rate[0]
         return better if b.steps % EXPLORE_EVERY else not better
 
-    def scheduled(self, num_decodes: int, drafted: bool, decode_only: bool) -> None:
-        """The step just scheduled: its decoding requests, whether any of them carries drafts, and
+    def scheduled(self, drafted: bool, decode_only: bool) -> None:
+        """The step just scheduled (after should_draft): whether any request carries drafts, and
         whether it is decode-only (only those steps are timed)."""
-        self._pending = (self.bucket_of(num_decodes), drafted) if decode_only else None
+        self._pending = (self._bucket, drafted) if decode_only else None
 
     def step_done(self, num_tokens: int, seconds: float) -> None:
         """The scheduled step emitted num_tokens output tokens in `seconds` (model time)."""

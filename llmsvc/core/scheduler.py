@@ -186,7 +186,7 @@ class Scheduler(PreemptionMixin, GrammarWaitMixin):
 
         total = sum(num_scheduled.values())
         if self.speculator is not None:
-            self.speculator.scheduled(len(num_scheduled), bool(spec_tokens), decode_only and not new_reqs)
+            self.speculator.scheduled(bool(spec_tokens), decode_only and not new_reqs)
         finished = set(self.finished_req_ids)
         if total > 0:  # otherwise nothing runs; keep them for the next executed step
             self.finished_req_ids.clear()

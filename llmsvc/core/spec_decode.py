@@ -66,13 +66,12 @@ class Speculator:
         """Whether this step drafts: under disable_by_batch_size, and where the governor finds
         that drafts pay at this batch size."""
         limit = self.config.disable_by_batch_size
-        if limit is not None and num_running > limit:
-            return False
-        return self.governor is None or self.governor.should_draft(num_running)
+        allowed = limit is None or num_running <= limit
+        return allowed if self.governor is None else self.governor.should_draft(num_running, allowed)
 
-    def scheduled(self, num_decodes: int, drafted: bool, decode_only: bool) -> None:
+    def scheduled(self, drafted: bool, decode_only: bool) -> None:
         if self.governor is not None:
-            self.governor.scheduled(num_decodes, drafted, decode_only)
+            self.governor.scheduled(drafted, decode_only)
 
     def step_done(self, num_tokens: int, seconds: float) -> None:
         if self.governor is not None:
