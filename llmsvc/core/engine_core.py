@@ -53,17 +53,16 @@ class EngineCore:
                                                kv_release_window(config.model_config.hf_config))
         max_model_len = config.model_config.max_model_len or _UNBOUNDED_LEN
         self.async_scheduling = config.scheduler_config.async_scheduling
-        if self.async_scheduling and config.speculative_config is not None:
-            raise ValueError("speculative decoding cannot run with async scheduling")
         spec = config.speculative_config
+        if self.async_scheduling and spec is not None:
+            raise ValueError("speculative decoding cannot run with async scheduling")
         if spec is not None:
             logger.info("speculative decoding: %s, up to %d draft tokens, lookup of %d-%d tokens%s", spec.method,
                         spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
                         "" if spec.disable_by_batch_size is None
                         else f", off above {spec.disable_by_batch_size} running requests")
         scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
-        self.scheduler = scheduler_cls(config.scheduler_config, cache, self.kv_cache_manager, max_model_len,
-                                       config.speculative_config)
+        self.scheduler = scheduler_cls(config.scheduler_config, cache, self.kv_cache_manager, max_model_len, spec)
         self.num_steps = 0
         # model seconds per scheduled token of recent prefill-sized steps (None: none yet); what a
         # step of n prompt tokens will take, for the core loop's burst wait (proc.py)

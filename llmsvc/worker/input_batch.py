@@ -58,13 +58,7 @@ def build_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[str,
             input_ids[s] = st.token_ids[c]
             input_ids[s + 1:s + n] = drafts
             positions[s:s + n] = np.arange(c, c + n)
-            seq_lens[i] = c + n
-            block_tables[i, :len(st.block_ids)] = st.block_ids
-            logits_rows.extend(range(s, s + n))
-            sampling_req_ids.append(r)
-            sample_rows.append(n)
-            continue
-        if n == 1:
+        elif n == 1:
             input_ids[s] = st.token_ids[c]
             positions[s] = c
         else:
@@ -72,11 +66,13 @@ def build_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[str,
             positions[s:s + n] = np.arange(c, c + n)
         seq_lens[i] = c + n
         block_tables[i, :len(st.block_ids)] = st.block_ids
-        if c + n == len(st.token_ids):
-            logits_rows.append(s + n - 1)
+        # logits rows: every position of a request with drafts, else its last one if it samples
+        m = n if drafts else int(c + n == len(st.token_ids))
+        if m:
+            logits_rows.extend(range(s + n - m, s + n))
             sampling_req_ids.append(r)
             if sample_rows is not None:
-                sample_rows.append(1)
+                sample_rows.append(m)
         if st.sampling_params.prompt_logprobs is not None and c < st.prompt_len - 1:
             last = min(c + n, st.prompt_len - 1)  # rows whose next token is still a prompt token
             prompt_rows[r] = (s, last - c, c + 1)
