@@ -172,6 +172,13 @@ def pack_linear_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
     return _cpu_linear.pack(weight)
 
 
+def pack_gguf_blocks(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Optional[torch.Tensor]:
+    """Called once after loading, for an fp32 weight that is the dequantization of GGUF blocks
+    (`reference.dequantize_gguf_blocks`): the blocks packed for `linear` on the CPU, or None
+    where the native GEMM is not built (the caller packs the fp32 weight instead)."""
+    return _cpu_linear.pack_gguf_blocks(qweight, scale, offset)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            packed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, weight, bias); `packed` (from pack_linear_weight) selects the CPU packed GEMM."""

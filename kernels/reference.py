@@ -194,3 +194,12 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: to
             y += (x @ lora_a[slot].T) @ lora_b[slot].T
         else:
             y.index_add_(0, rows, (x.index_select(0, rows) @ lora_a[slot].T) @ lora_b[slot].T)
+
+
+def dequantize_gguf_blocks(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_0 / Q4_1 / Q8_0 blocks -> fp32 weight [N, K]: W[n, k] = scale[n, k // 32] *
+    qweight[n, k] + offset[n, k // 32], as gguf-py dequantizes them (scale * q is exact in fp32:
+    an fp16 scale times |q| <= 128), so the result equals the checkpoint's fp32 weight bit for bit.
+    qweight [N, K] int8; scale, offset [N, K / 32] fp32 (offset 0 for Q4_0 and Q8_0)."""
+    block = qweight.shape[1] // scale.shape[1]
+    return scale.repeat_interleave(block, 1) * qweight.float() + offset.repeat_interleave(block, 1)

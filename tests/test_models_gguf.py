@@ -38,7 +38,9 @@ def _llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model_dir: str, path: str, arch: str) -> None:
+def write_gguf(model_dir: str, path: str, arch: str, quant=None) -> None:
+    """quant: None, or {substring of an HF tensor name: gguf.GGMLQuantizationType or None} for
+    the tensors to store in that type (the first match wins; None and no match: F32)."""
     import transformers
     from safetensors.torch import load_file
 
@@ -83,7 +85,12 @@ def write_gguf(model_dir: str, path: str, arch: str) -> None:
             t = t + 1
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, name
-        w.add_tensor(gname, np.ascontiguousarray(t.float().numpy()))
+        data = np.ascontiguousarray(t.float().numpy())
+        qtype = next((q for key, q in (quant or {}).items() if key in name), None)
+        if qtype is None:
+            w.add_tensor(gname, data)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

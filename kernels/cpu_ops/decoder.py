@@ -22,7 +22,8 @@ from kernels.cpu_ops.build import DTYPE_CODES, as_c_array, as_c_rows, load
 
 logger = logging.getLogger(__name__)
 
-LP_N = 9  # decoder.c's LP_* fields per layer
+LP_N = 10  # decoder.c's LP_* fields per layer
+_LP_QKV, _LP_O, _LP_GATE_UP, _LP_DOWN, _LP_GGUF = 2, 4, 5, 6, 9  # and the bits of LP_GGUF
 # decoder.c's PROF_* slots, in order: what `DecoderPlan.profile` accumulates seconds under
 PROFILE_KINDS = ("norm", "qkv", "rope", "store_kv", "attention", "o", "gate_up", "silu", "down")
 
@@ -48,7 +49,8 @@ class NativeLoRA:
 @dataclass
 class LayerWeights:
     """One layer's tensors as the model holds them: norm weights [H], packed projection
-    weights (from `pack_linear_weight`), the optional qkv bias [(Hq + 2 Hkv) D]."""
+    weights (from `pack_linear_weight`, or `pack_gguf_blocks` in an fp32 model), the optional
+    qkv bias [(Hq + 2 Hkv) D]."""
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv: torch.Tensor
@@ -78,6 +80,8 @@ class DecoderPlan:
             row[:7] = torch.tensor([lw.input_norm.data_ptr(), lw.post_norm.data_ptr(), lw.qkv.data_ptr(),
                                     0 if lw.qkv_bias is None else lw.qkv_bias.data_ptr(), lw.o.data_ptr(),
                                     lw.gate_up.data_ptr(), lw.down.data_ptr()])
+            row[_LP_GGUF] = sum(1 << bit for bit, p in ((_LP_QKV, lw.qkv), (_LP_O, lw.o), (_LP_GATE_UP, lw.gate_up),
+                                                         (_LP_DOWN, lw.down)) if _is_gguf(p))
         self._caches_key: tuple = ()
         self._fn = load().llmsvc_llama_layers
         self.profile: Optional[torch.Tensor] = None  # see enable_profile
@@ -150,6 +154,11 @@ class DecoderPlan:
         return args, keep
 
 
+def _is_gguf(packed: torch.Tensor) -> bool:
+    """Whether a packed weight is GGUF blocks (linear.pack_gguf_blocks' blob)."""
+    return packed.dtype == torch.uint8 and packed.dim() == 1
+
+
 def make_plan(layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_heads: int,
               num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
               cos_sin_cache: torch.Tensor, scale: float, sliding_window: int = 0) -> Optional[DecoderPlan]:
@@ -164,7 +173,8 @@ def make_plan(layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_h
         return None
     for lw in layers:
         for p in (lw.qkv, lw.o, lw.gate_up, lw.down):  # 3-D: our own panels, not MKL / oneDNN's
-            if p is None or p.dim() != 3 or p.dtype != dtype or not p.is_cpu:
+            if p is None or not p.is_cpu or not ((p.dim() == 3 and p.dtype == dtype)
+                                                 or (_is_gguf(p) and dtype == torch.float32)):
                 return None
         for w in (lw.input_norm, lw.post_norm, lw.qkv_bias):
             if w is not None and (w.dtype != dtype or not w.is_cpu or not w.is_contiguous()):
@@ -175,7 +185,8 @@ def make_plan(layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_h
                        cos_sin_cache, scale, sliding_window)
     logger.info("CPU decoder layers: %d layers in one native call for steps of up to %d tokens (%s, %s "
                 "GEMM); larger steps run layer by layer", len(layers), plan.max_m,
-                str(dtype).removeprefix("torch."), "panel" if dtype == torch.float32
+                str(dtype).removeprefix("torch."), "GGUF-block panel" if int(plan.ptrs[:, _LP_GGUF].sum())
+                else "panel" if dtype == torch.float32
                 else "AMX" if linear.has_amx() else "AVX512-BF16" if linear.bf16_layout() == "vnni"
                 else "widened panel")
     return plan

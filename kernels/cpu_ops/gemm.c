@@ -30,6 +30,14 @@
  * once into its own buffer (WIDEN_MIN_BLOCKS); A is widened as it is packed, and the fp32
  * accumulators are rounded to bf16 once on the store: the same arithmetic as llmsvc_gemm_f32
  * on the widened operands, bit for bit, with one rounding as F.linear's bf16 GEMMs.
+ *
+ * GGUF blocks (llmsvc_gemm_q8): the panels hold one int8 per weight (Q4_0 / Q4_1 / Q8_0 values,
+ * the layout above) and, per 32 k and column, a scale d and an offset m (fp32 panels
+ * [K / 32][48] in the same sub-panel layout). A thread turns each panel into W = d * q + m in
+ * its fp32 buffer and runs the fp32 kernel on it: the panel streams from DRAM at a quarter of
+ * the fp32 bytes (plus 1/4 byte of scales per weight). d * q is exact in fp32 (d is an fp16
+ * value, |q| <= 128), so each weight is the fp32 value the GGUF dequantizes to, whether or not
+ * the compiler fuses the add, and C is llmsvc_gemm_f32's on the dequantized weight, bit for bit.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -121,14 +129,81 @@ typedef struct {
     int64_t lda, ldc, N, K, m0, mc, nb, share, steps, esz;
     const char *end;
     int q;
+    int64_t wsz;            /* bytes per panel element: esz, or 1 for GGUF blocks */
+    const float *qd, *qm;   /* GGUF blocks: scale and offset panels [np][K / 32][48]; else NULL */
 } gemm_t;
+
+/* w [K * NR] fp32 = d * q + m of panel q [K * NR] int8 with its scale and offset panels d, m
+ * [K / 32 * NR], all in the NP sub-panel layout; K % 32 == 0. Intrinsics: GCC vectorizes the
+ * plain loop in 4-lane pieces through 16-bit sign extensions, at ~1 weight per cycle. */
+static void dequant_panel(float *restrict w, const int8_t *restrict q, const float *restrict d,
+                          const float *restrict m, int64_t K) {
+    const int64_t KB = K / 32;
+    for (int j = 0; j < NR / NP; j++) {
+        const int8_t *qj = q + j * K * NP;
+        const float *dj = d + j * KB * NP, *mj = m + j * KB * NP;
+        float *wj = w + j * K * NP;
+        for (int64_t kb = 0; kb < KB; kb++) {
+            const float *db = dj + kb * NP, *mb = mj + kb * NP;
+            const int8_t *qb = qj + kb * 32 * NP;
+            float *wb = wj + kb * 32 * NP;
+#if defined(__AVX512F__)
+            __m512 dv[NP / 16], mv[NP / 16];
+            for (int v = 0; v < NP / 16; v++) dv[v] = _mm512_loadu_ps(db + 16 * v), mv[v] = _mm512_loadu_ps(mb + 16 * v);
+            for (int k = 0; k < 32; k++)
+                for (int v = 0; v < NP / 16; v++) {
+                    const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qb + k * NP + 16 * v))));
+                    _mm512_store_ps(wb + k * NP + 16 * v, _mm512_fmadd_ps(dv[v], x, mv[v]));
+                }
+#else
+            __m256 dv[NP / 8], mv[NP / 8];
+            for (int v = 0; v < NP / 8; v++) dv[v] = _mm256_loadu_ps(db + 8 * v), mv[v] = _mm256_loadu_ps(mb + 8 * v);
+            for (int k = 0; k < 32; k++)
+                for (int v = 0; v < NP / 8; v++) {
+                    const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + k * NP + 8 * v))));
+                    _mm256_store_ps(wb + k * NP + 8 * v, _mm256_fmadd_ps(dv[v], x, mv[v]));
+                }
+#endif
+        }
+    }
+}
+
+/* GGUF blocks: up to this many rows, each panel is dequantized in registers by q8_kernel, 4 rows
+ * at a time (re-dequantized for every 4 rows); beyond, once into the thread's buffer for the
+ * fp32 kernel (a round trip through L2 that costs more than the int8 stream saves at 1 row) */
+#ifndef Q8_REG_MAX_M
+#define Q8_REG_MAX_M 16
+#endif
+#define Q8_CASE(R) case R: q8_kernel(R, a, g->lda, q, qd, qm, K, c, g->ldc, nc, bias); break;
+
+/* the rows of the chunk against GGUF panel p, dequantized in registers */
+static void q8_panel_rows(const gemm_t *g, int64_t p) {
+    const int64_t K = g->K, KB = K / 32;
+    const int8_t *q = (const int8_t *)g->packed + p * K * NR;
+    const float *qd = g->qd + p * KB * NR, *qm = g->qm + p * KB * NR, *bias = g->bias ? g->bias + p * NR : 0;
+    const int nc = (int)(g->N - p * NR < NR ? g->N - p * NR : NR);
+    for (int64_t m = 0; m < g->mc; m += 4) {
+        const float *a = (const float *)g->a + (g->m0 + m) * g->lda;
+        float *c = (float *)g->c + (g->m0 + m) * g->ldc + p * NR;
+        switch (g->mc - m < 4 ? g->mc - m : 4) { Q8_CASE(1) Q8_CASE(2) Q8_CASE(3) Q8_CASE(4) }
+    }
+}
 
 /* all row blocks of rows [m0, m0 + mc) against panel p; prefetches panel pf_p (-1: none) */
 static void do_panel(void *ctx, int64_t p, int64_t pf_p) {
     const gemm_t *g = (const gemm_t *)ctx;
-    const int64_t K = g->K, bytes = K * NR * g->esz; /* one panel */
+    const int64_t K = g->K, bytes = K * NR * g->wsz; /* one panel */
     const char *panel = g->packed + p * bytes;
     int bf = 0;
+    if (g->qd && g->mc <= Q8_REG_MAX_M) {
+        q8_panel_rows(g, p);
+        return;
+    }
+    if (g->qd) { /* dequantized once here, read by nb row blocks */
+        float *w = g->wide + (int64_t)omp_get_thread_num() * K * NR;
+        dequant_panel(w, (const int8_t *)panel, g->qd + p * (K / 32) * NR, g->qm + p * (K / 32) * NR, K);
+        panel = (const char *)w;
+    }
 #if BF16_WIDEN
     if (g->esz == 2 && g->nb >= WIDEN_MIN_BLOCKS) { /* widened once here, read by nb row blocks */
         float *w = g->wide + (int64_t)omp_get_thread_num() * K * NR;
@@ -181,25 +256,31 @@ static float *scratch(int slot, int64_t n) {
     return buf[slot];
 }
 
-/* esz 4: fp32 A, panels, C; esz 2: bf16 (BF16_WIDEN builds only). bias: fp32 or NULL. */
+/* esz 4: fp32 A, panels, C; esz 2: bf16 (BF16_WIDEN builds only). bias: fp32 or NULL.
+ * quant: the panels are GGUF blocks (int8 panels, then the scale and offset panels), A and C
+ * fp32 (esz 4). */
 static int gemm_run(const void *a, int64_t lda, const void *packed, const float *bias, void *c,
-                    int64_t ldc, int64_t M, int64_t N, int64_t K, int nt, int64_t esz) {
-    if (((uintptr_t)packed) % 64 || M < 0 || N <= 0 || K <= 0 || lda < K || ldc < N || N / NR >= (1ll << 31))
+                    int64_t ldc, int64_t M, int64_t N, int64_t K, int nt, int64_t esz, int quant) {
+    if (((uintptr_t)packed) % 64 || M < 0 || N <= 0 || K <= 0 || lda < K || ldc < N || N / NR >= (1ll << 31)
+        || (quant && (K % 32 || esz != 4)))
         return -1;
-    const int64_t np = (N + NR - 1) / NR;
+    const int64_t np = (N + NR - 1) / NR, wsz = quant ? 1 : esz;
+    const float *qd = quant ? (const float *)((const char *)packed + np * K * NR) : 0;
+    const float *qm = quant ? qd + np * (K / 32) * NR : 0;
     nt = nt < 1 ? 1 : nt > MAX_NT ? MAX_NT : nt;
     float *apack = 0, *wide = 0;
     if (PACK_A && M > 0 && !(apack = scratch(0, ((M < MC ? M : MC) + MR - 1) / MR * MR * K))) return -1;
     /* the panel buffers only where a chunk has the row blocks do_panel widens into them for */
-    if (esz == 2 && ((M < MC ? M : MC) + MR - 1) / MR >= WIDEN_MIN_BLOCKS && !(wide = scratch(2, nt * K * NR)))
+    if ((quant || (esz == 2 && ((M < MC ? M : MC) + MR - 1) / MR >= WIDEN_MIN_BLOCKS))
+        && !(wide = scratch(2, nt * K * NR)))
         return -1;
-    const char *end = (const char *)packed + np * K * NR * esz;
+    const char *end = (const char *)packed + np * K * NR * wsz;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
-        gemm_t g = {a, packed, bias, apack, wide, c, lda, ldc, N, K, m0, 0, 0, 0, 0, esz, end, 0};
+        gemm_t g = {a, packed, bias, apack, wide, c, lda, ldc, N, K, m0, 0, 0, 0, 0, esz, end, 0, wsz, qd, qm};
         g.mc = M - m0 < MC ? M - m0 : MC;
         g.nb = (g.mc + MR - 1) / MR;
         /* the next panel's lines, split over this panel's nb row blocks */
-        g.share = ((K * NR * esz + 63) / 64 + g.nb - 1) / g.nb;
+        g.share = ((K * NR * wsz + 63) / 64 + g.nb - 1) / g.nb;
         g.steps = K / 4 > 0 ? K / 4 : 1;
         g.q = (int)((g.share + g.steps - 1) / g.steps);
         range_t ranges[MAX_NT] __attribute__((aligned(64)));
@@ -207,7 +288,7 @@ static int gemm_run(const void *a, int64_t lda, const void *packed, const float 
         _Pragma("omp parallel num_threads(nt) if (nt > 1 && np > 1)")
         {
             const int me = omp_get_thread_num(), team = omp_get_num_threads();
-            if (PACK_A) {
+            if (PACK_A && !(quant && g.mc <= Q8_REG_MAX_M)) {
                 for (int64_t i = me; i < g.nb; i += team) pack_block(&g, i);
                 _Pragma("omp barrier")
             }
@@ -221,7 +302,15 @@ static int gemm_run(const void *a, int64_t lda, const void *packed, const float 
  * NULL, c [M, N] (row stride ldc); nt OpenMP threads sharing the panels as panel_runs.h says. */
 int llmsvc_gemm_f32(const float *a, int64_t lda, const float *packed, const float *bias, float *c,
                     int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
-    return gemm_run(a, lda, packed, bias, c, ldc, M, N, K, nt, 4);
+    return gemm_run(a, lda, packed, bias, c, ldc, M, N, K, nt, 4, 0);
+}
+
+/* llmsvc_gemm_f32's contract with GGUF blocks: blob = the int8 panels [ceil(N / 48)][K][48],
+ * then the scale and offset panels [ceil(N / 48)][K / 32][48] fp32 (64-byte aligned, K % 32
+ * == 0); W[n, k] = d * q + m */
+int llmsvc_gemm_q8(const float *a, int64_t lda, const void *blob, const float *bias, float *c,
+                   int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
+    return gemm_run(a, lda, blob, bias, c, ldc, M, N, K, nt, 4, 1);
 }
 
 #else
@@ -231,6 +320,12 @@ int llmsvc_gemm_f32_subpanel(void) { return 0; }
 int llmsvc_gemm_f32(const float *a, int64_t lda, const float *packed, const float *bias, float *c,
                     int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
     (void)a; (void)lda; (void)packed; (void)bias; (void)c; (void)ldc; (void)M; (void)N; (void)K; (void)nt;
+    return -1;
+}
+
+int llmsvc_gemm_q8(const float *a, int64_t lda, const void *blob, const float *bias, float *c,
+                   int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
+    (void)a; (void)lda; (void)blob; (void)bias; (void)c; (void)ldc; (void)M; (void)N; (void)K; (void)nt;
     return -1;
 }
 #endif
@@ -247,7 +342,7 @@ int llmsvc_gemm_bf16_widen(const uint16_t *a, int64_t lda, const uint16_t *packe
         if (N <= 0 || !(b32 = scratch(1, N))) return -1;
         for (int64_t n = 0; n < N; n++) b32[n] = bf16_to_f32(bias[n]);
     }
-    return gemm_run(a, lda, packed, b32, c, ldc, M, N, K, nt, 2);
+    return gemm_run(a, lda, packed, b32, c, ldc, M, N, K, nt, 2, 0);
 #else
     (void)a; (void)lda; (void)packed; (void)bias; (void)c; (void)ldc; (void)M; (void)N; (void)K; (void)nt;
     return -1;

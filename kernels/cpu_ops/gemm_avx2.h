@@ -153,3 +153,45 @@ static inline __attribute__((always_inline)) void kernel(
         }
     }
 }
+
+/* GGUF blocks for a few rows, dequantized in registers (llmsvc_gemm_q8 below Q8_REG_MAX_M
+ * rows): c[0:mr, 0:nc] = a[0:mr, 0:K] (row stride lda) @ (d * q + m) (+ bias), q the int8
+ * panel in three [K][16] sub-panels, d and m its [K / 32][16] scale and offset sub-panels.
+ * 2 x mr accumulators + 2 scale + 2 offset + 2 weight vectors + a broadcast: mr <= 4. */
+static inline __attribute__((always_inline)) void q8_kernel(
+    const int mr, const float *a, int64_t lda, const int8_t *q, const float *d, const float *m,
+    int64_t K, float *c, int64_t ldc, int nc, const float *bias) {
+    const int64_t KB = K / 32;
+    for (int h = 0; h < nc; h += NP) {
+        const int8_t *qh = q + (int64_t)h * K;
+        const float *dh = d + (int64_t)h * KB, *mh = m + (int64_t)h * KB;
+        const __m256i m0 = lane_mask(nc, h), m1 = lane_mask(nc, h + 8);
+        __m256 acc[4][2], b0 = _mm256_setzero_ps(), b1 = b0;
+        if (bias) {
+            b0 = _mm256_maskload_ps(bias + h, m0);
+            b1 = _mm256_maskload_ps(bias + h + 8, m1);
+        }
+        _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) acc[r][0] = b0, acc[r][1] = b1;
+        for (int64_t kb = 0; kb < KB; kb++) {
+            const __m256 d0 = _mm256_loadu_ps(dh + kb * NP), d1 = _mm256_loadu_ps(dh + kb * NP + 8);
+            const __m256 o0 = _mm256_loadu_ps(mh + kb * NP), o1 = _mm256_loadu_ps(mh + kb * NP + 8);
+            const int8_t *qk = qh + kb * 32 * NP;
+            const float *ak = a + kb * 32;
+            _Pragma("GCC unroll 4") for (int k = 0; k < 32; k++) {
+                const __m256 w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                          _mm_loadl_epi64((const __m128i *)(qk + k * NP)))), o0);
+                const __m256 w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                          _mm_loadl_epi64((const __m128i *)(qk + k * NP + 8)))), o1);
+                _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
+                    const __m256 av = _mm256_broadcast_ss(ak + r * lda + k);
+                    acc[r][0] = _mm256_fmadd_ps(av, w0, acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(av, w1, acc[r][1]);
+                }
+            }
+        }
+        _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
+            _mm256_maskstore_ps(c + r * ldc + h, m0, acc[r][0]);
+            _mm256_maskstore_ps(c + r * ldc + h + 8, m1, acc[r][1]);
+        }
+    }
+}

@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine (passed to the server it starts, or used offline)")
     # explicit: the peers (HF, vLLM) and the ceiling run in the dtype named here
     e.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    e.add_argument("--quantization", default="none", choices=["none", "gguf"],
+                   help="as `llmsvc serve`'s (the peers and the ceiling keep the dequantized weights)")
     e.add_argument("--executor", default="auto", help="as `llmsvc serve`'s; auto: its default when serving, "
                    "uniproc (the model in this process, as LLM) offline")
     e.add_argument("--engine-core", default="process", choices=["process", "inline"],
@@ -69,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _serve_args(a, prefix_caching: bool = True) -> list[str]:
-    out = ([a.model] if a.model else []) + ["--dtype", a.dtype, "--executor", a.executor,
+    out = ([a.model] if a.model else []) + ["--dtype", a.dtype, "--quantization", a.quantization,
+                                            "--executor", a.executor,
                                             "--engine-core", a.engine_core,
                                             "--tensor-parallel-size", str(a.tensor_parallel_size)]
     for flag in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "stream_interval",
@@ -99,7 +102,8 @@ def _offline_engine(a, prefix_caching: bool = True):
     from llmsvc.engine.llm_engine import LLMEngine
 
     return LLMEngine.from_config(EngineConfig.from_options(
-        model=a.model, dtype=a.dtype, enable_prefix_caching=prefix_caching, max_num_seqs=a.max_num_seqs or None,
+        model=a.model, dtype=a.dtype, quantization=a.quantization, enable_prefix_caching=prefix_caching,
+        max_num_seqs=a.max_num_seqs or None,
         max_num_batched_tokens=a.max_num_batched_tokens or None, kv_cache_memory=a.kv_cache_memory or None,
         executor="uniproc" if a.executor == "auto" else a.executor, tensor_parallel_size=a.tensor_parallel_size,
         async_scheduling=a.async_scheduling, stream_interval=a.stream_interval,

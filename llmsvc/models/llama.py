@@ -12,6 +12,7 @@ the layers `layer_types` marks) and are honoured by every attention path.
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
 import torch.nn as nn
@@ -293,6 +294,14 @@ def build_model(model_config: ModelConfig, device: str | torch.device = "cpu", d
     with torch.device(device):
         model = cls(model_config.hf_config, torch_dtype, model_config.max_model_len)
     model.load_weights(model_config.model_dir)
+    if model_config.quantization == "gguf" and torch.device(device).type != "cpu":
+        logging.getLogger(__name__).warning("quantization 'gguf': the GPU multiplies the dequantized weights")
+    elif model_config.quantization == "gguf":
+        from llmsvc.models.gguf_blocks import load_gguf_blocks
+        from llmsvc.models.resolve import gguf_file
+
+        load_gguf_blocks(model, gguf_file(model_config.model), model_config.model_dir,
+                         head_dim_of(model_config.hf_config))
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()

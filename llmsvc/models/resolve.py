@@ -73,6 +73,33 @@ def _is_model_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json")) and bool(glob.glob(os.path.join(path, "*.safetensors")))
 
 
+def gguf_file(model: str | None) -> str | None:
+    """The .gguf file `model` names (None: the default model's; a directory holding exactly one
+    .gguf and no HF checkpoint: that one), else None."""
+    path = default_model_path() if model is None else os.path.abspath(os.path.expanduser(model))
+    if os.path.isdir(path) and not _is_model_dir(path):
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        path = ggufs[0] if len(ggufs) == 1 else path
+    return path if path.endswith(".gguf") and os.path.isfile(path) else None
+
+
+def check_quantization(quantization: str, model: str | None, dtype: str, device: str) -> None:
+    """ValueError unless `quantization` (one of QUANTIZATION_CHOICES) can serve this model:
+    "gguf" needs a .gguf model, the CPU and float32 (the blocks' GEMM computes in fp32)."""
+    from llmsvc.config import QUANTIZATION_CHOICES
+
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"unsupported quantization {quantization!r}; use one of {', '.join(QUANTIZATION_CHOICES)}")
+    if quantization == "gguf":
+        if gguf_file(model) is None:
+            raise ValueError(f"quantization 'gguf' needs a .gguf model; {model!r} is not one")
+        if device == "cuda":
+            raise ValueError("quantization 'gguf' runs on the CPU only (CUDA dequantizes at load: use 'none')")
+        if dtype != "float32":
+            raise ValueError(f"quantization 'gguf' computes in float32; dtype {dtype!r} does not "
+                             f"(use --dtype float32 or auto)")
+
+
 def resolve_model_dir(model: str | None = None) -> str:
     """Absolute HF-style directory for `model` (None = the default GGUF), converting a
     .gguf once into the cache. Raises FileNotFoundError / ValueError for anything else
@@ -279,6 +306,7 @@ def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
     chat_template = None if mc.chat_template is None else read_chat_template(mc.chat_template)
     model_dir = resolve_model_dir(mc.model)
     dtype = resolve_dtype(mc.dtype, model_dir, device)
+    check_quantization(mc.quantization, mc.model, dtype, device)
     hf_config = load_hf_config(model_dir, derived_cache_dir())
     archs = list(getattr(hf_config, "architectures", None) or [])
     archs.append(MODEL_TYPES.get(hf_config.model_type, ""))

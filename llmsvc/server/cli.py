@@ -18,7 +18,7 @@ import logging
 import os
 import signal
 
-from llmsvc.config import DTYPE_CHOICES, LOGPROBS_MODES, MEMORY_SIZE_HELP, parse_memory
+from llmsvc.config import DTYPE_CHOICES, LOGPROBS_MODES, MEMORY_SIZE_HELP, QUANTIZATION_CHOICES, parse_memory
 from llmsvc.server import event_loop
 
 def parse_bytes(text: str) -> int:
@@ -130,6 +130,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--master-port", int, 0, help="rendezvous port on node 0; required when --nnodes > 1")
     opt("--dtype", str, "auto", choices=list(DTYPE_CHOICES),
         help="compute and KV-cache dtype; auto: the checkpoint's own (float16 runs as bfloat16 off CUDA)")
+    opt("--quantization", str, "none", choices=list(QUANTIZATION_CHOICES),
+        help="gguf: multiply a .gguf model's Q4_0 / Q4_1 / Q8_0 linear weights as blocks (CPU, float32: "
+             "the same logits from a quarter of the weight bytes); none: dequantize every weight at load")
     opt("--max-model-len", int, None, help="context length (default: the model's)")
     opt("--chat-template", str, None,
         help="Jinja chat template (a file, or the text itself) replacing the model's own, for chat prompts "
@@ -220,6 +223,7 @@ def build_config(args):
     from llmsvc.config import EngineConfig
     return EngineConfig.from_options(
         model=args.model, served_name=args.served_model_name, tokenizer=args.tokenizer, dtype=args.dtype,
+        quantization=args.quantization,
         seed=args.seed,
         chat_template=args.chat_template, enforce_eager=args.enforce_eager or None,
         generation_config=args.generation_config, override_generation_config=args.override_generation_config,

@@ -263,7 +263,8 @@ class LlmService(pb_grpc.LlmServiceServicer):
         mc = self.config.model_config
         resp = pb.GetModelInfoResponse(
             model_id=mc.model_source or mc.model_dir or "", served_model_name=mc.served_model_name,
-            architecture=mc.architecture, dtype=mc.dtype, max_model_len=mc.max_model_len,
+            architecture=mc.architecture, dtype=mc.dtype, quantization=mc.quantization,
+            max_model_len=mc.max_model_len,
             vocab_size=mc.vocab_size, eos_token_ids=list(mc.eos_token_ids),
             has_chat_template=has_chat_template(self.tokenizer),
             supported_constraints=list(self.limits.supported_constraints))

@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels import ops
+from llmsvc.models.layers.gguf import GGUFBlocksMixin
 from llmsvc.models.parallel import (get_tp_rank, get_tp_world_size,
                                     tensor_model_parallel_all_gather,
                                     tensor_model_parallel_all_reduce)
@@ -45,7 +46,7 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_model_parallel_all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(GGUFBlocksMixin, VocabParallelEmbedding):
     """Output projection sharded by vocab; with tied embeddings the model shares the
     embedding's parameter (`tie_weights`)."""
 
@@ -55,8 +56,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embed.weight
 
     def process_weights_after_loading(self) -> None:
-        """Pre-pack the (possibly tied) weight for the CPU GEMM; the embedding keeps the original."""
-        self.packed_weight = ops.pack_linear_weight(self.weight.data)
+        """Pre-pack the (possibly tied) weight, or its GGUF blocks, for the CPU GEMM; the
+        embedding keeps the original."""
+        self.packed_weight = self.pack_weight()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("use compute_logits")

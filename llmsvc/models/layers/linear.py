@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from kernels import ops
+from llmsvc.models.layers.gguf import GGUFBlocksMixin
 from llmsvc.models.parallel import (divide, get_tp_rank, get_tp_world_size,
                                     tensor_model_parallel_all_reduce)
 
@@ -26,7 +27,7 @@ def _copy(param: torch.Tensor, shard: torch.Tensor) -> None:
     param.data.copy_(shard)
 
 
-class LinearBase(nn.Module):
+class LinearBase(GGUFBlocksMixin, nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,
                  params_dtype: torch.dtype | None = None):
         super().__init__()
@@ -45,8 +46,9 @@ class LinearBase(nn.Module):
         self.lora = None  # llmsvc.models.lora.LoRALayer where an adapter touches this layer
 
     def process_weights_after_loading(self) -> None:
-        """Once the weights are final: pre-pack them for the CPU GEMM where that applies."""
-        self.packed_weight = ops.pack_linear_weight(self.weight.data)
+        """Once the weights are final: pre-pack them (or their GGUF blocks) for the CPU GEMM
+        where that applies."""
+        self.packed_weight = self.pack_weight()
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError

@@ -1,0 +1,176 @@
+"""GGUF Q4_0 / Q4_1 / Q8_0 weights kept as blocks for the CPU GEMM (`--quantization gguf`).
+
+The model loads as always from the GGUF's derived fp32 checkpoint (resolve.py). This module
+then reads the same file's blocks of every linear weight (gguf-py's reader and its tensor-name
+map), checks that their dequantization equals that fp32 weight bit for bit, and hands each
+layer its share through the layer's own weight loader, so tensor parallelism slices the blocks
+as it slices the weight. The layers then multiply the blocks (kernels/cpu_ops/gemm.c,
+`llmsvc_gemm_q8`): the same products and sums as the fp32 path, from a quarter of the bytes.
+
+Left on the fp32 path, and counted in the load's log line: tensors of other types (K-quants,
+F16, ...), weights whose blocks do not dequantize to the checkpoint's tensor, and layers whose
+shard of the inputs does not fall on 32-weight blocks.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from kernels.reference import dequantize_gguf_blocks
+from llmsvc.models.weights import checkpoint_files, checkpoint_targets
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 32  # weights per block of every kept type
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The fp16 field at byte `start` of every block, as fp32: [..., num_blocks]."""
+    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes of 4-bit values -> 32 values: the low nibbles are weights 0-15, the high 16-31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8)
+
+
+def decode_blocks(type_name: str, data: np.ndarray, n: int, k: int):
+    """One GGUF tensor's raw blocks ([n, bytes per row] uint8) -> (q [n, k] int8, scale and offset
+    [n, k / 32] fp32) with W = scale * q + offset per block, or None for another type."""
+    blocks = np.asarray(data, dtype=np.uint8).reshape(n, k // BLOCK, -1)
+    if type_name == "Q8_0":  # fp16 d, 32 x int8
+        q, d, m = blocks[..., 2:34].view(np.int8), _f16(blocks, 0), None
+    elif type_name == "Q4_0":  # fp16 d, 16 bytes of nibbles, stored + 8
+        q, d, m = _nibbles(blocks[..., 2:18]) - 8, _f16(blocks, 0), None
+    elif type_name == "Q4_1":  # fp16 d, fp16 m, 16 bytes of nibbles
+        q, d, m = _nibbles(blocks[..., 4:20]), _f16(blocks, 0), _f16(blocks, 2)
+    else:
+        return None
+    scale = torch.from_numpy(d)
+    offset = torch.zeros_like(scale) if m is None else torch.from_numpy(m)
+    return torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)), scale, offset
+
+
+def _unpermute(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp stores a llama q / k projection's rows with each head's two RoPE halves
+    interleaved; this restores HF's order (the rows of q, scale and offset alike)."""
+    return t.reshape(n_head, t.shape[0] // n_head // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
+def _matching_blocks(blocks: tuple, weight: torch.Tensor, head_dim: int):
+    """blocks in the row order whose dequantization is `weight` bit for bit, else None."""
+    if dequantize_gguf_blocks(*blocks).equal(weight):
+        return blocks
+    n = weight.shape[0]
+    if head_dim and head_dim % 2 == 0 and n % head_dim == 0:
+        moved = tuple(_unpermute(t, n // head_dim) for t in blocks)
+        if dequantize_gguf_blocks(*moved).equal(weight):
+            return moved
+    return None
+
+
+def _holders(model: nn.Module) -> dict[int, list[nn.Module]]:
+    """id(weight parameter) -> the layers that multiply it and can keep GGUF blocks (a tied
+    embedding's parameter belongs to the LM head too)."""
+    out: dict[int, list[nn.Module]] = collections.defaultdict(list)
+    for mod in model.modules():
+        if hasattr(mod, "load_gguf_blocks") and isinstance(getattr(mod, "weight", None), torch.Tensor):
+            out[id(mod.weight)].append(mod)
+    return out
+
+
+def _read_gguf(gguf_path: str, model_dir: str, head_dim: int) -> tuple[dict, dict]:
+    """({checkpoint tensor name: (q, scale, offset)}, {what: count}) for every 2-D tensor of the
+    derived checkpoint whose GGUF blocks are a kept type and dequantize to it bit for bit."""
+    import gguf
+    from safetensors import safe_open
+
+    reader = gguf.GGUFReader(gguf_path)  # parses every field, the vocabulary too: seconds
+    arch_name = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name), None)
+    if arch is None:
+        raise ValueError(f"{os.path.basename(gguf_path)}: GGUF architecture {arch_name!r} unknown to gguf-py")
+    names = gguf.get_tensor_name_map(arch, int(reader.fields[f"{arch_name}.block_count"].parts[-1][0]))
+    tensors = {t.name: t for t in reader.tensors}
+    blocks, counts = {}, collections.Counter()
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                if len(shape) != 2 or not name.endswith(".weight"):
+                    continue
+                t = tensors.get(names.get_name(name, try_suffixes=(".weight",)) or "")
+                kind = t.tensor_type.name if t is not None else "absent"
+                decoded = decode_blocks(kind, t.data, *shape) if t is not None and shape[1] % BLOCK == 0 else None
+                if decoded is not None:
+                    decoded = _matching_blocks(decoded, f.get_tensor(name).float(), head_dim)
+                    kind = kind if decoded is not None else "blocks differ from the checkpoint"
+                if decoded is not None:
+                    blocks[name] = decoded
+                counts[kind] += 1
+    return blocks, dict(counts)
+
+
+def gguf_block_tensors(gguf_path: str, model_dir: str, head_dim: int) -> tuple[dict, dict]:
+    """_read_gguf's result, kept beside the derived checkpoint (model_dir/gguf_blocks/, written
+    once: gguf-py's reader takes seconds over a vocabulary, safetensors maps the blocks at once)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = os.path.join(model_dir, "gguf_blocks", "blocks.safetensors")
+    if os.path.isfile(path):
+        blocks: dict = {}
+        with safe_open(path, framework="pt", device="cpu") as f:
+            counts = json.loads(f.metadata()["counts"])
+            for key in f.keys():
+                name, _, part = key.rpartition(":")
+                blocks.setdefault(name, [None] * 3)[("q", "scale", "offset").index(part)] = f.get_tensor(key)
+        return {k: tuple(v) for k, v in blocks.items()}, counts
+    blocks, counts = _read_gguf(gguf_path, model_dir, head_dim)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        save_file({f"{name}:{part}": t.contiguous() for name, b in blocks.items()
+                   for part, t in zip(("q", "scale", "offset"), b)}, tmp, metadata={"counts": json.dumps(counts)})
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache: read the GGUF again next time
+        logger.warning("could not keep the GGUF blocks in %s: %s", path, e)
+    return blocks, counts
+
+
+def load_gguf_blocks(model: nn.Module, gguf_path: str, model_dir: str, head_dim: int) -> dict:
+    """Give every layer of `model` (loaded from `model_dir`, the derived checkpoint of
+    `gguf_path`) whose weight is Q4_0 / Q4_1 / Q8_0 in the file its blocks. Returns (and logs)
+    {"tensors": {type or reason: count}, "layers": layers with blocks, "of": candidate layers}."""
+    start = time.perf_counter()
+    blocks, counts = gguf_block_tensors(gguf_path, model_dir, head_dim)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    holders, splits = _holders(model), model.checkpoint_splits()
+    shards: dict[nn.Module, set] = collections.defaultdict(set)
+    expected: dict[nn.Module, set] = {}
+    for name, decoded in blocks.items():
+        pieces = zip(*(checkpoint_targets(model, name, x, splits) for x in decoded))
+        for (target, sid, q), (_, _, d), (_, _, m) in pieces:
+            for mod in holders.get(id(params.get(target)), []) if target in params else []:
+                expected.setdefault(mod, set(model.shard_ids(target)))
+                try:
+                    mod.load_gguf_blocks(sid, q, d, m)
+                    shards[mod].add(sid)
+                except ValueError:  # this rank's inputs split a block
+                    expected[mod] = {"never"}
+    for mod, want in expected.items():
+        if not want <= shards[mod]:  # a part of a fused weight is not in blocks
+            mod.gguf_blocks = None
+    layers = [m for m in set(holders_m for ms in holders.values() for holders_m in ms)]
+    kept = sum(m.gguf_blocks is not None for m in layers)
+    logger.info("GGUF blocks: %d of %d layers multiply them (checkpoint tensors by GGUF type: %s), in %.1f s",
+                kept, len(layers), ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
+                time.perf_counter() - start)
+    return {"tensors": counts, "layers": kept, "of": len(layers)}

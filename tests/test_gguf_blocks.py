@@ -1,0 +1,155 @@
+"""--quantization gguf: a GGUF's Q4_0 / Q4_1 / Q8_0 linear weights, multiplied as blocks,
+compute the logits of the same model dequantized at load, bit for bit, on every executor."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from llmsvc.config import ModelConfig
+from llmsvc.models.llama import build_model
+from llmsvc.models.resolve import check_quantization, gguf_file, resolve_model_config
+from model_utils import PagedRunner, load_hf_model, make_tiny_model_dir
+from server_harness import TINY_VOCAB
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+# every kept type, mixed inside the fused q/k/v and gate/up; layer 1's up_proj stays F32, so
+# that layer's gate/up must stay on the fp32 path while the rest multiply blocks
+QUANT = {"layers.1.mlp.up_proj": None, "q_proj": Q.Q4_0, "k_proj": Q.Q4_1, "v_proj": Q.Q8_0,
+         "o_proj": Q.Q4_1, "gate_proj": Q.Q4_1, "up_proj": Q.Q4_0, "down_proj": Q.Q8_0,
+         "embed_tokens": Q.Q8_0, "lm_head": Q.Q4_1}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from test_models_gguf import write_gguf
+
+    tmp = tmp_path_factory.mktemp("gguf-blocks")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLMSVC_CACHE", str(tmp / "cache"))
+        src = make_tiny_model_dir(tmp, arch="llama", tie=False, vocab_size=TINY_VOCAB)
+        path = str(tmp / "tiny.gguf")
+        write_gguf(src, path, "llama", QUANT)
+        yield path
+
+
+def _model(path, quantization):
+    return build_model(resolve_model_config(ModelConfig(model=path, dtype="float32", quantization=quantization)))
+
+
+def _packed_kinds(model) -> dict:
+    return {name: "gguf" if m.packed_weight is not None and m.packed_weight.dtype == torch.uint8 else "fp32"
+            for name, m in model.named_modules() if hasattr(m, "packed_weight")}
+
+
+def test_blocks_give_the_dequantized_models_logits_bit_for_bit(tiny_gguf):
+    plain, blocks = _model(tiny_gguf, "none"), _model(tiny_gguf, "gguf")
+    kinds = _packed_kinds(blocks)
+    assert kinds.pop("model.layers.1.mlp.gate_up_proj") == "fp32"  # its up_proj is F32 in the file
+    assert set(kinds.values()) == {"gguf"}, kinds  # q/k/v of three types, o, gate/up, down, LM head
+    assert set(_packed_kinds(plain).values()) == {"fp32"}
+    assert blocks.model._make_native_plan() is not None  # one native call with mixed projections
+    prompts = {0: list(range(3, 40)), 1: list(range(100, 107)), 2: [5]}
+    runs = [PagedRunner(m, num_blocks=16, block_size=16) for m in (plain, blocks)]
+    for step in (prompts, {0: [7], 1: [8], 2: [9]}, {0: [10]}):  # prefill, then decodes
+        a, b = (r.step(step) for r in runs)
+        for sid in step:
+            assert torch.equal(a[sid], b[sid]), sid
+    # and the dequantized weights are what transformers reads from the file
+    from llmsvc.models.resolve import resolve_model_dir
+    hf = load_hf_model(resolve_model_dir(tiny_gguf))
+    ids = torch.tensor(prompts[0])
+    got = PagedRunner(blocks, num_blocks=8, block_size=16).step({0: ids.tolist()})[0]
+    with torch.no_grad():
+        torch.testing.assert_close(got, hf(ids[None]).logits[0].float(), atol=1e-4, rtol=1e-4)
+
+
+def test_blocks_are_read_from_the_file_once(tiny_gguf, monkeypatch):
+    from llmsvc.models import gguf_blocks
+    from llmsvc.models.resolve import resolve_model_dir
+
+    _model(tiny_gguf, "gguf")
+    kept = os.path.join(resolve_model_dir(tiny_gguf), "gguf_blocks", "blocks.safetensors")
+    assert os.path.isfile(kept)
+
+    def no_reread(*a):
+        raise AssertionError("the GGUF was parsed again")
+    monkeypatch.setattr(gguf_blocks, "_read_gguf", no_reread)
+    model = _model(tiny_gguf, "gguf")
+    assert list(_packed_kinds(model).values()).count("gguf") == 2 * 4 - 1 + 1
+
+
+def test_decode_blocks_matches_gguf_py():
+    from llmsvc.models.gguf_blocks import decode_blocks
+    from kernels.reference import dequantize_gguf_blocks
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(6, 96, generator=g) * 0.1).numpy()
+    for qt in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        raw = gguf.quants.quantize(w, qt)
+        q, d, m = decode_blocks(qt.name, raw, 6, 96)
+        assert q.dtype == torch.int8 and d.shape == m.shape == (6, 3)
+        want = torch.from_numpy(gguf.quants.dequantize(raw, qt))
+        assert torch.equal(dequantize_gguf_blocks(q, d, m), want), qt.name
+    assert decode_blocks("Q6_K", raw, 6, 96) is None
+
+
+def test_executors_give_uniprocs_tokens(tiny_gguf):
+    from test_executors import engine_config, prompts_for, run
+
+    def config(executor, tp):
+        c = engine_config(tiny_gguf, executor, tp)
+        c.model_config.quantization = "gguf"
+        return c
+    prompts = prompts_for(TINY_VOCAB)
+    expected = run(engine_config(tiny_gguf), prompts)  # dequantized at load
+    assert run(config("uniproc", 1), prompts, chunk=7) == expected
+    assert run(config("tp", 2), prompts) == expected
+
+
+def test_quantization_is_checked_at_start(tiny_gguf, tmp_path):
+    check_quantization("none", str(tmp_path), "bfloat16", "cuda")  # nothing to check
+    check_quantization("gguf", tiny_gguf, "float32", "cpu")
+    check_quantization("gguf", os.path.dirname(tiny_gguf), "float32", "auto")  # a directory holding one .gguf
+    assert gguf_file(os.path.dirname(tiny_gguf)) == tiny_gguf
+    for args, match in (((tiny_gguf, "bfloat16", "cpu"), "float32"), ((tiny_gguf, "float32", "cuda"), "CPU"),
+                        ((make_tiny_model_dir(tmp_path), "float32", "cpu"), "needs a .gguf")):
+        with pytest.raises(ValueError, match=match):
+            check_quantization("gguf", *args)
+    with pytest.raises(ValueError, match="unsupported quantization 'awq'"):
+        check_quantization("awq", tiny_gguf, "float32", "cpu")
+    with pytest.raises(ValueError, match="computes in float32"):
+        resolve_model_config(ModelConfig(model=tiny_gguf, dtype="bfloat16", quantization="gguf"))
+
+
+def test_served_over_grpc_with_the_flag(tiny_gguf):
+    """`llmsvc serve --quantization gguf`: GetModelInfo says so, and a greedy stream gives the
+    tokens of the model dequantized at load."""
+    import grpc
+
+    from executor_procs import LoggedProcess, llmsvc_cmd
+    from llmsvc import LLM, SamplingParams
+    from llmsvc.v1 import llmsvc_pb2 as pb
+    from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
+
+    prompt = list(range(10, 30))
+    want = LLM(tiny_gguf, dtype="float32", kv_cache_memory="8MiB").generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    srv = LoggedProcess(llmsvc_cmd("serve", tiny_gguf, "--quantization", "gguf", "--host", "127.0.0.1", "--port", "0",
+                                   "--device", "cpu", "--kv-cache-memory", "8MiB", "--shutdown-grace", "0"))
+    try:
+        port = int(srv.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
+        srv.wait_for(r"ready: serving", timeout=180)
+        assert any("GGUF blocks: 8 of 9 layers" in line for line in srv.lines)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.LlmServiceStub(channel)
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+            assert (info.quantization, info.dtype) == ("gguf", "float32")
+            got = [t for r in stub.Generate(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt), stream=True, sampling=pb.SamplingParams(temperature=0.0),
+                stopping=pb.StoppingCriteria(max_tokens=12, ignore_eos=True)), timeout=60) for t in r.token_ids]
+        assert got == list(want[0].outputs[0].token_ids)
+    finally:
+        srv.kill()
