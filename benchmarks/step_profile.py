@@ -121,11 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0, help="torch / kernel threads (0: every core)")
     ap.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--quantization", default="none", choices=["none", "gguf"], help="as `llmsvc serve`'s")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     runner = engine_steps.make_cpu_runner(a.dtype, max(engine_steps.decode_blocks(a.seqs, a.context, a.repeats),
-                                                         a.prefill // engine_steps.BLOCK_SIZE + 16), a.model)
+                                                         a.prefill // engine_steps.BLOCK_SIZE + 16), a.model,
+                                         a.quantization)
     mc = runner.config.model_config
     counts = ceiling.param_counts(mc.model_dir)
     esz = torch.empty((), dtype=runner.dtype).element_size()
@@ -142,18 +144,20 @@ def main(argv: list[str] | None = None) -> None:
 def _run(a, runner, timer: PhaseTimer, counts: dict, esz: int, kv_tok: int, bw: float) -> None:
     mc = runner.config.model_config
     native = runner.model.model._native_plan is not None
-    print(f"{mc.served_model_name} {a.dtype}, {torch.get_num_threads()} threads, native layers: {native}")
+    print(f"{mc.served_model_name} {a.dtype}, quantization {mc.quantization}, {torch.get_num_threads()} threads, "
+          f"native layers: {native}")
     rows = run_steps(runner, timer, engine_steps.decode_steps(runner, a.seqs, a.context, a.repeats))
     ctx = a.context + a.repeats // 2  # the keys of the median step
+    wb = ceiling.multiplied_weight_bytes(runner.model) if mc.quantization != "none" else None
     report(f"decode, {a.seqs} sequences at {a.context}-{a.context + a.repeats} keys", rows,
-           ceiling.step_floor(counts, kv_tok, esz, a.seqs * ctx, bw))
+           ceiling.step_floor(counts, kv_tok, esz, a.seqs * ctx, bw, wb))
     if a.prefill:
         rows = run_steps(runner, timer, engine_steps.prefill_steps(runner, a.prefill, a.repeats,
                                                                    prompt_len=a.prompt_len))
         n = max(1, a.prefill // a.prompt_len)
         # a causal prefill reads its own new K/V back: each of n prompts, prompt_len rows per layer
         report(f"prefill, {n} x {a.prompt_len} prompt tokens", rows,
-               ceiling.step_floor(counts, kv_tok, esz, n * a.prompt_len, bw))
+               ceiling.step_floor(counts, kv_tok, esz, n * a.prompt_len, bw, wb))
 
 
 if __name__ == "__main__":

@@ -158,10 +158,17 @@ static inline __attribute__((always_inline)) void kernel(
  * rows): c[0:mr, 0:nc] = a[0:mr, 0:K] (row stride lda) @ (d * q + m) (+ bias), q the int8
  * panel in three [K][16] sub-panels, d and m its [K / 32][16] scale and offset sub-panels.
  * 2 x mr accumulators + 2 scale + 2 offset + 2 weight vectors + a broadcast: mr <= 4. */
+static inline void q8_row(const float *a, const int8_t *q, const float *d, const float *m, int64_t K,
+                          float *c, int nc, const float *bias);
+
 static inline __attribute__((always_inline)) void q8_kernel(
     const int mr, const float *a, int64_t lda, const int8_t *q, const float *d, const float *m,
     int64_t K, float *c, int64_t ldc, int nc, const float *bias) {
     const int64_t KB = K / 32;
+    if (mr == 1) {
+        q8_row(a, q, d, m, K, c, nc, bias);
+        return;
+    }
     for (int h = 0; h < nc; h += NP) {
         const int8_t *qh = q + (int64_t)h * K;
         const float *dh = d + (int64_t)h * KB, *mh = m + (int64_t)h * KB;
@@ -194,4 +201,40 @@ static inline __attribute__((always_inline)) void q8_kernel(
             _mm256_maskstore_ps(c + r * ldc + h + 8, m1, acc[r][1]);
         }
     }
+}
+
+/* q8_kernel for one row: the three sub-panels in one pass over k, so that six accumulators
+ * (not two, each waiting on its previous FMA) are in flight; each column still sums over k in
+ * order, bit for bit as the fp32 kernel. The scales come from L1 as FMA operands: 6 accumulators
+ * + 6 offsets + a broadcast + a weight fill the 16 ymm. */
+static inline void q8_row(const float *a, const int8_t *q, const float *d, const float *m, int64_t K,
+                          float *c, int nc, const float *bias) {
+    const int64_t KB = K / 32;
+    __m256 acc[6];
+    for (int v = 0; v < 6; v++) {
+        const __m256i mk = lane_mask(nc, 8 * v);
+        acc[v] = bias ? _mm256_maskload_ps(bias + 8 * v, mk) : _mm256_setzero_ps();
+    }
+    for (int64_t kb = 0; kb < KB; kb++) {
+        __m256 o[6];
+        const float *dk[6];
+        const int8_t *qk[6];
+        for (int v = 0; v < 6; v++) { /* sub-panel v / 2, its columns 8 (v % 2) .. + 7 */
+            const int64_t sub = v / 2, lo = 8 * (v % 2);
+            o[v] = _mm256_loadu_ps(m + sub * KB * NP + kb * NP + lo);
+            dk[v] = d + sub * KB * NP + kb * NP + lo;
+            qk[v] = q + sub * K * NP + kb * 32 * NP + lo;
+        }
+        const float *ak = a + kb * 32;
+        _Pragma("GCC unroll 2") for (int k = 0; k < 32; k++) {
+            const __m256 av = _mm256_broadcast_ss(ak + k);
+            _Pragma("GCC unroll 6") for (int v = 0; v < 6; v++) {
+                const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                     _mm_loadl_epi64((const __m128i *)(qk[v] + k * NP)))),
+                                                 _mm256_loadu_ps(dk[v]), o[v]);
+                acc[v] = _mm256_fmadd_ps(av, w, acc[v]);
+            }
+        }
+    }
+    for (int v = 0; v < 6; v++) _mm256_maskstore_ps(c + 8 * v, lane_mask(nc, 8 * v), acc[v]);
 }

@@ -138,17 +138,32 @@ def memory_floor(w: Workload, counts: dict, kv_token_bytes: int, dtype_bytes: in
 
 
 def step_floor(counts: dict, kv_token_bytes: int, dtype_bytes: int, context_rows: int,
-               bytes_per_s: float) -> dict:
-    """Fewest bytes one sampling step must read: every weight once, the LM head included, and
-    the K/V of `context_rows` cache rows summed over its sequences (64 decodes at 192 keys:
+               bytes_per_s: float, weight_bytes: int | None = None) -> dict:
+    """Fewest bytes one sampling step must read: every weight once, the LM head included (as
+    `weight_bytes` says where the weights are not stored at the compute dtype: GGUF blocks),
+    and the K/V of `context_rows` cache rows summed over its sequences (64 decodes at 192 keys:
     64 * 192), and the time they take at `bytes_per_s`."""
-    weights, kv = counts["gen_flops_per_token"] // 2 * dtype_bytes, context_rows * kv_token_bytes
+    weights = counts["gen_flops_per_token"] // 2 * dtype_bytes if weight_bytes is None else weight_bytes
+    kv = context_rows * kv_token_bytes
     return {"weight_mb": weights / 1e6, "kv_mb": kv / 1e6, "read_gb_s": bytes_per_s / 1e9,
             "min_seconds": (weights + kv) / bytes_per_s}
 
 
+def multiplied_weight_bytes(model) -> int:
+    """Bytes of the weights a step multiplies as the CPU GEMMs read them: GGUF blocks as packed
+    (int8 panels + scales), every other multiplied weight at its dtype."""
+    import torch
+
+    total = 0
+    for m in model.modules():
+        w, p = getattr(m, "weight", None), getattr(m, "packed_weight", None)
+        if isinstance(w, torch.Tensor) and hasattr(m, "packed_weight"):
+            total += p.numel() if p is not None and p.dtype == torch.uint8 else w.numel() * w.element_size()
+    return total
+
+
 def decode_step(model_dir: str, dtype: str, bytes_per_s: float, seqs: int = 64, context: int = 192,
-                steps: int = 5) -> dict | None:
+                steps: int = 5, quantization: str = "none") -> dict | None:
     """The fastest of `steps` CPU decode steps of `seqs` sequences at ~`context` keys
     (llmsvc/bench/engine_steps.py) against that step's memory floor; None where the engine
     runs on a GPU."""
@@ -156,10 +171,12 @@ def decode_step(model_dir: str, dtype: str, bytes_per_s: float, seqs: int = 64, 
 
     if bench_device()[0].type != "cpu":
         return None
-    runner = engine_steps.make_cpu_runner(dtype, engine_steps.decode_blocks(seqs, context, steps), model_dir)
+    runner = engine_steps.make_cpu_runner(dtype, engine_steps.decode_blocks(seqs, context, steps), model_dir,
+                                          quantization)
     seconds = min(engine_steps.run_steps(runner, engine_steps.decode_steps(runner, seqs, context, steps)))
     nb = runner.kv_caches[0][0].element_size()
     floor = step_floor(param_counts(model_dir), kv_bytes_per_token(model_dir, nb), nb,
-                       seqs * (context + steps // 2), bytes_per_s)
+                       seqs * (context + steps // 2), bytes_per_s,
+                       multiplied_weight_bytes(runner.model) if quantization != "none" else None)
     return {"seqs": seqs, "context": context, "step_ms": seconds * 1e3,
             "floor_ms": floor["min_seconds"] * 1e3, "ratio": seconds / floor["min_seconds"]}

@@ -197,7 +197,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
         print(f"  memory floor ({m['weight_read_gb']:.1f} GB of weights + {m['kv_read_gb']:.1f} GB of K/V "
               f"at {m['read_gb_s']:.1f} GB/s): {m['output_tok_s']:.0f} out tok/s; the K/V reads alone take "
               f"{m['kv_seconds']:.1f} s, outside the FLOP ceiling")
-        if d := decode_step(model_dir, a.dtype, m["read_gb_s"] * 1e9):  # None on a GPU
+        if d := decode_step(model_dir, a.dtype, m["read_gb_s"] * 1e9, quantization=a.quantization):  # None on a GPU
             res["decode_step"] = d
             print(f"  {d['seqs']}-seq decode step: {d['step_ms']:.1f} ms = {d['ratio']:.2f} x its memory floor")
     for kind, values in (("rate", a.sweep_rate), ("concurrency", a.sweep_concurrency)):

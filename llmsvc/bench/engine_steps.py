@@ -19,7 +19,7 @@ BLOCK_SIZE = 16
 Steps = Generator  # yields SchedulerOutput, is sent the step's ModelRunnerOutput
 
 
-def make_cpu_runner(dtype: str, num_blocks: int, model: Optional[str] = None):
+def make_cpu_runner(dtype: str, num_blocks: int, model: Optional[str] = None, quantization: str = "none"):
     """A ModelRunner of `model` (None: the default) on the CPU with `num_blocks` KV blocks,
     warmed up, with the worker's malloc settings."""
     import torch
@@ -29,7 +29,8 @@ def make_cpu_runner(dtype: str, num_blocks: int, model: Optional[str] = None):
     from llmsvc.worker import host_malloc
     from llmsvc.worker.model_runner import ModelRunner
 
-    config = EngineConfig.from_options(model=model, dtype=dtype, device="cpu", block_size=BLOCK_SIZE)
+    config = EngineConfig.from_options(model=model, dtype=dtype, device="cpu", block_size=BLOCK_SIZE,
+                                       quantization=quantization)
     config.model_config = resolve_model_config(config.model_config)
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
