@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -153,3 +154,55 @@ def test_served_over_grpc_with_the_flag(tiny_gguf):
         assert got == list(want[0].outputs[0].token_ids)
     finally:
         srv.kill()
+
+
+def _random_blocks(kind, seed):
+    """f(array) -> (random blocks of `kind` shaped like the array, kind): any bytes are valid
+    blocks once the fp16 scales are finite; scales ~1e-3 keep the weights O(0.1-1)."""
+    def make(data):
+        rng = np.random.default_rng(seed)
+        n, k = data.shape
+        per, size = gguf.GGML_QUANT_SIZES[kind]
+        raw = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
+        fields = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q5_0: (0,), Q.Q5_1: (0, 2)}[kind]
+        for at in fields:
+            raw[..., at:at + 2] = (rng.standard_normal((n, k // per, 1)) * 1e-3).astype(np.float16).view(np.uint8)
+        return raw.reshape(n, -1), kind
+    return make
+
+
+@pytest.fixture(scope="module")
+def tiny_k_quants(tmp_path_factory):
+    """A model whose linear weights are K-quants (256-weight super-blocks, so hidden 256), the
+    fused q/k/v mixing Q4_K, Q5_K and Q6_K (16-weight blocks), plus Q5_0 and Q5_1."""
+    from test_models_gguf import write_gguf
+
+    tmp = tmp_path_factory.mktemp("gguf-k-quants")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLMSVC_CACHE", str(tmp / "cache"))
+        src = make_tiny_model_dir(tmp, arch="llama", tie=False, vocab_size=TINY_VOCAB, hidden_size=256,
+                                  intermediate_size=512)
+        kinds = {"q_proj": Q.Q4_K, "k_proj": Q.Q5_K, "v_proj": Q.Q6_K, "o_proj": Q.Q5_0, "gate_proj": Q.Q5_1,
+                 "up_proj": Q.Q4_K, "down_proj": Q.Q6_K, "lm_head": Q.Q5_K}
+        path = str(tmp / "k.gguf")
+        write_gguf(src, path, "llama", {key: _random_blocks(kind, i) for i, (key, kind) in enumerate(kinds.items())})
+        yield path
+
+
+def test_k_quants_and_mixed_block_sizes(tiny_k_quants):
+    from test_executors import engine_config, prompts_for, run
+
+    plain, blocks = _model(tiny_k_quants, "none"), _model(tiny_k_quants, "gguf")
+    assert set(_packed_kinds(blocks).values()) == {"gguf"}, _packed_kinds(blocks)
+    qkv = blocks.model.layers[0].self_attn.qkv_proj.packed_weight
+    assert int(qkv[:4].view(torch.int32)) == 16  # Q6_K's v: the fused weight takes 16-weight blocks
+    prompts = {0: list(range(3, 40)), 1: [5, 6]}
+    runs = [PagedRunner(m, num_blocks=16, block_size=16) for m in (plain, blocks)]
+    for step in (prompts, {0: [7], 1: [8]}):
+        a, b = (r.step(step) for r in runs)
+        for sid in step:
+            assert torch.isfinite(a[sid]).all() and torch.equal(a[sid], b[sid]), sid
+    config = engine_config(tiny_k_quants, "tp", 2)
+    config.model_config.quantization = "gguf"
+    ids = prompts_for(TINY_VOCAB, lens=(9, 20))
+    assert run(config, ids) == run(engine_config(tiny_k_quants), ids)

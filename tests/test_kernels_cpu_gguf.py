@@ -13,11 +13,14 @@ from kernel_utils import run_avx2_build_probe
 
 
 def _blocks(n, k, g, kind="Q4_1"):
-    """Random blocks as a GGUF type holds them: fp16 scales (and offsets), q in its range."""
-    lo, hi = {"Q4_0": (-8, 8), "Q4_1": (0, 16), "Q8_0": (-128, 128)}[kind]
+    """Random blocks as a GGUF type holds them: fp16 scales (and offsets), q in its range;
+    Q6_K: 16-weight blocks whose scale is an fp16 times an int8 sub-scale (d * sc * q rounds)."""
+    lo, hi, bs = {"Q4_0": (-8, 8, 32), "Q4_1": (0, 16, 32), "Q8_0": (-128, 128, 32), "Q6_K": (-32, 32, 16)}[kind]
     q = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
-    d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
-    m = (torch.randn(n, k // 32, generator=g) * 0.05).half().float() if kind == "Q4_1" else torch.zeros_like(d)
+    d = (torch.rand(n, k // bs, generator=g) * 0.02).half().float()
+    if kind == "Q6_K":
+        d = (d / 128).half().float() * torch.randint(-128, 128, d.shape, generator=g).float()
+    m = (torch.randn(n, k // bs, generator=g) * 0.05).half().float() if kind == "Q4_1" else torch.zeros_like(d)
     return q, d, m
 
 
@@ -28,7 +31,7 @@ def _needs_panels():
     return lib
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("n,k", [(48, 32), (50, 64), (100, 576), (1000, 1536)])
 def test_gguf_gemm_is_the_fp32_gemm_on_the_dequantized_weight(kind, n, k):
     lib = _needs_panels()
@@ -37,7 +40,9 @@ def test_gguf_gemm_is_the_fp32_gemm_on_the_dequantized_weight(kind, n, k):
     w = ref.dequantize_gguf_blocks(q, d, m)
     blob, panels = ops.pack_gguf_blocks(q, d, m), linear.pack(w)
     assert blob.dtype == torch.uint8 and blob.data_ptr() % 64 == 0
-    assert blob.numel() == -(-n // 48) * 48 * (k + 2 * 4 * k // 32)  # int8 panels, then two fp32 panels
+    bs = 16 if kind == "Q6_K" else 32
+    assert int(blob[:4].view(torch.int32)) == bs
+    assert blob.numel() == 64 + -(-n // 48) * 48 * (k + 2 * 4 * k // bs)  # header, int8 panels, two fp32 panels
     b = torch.randn(n, generator=g)
     # 1-16 rows: dequantized in registers, 4 rows at a time; beyond: once per panel into a buffer
     for rows in (1, 3, 4, 5, 6, 13, 16, 17, 64, 300):
@@ -74,10 +79,10 @@ from kernels import reference as ref
 from kernels.cpu_ops import build, linear
 assert build.load().llmsvc_gemm_f32_subpanel() == 16
 g = torch.Generator().manual_seed(0)
-for n, k in ((48, 32), (50, 64), (1000, 1536)):
+for n, k, bs in ((48, 32, 32), (50, 64, 16), (1000, 1536, 32)):
     q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
-    m = (torch.randn(n, k // 32, generator=g) * 0.05).half().float()
+    d = (torch.rand(n, k // bs, generator=g) * 0.02).half().float()
+    m = (torch.randn(n, k // bs, generator=g) * 0.05).half().float()
     w = ref.dequantize_gguf_blocks(q, d, m)
     blob, panels = linear.pack_gguf_blocks(q, d, m), linear.pack(w)
     b = torch.randn(n, generator=g)

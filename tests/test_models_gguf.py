@@ -39,8 +39,10 @@ def _llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def write_gguf(model_dir: str, path: str, arch: str, quant=None) -> None:
-    """quant: None, or {substring of an HF tensor name: gguf.GGMLQuantizationType or None} for
-    the tensors to store in that type (the first match wins; None and no match: F32)."""
+    """quant: None, or {substring of an HF tensor name: gguf.GGMLQuantizationType, None, or a
+    function array -> (raw blocks, type)} for the tensors to store in that type (the first
+    match wins; None and no match: F32). gguf-py cannot quantize K-quants: a function may
+    write any blocks."""
     import transformers
     from safetensors.torch import load_file
 
@@ -89,6 +91,9 @@ def write_gguf(model_dir: str, path: str, arch: str, quant=None) -> None:
         qtype = next((q for key, q in (quant or {}).items() if key in name), None)
         if qtype is None:
             w.add_tensor(gname, data)
+        elif callable(qtype):
+            raw, kind = qtype(data)
+            w.add_tensor(gname, raw, raw_dtype=kind)
         else:
             w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     w.write_header_to_file()

@@ -80,8 +80,8 @@ class DecoderPlan:
             row[:7] = torch.tensor([lw.input_norm.data_ptr(), lw.post_norm.data_ptr(), lw.qkv.data_ptr(),
                                     0 if lw.qkv_bias is None else lw.qkv_bias.data_ptr(), lw.o.data_ptr(),
                                     lw.gate_up.data_ptr(), lw.down.data_ptr()])
-            row[_LP_GGUF] = sum(1 << bit for bit, p in ((_LP_QKV, lw.qkv), (_LP_O, lw.o), (_LP_GATE_UP, lw.gate_up),
-                                                         (_LP_DOWN, lw.down)) if _is_gguf(p))
+            projections = ((_LP_QKV, lw.qkv), (_LP_O, lw.o), (_LP_GATE_UP, lw.gate_up), (_LP_DOWN, lw.down))
+            row[_LP_GGUF] = sum(1 << bit for bit, p in projections if _is_gguf(p))
         self._caches_key: tuple = ()
         self._fn = load().llmsvc_llama_layers
         self.profile: Optional[torch.Tensor] = None  # see enable_profile

@@ -31,13 +31,8 @@
  * accumulators are rounded to bf16 once on the store: the same arithmetic as llmsvc_gemm_f32
  * on the widened operands, bit for bit, with one rounding as F.linear's bf16 GEMMs.
  *
- * GGUF blocks (llmsvc_gemm_q8): the panels hold one int8 per weight (Q4_0 / Q4_1 / Q8_0 values,
- * the layout above) and, per 32 k and column, a scale d and an offset m (fp32 panels
- * [K / 32][48] in the same sub-panel layout). A thread turns each panel into W = d * q + m in
- * its fp32 buffer and runs the fp32 kernel on it: the panel streams from DRAM at a quarter of
- * the fp32 bytes (plus 1/4 byte of scales per weight). d * q is exact in fp32 (d is an fp16
- * value, |q| <= 128), so each weight is the fp32 value the GGUF dequantizes to, whether or not
- * the compiler fuses the add, and C is llmsvc_gemm_f32's on the dequantized weight, bit for bit.
+ * GGUF blocks (llmsvc_gemm_q8): int8 panels with scale and offset panels, turned back into fp32
+ * as they are used (gemm_gguf.h).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -130,64 +125,11 @@ typedef struct {
     const char *end;
     int q;
     int64_t wsz;            /* bytes per panel element: esz, or 1 for GGUF blocks */
-    const float *qd, *qm;   /* GGUF blocks: scale and offset panels [np][K / 32][48]; else NULL */
+    const float *qd, *qm;   /* GGUF blocks: scale and offset panels [np][K / bs][48]; else NULL */
+    int64_t bs;             /* GGUF blocks: weights per scale (16 or 32) */
 } gemm_t;
 
-/* w [K * NR] fp32 = d * q + m of panel q [K * NR] int8 with its scale and offset panels d, m
- * [K / 32 * NR], all in the NP sub-panel layout; K % 32 == 0. Intrinsics: GCC vectorizes the
- * plain loop in 4-lane pieces through 16-bit sign extensions, at ~1 weight per cycle. */
-static void dequant_panel(float *restrict w, const int8_t *restrict q, const float *restrict d,
-                          const float *restrict m, int64_t K) {
-    const int64_t KB = K / 32;
-    for (int j = 0; j < NR / NP; j++) {
-        const int8_t *qj = q + j * K * NP;
-        const float *dj = d + j * KB * NP, *mj = m + j * KB * NP;
-        float *wj = w + j * K * NP;
-        for (int64_t kb = 0; kb < KB; kb++) {
-            const float *db = dj + kb * NP, *mb = mj + kb * NP;
-            const int8_t *qb = qj + kb * 32 * NP;
-            float *wb = wj + kb * 32 * NP;
-#if defined(__AVX512F__)
-            __m512 dv[NP / 16], mv[NP / 16];
-            for (int v = 0; v < NP / 16; v++) dv[v] = _mm512_loadu_ps(db + 16 * v), mv[v] = _mm512_loadu_ps(mb + 16 * v);
-            for (int k = 0; k < 32; k++)
-                for (int v = 0; v < NP / 16; v++) {
-                    const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qb + k * NP + 16 * v))));
-                    _mm512_store_ps(wb + k * NP + 16 * v, _mm512_fmadd_ps(dv[v], x, mv[v]));
-                }
-#else
-            __m256 dv[NP / 8], mv[NP / 8];
-            for (int v = 0; v < NP / 8; v++) dv[v] = _mm256_loadu_ps(db + 8 * v), mv[v] = _mm256_loadu_ps(mb + 8 * v);
-            for (int k = 0; k < 32; k++)
-                for (int v = 0; v < NP / 8; v++) {
-                    const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + k * NP + 8 * v))));
-                    _mm256_store_ps(wb + k * NP + 8 * v, _mm256_fmadd_ps(dv[v], x, mv[v]));
-                }
-#endif
-        }
-    }
-}
-
-/* GGUF blocks: up to this many rows, each panel is dequantized in registers by q8_kernel, 4 rows
- * at a time (re-dequantized for every 4 rows); beyond, once into the thread's buffer for the
- * fp32 kernel (a round trip through L2 that costs more than the int8 stream saves at 1 row) */
-#ifndef Q8_REG_MAX_M
-#define Q8_REG_MAX_M 16
-#endif
-#define Q8_CASE(R) case R: q8_kernel(R, a, g->lda, q, qd, qm, K, c, g->ldc, nc, bias); break;
-
-/* the rows of the chunk against GGUF panel p, dequantized in registers */
-static void q8_panel_rows(const gemm_t *g, int64_t p) {
-    const int64_t K = g->K, KB = K / 32;
-    const int8_t *q = (const int8_t *)g->packed + p * K * NR;
-    const float *qd = g->qd + p * KB * NR, *qm = g->qm + p * KB * NR, *bias = g->bias ? g->bias + p * NR : 0;
-    const int nc = (int)(g->N - p * NR < NR ? g->N - p * NR : NR);
-    for (int64_t m = 0; m < g->mc; m += 4) {
-        const float *a = (const float *)g->a + (g->m0 + m) * g->lda;
-        float *c = (float *)g->c + (g->m0 + m) * g->ldc + p * NR;
-        switch (g->mc - m < 4 ? g->mc - m : 4) { Q8_CASE(1) Q8_CASE(2) Q8_CASE(3) Q8_CASE(4) }
-    }
-}
+#include "gemm_gguf.h"
 
 /* all row blocks of rows [m0, m0 + mc) against panel p; prefetches panel pf_p (-1: none) */
 static void do_panel(void *ctx, int64_t p, int64_t pf_p) {
@@ -201,7 +143,7 @@ static void do_panel(void *ctx, int64_t p, int64_t pf_p) {
     }
     if (g->qd) { /* dequantized once here, read by nb row blocks */
         float *w = g->wide + (int64_t)omp_get_thread_num() * K * NR;
-        dequant_panel(w, (const int8_t *)panel, g->qd + p * (K / 32) * NR, g->qm + p * (K / 32) * NR, K);
+        dequant_panel(w, (const int8_t *)panel, g->qd + p * (K / g->bs) * NR, g->qm + p * (K / g->bs) * NR, K, g->bs);
         panel = (const char *)w;
     }
 #if BF16_WIDEN
@@ -257,16 +199,17 @@ static float *scratch(int slot, int64_t n) {
 }
 
 /* esz 4: fp32 A, panels, C; esz 2: bf16 (BF16_WIDEN builds only). bias: fp32 or NULL.
- * quant: the panels are GGUF blocks (int8 panels, then the scale and offset panels), A and C
- * fp32 (esz 4). */
+ * quant: `packed` is a GGUF-block blob (gemm_gguf.h), A and C fp32 (esz 4). */
 static int gemm_run(const void *a, int64_t lda, const void *packed, const float *bias, void *c,
                     int64_t ldc, int64_t M, int64_t N, int64_t K, int nt, int64_t esz, int quant) {
-    if (((uintptr_t)packed) % 64 || M < 0 || N <= 0 || K <= 0 || lda < K || ldc < N || N / NR >= (1ll << 31)
-        || (quant && (K % 32 || esz != 4)))
+    if (((uintptr_t)packed) % 64 || M < 0 || N <= 0 || K <= 0 || lda < K || ldc < N || N / NR >= (1ll << 31))
         return -1;
+    const int64_t bs = quant ? *(const int32_t *)packed : 1;
+    if (quant && ((bs != 16 && bs != 32) || K % bs || esz != 4)) return -1;
+    if (quant) packed = (const char *)packed + GGUF_HEADER;
     const int64_t np = (N + NR - 1) / NR, wsz = quant ? 1 : esz;
     const float *qd = quant ? (const float *)((const char *)packed + np * K * NR) : 0;
-    const float *qm = quant ? qd + np * (K / 32) * NR : 0;
+    const float *qm = quant ? qd + np * (K / bs) * NR : 0;
     nt = nt < 1 ? 1 : nt > MAX_NT ? MAX_NT : nt;
     float *apack = 0, *wide = 0;
     if (PACK_A && M > 0 && !(apack = scratch(0, ((M < MC ? M : MC) + MR - 1) / MR * MR * K))) return -1;
@@ -276,7 +219,7 @@ static int gemm_run(const void *a, int64_t lda, const void *packed, const float 
         return -1;
     const char *end = (const char *)packed + np * K * NR * wsz;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
-        gemm_t g = {a, packed, bias, apack, wide, c, lda, ldc, N, K, m0, 0, 0, 0, 0, esz, end, 0, wsz, qd, qm};
+        gemm_t g = {a, packed, bias, apack, wide, c, lda, ldc, N, K, m0, 0, 0, 0, 0, esz, end, 0, wsz, qd, qm, bs};
         g.mc = M - m0 < MC ? M - m0 : MC;
         g.nb = (g.mc + MR - 1) / MR;
         /* the next panel's lines, split over this panel's nb row blocks */
@@ -305,9 +248,8 @@ int llmsvc_gemm_f32(const float *a, int64_t lda, const float *packed, const floa
     return gemm_run(a, lda, packed, bias, c, ldc, M, N, K, nt, 4, 0);
 }
 
-/* llmsvc_gemm_f32's contract with GGUF blocks: blob = the int8 panels [ceil(N / 48)][K][48],
- * then the scale and offset panels [ceil(N / 48)][K / 32][48] fp32 (64-byte aligned, K % 32
- * == 0); W[n, k] = d * q + m */
+/* llmsvc_gemm_f32's contract with a GGUF-block blob (gemm_gguf.h, 64-byte aligned):
+ * W[n, k] = d * q + m */
 int llmsvc_gemm_q8(const float *a, int64_t lda, const void *blob, const float *bias, float *c,
                    int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
     return gemm_run(a, lda, blob, bias, c, ldc, M, N, K, nt, 4, 1);

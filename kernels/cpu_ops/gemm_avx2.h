@@ -154,19 +154,19 @@ static inline __attribute__((always_inline)) void kernel(
     }
 }
 
-/* GGUF blocks for a few rows, dequantized in registers (llmsvc_gemm_q8 below Q8_REG_MAX_M
+/* GGUF blocks for a few rows, dequantized in registers (gemm_gguf.h, up to Q8_REG_MAX_M
  * rows): c[0:mr, 0:nc] = a[0:mr, 0:K] (row stride lda) @ (d * q + m) (+ bias), q the int8
- * panel in three [K][16] sub-panels, d and m its [K / 32][16] scale and offset sub-panels.
+ * panel in three [K][16] sub-panels, d and m its [K / bs][16] scale and offset sub-panels.
  * 2 x mr accumulators + 2 scale + 2 offset + 2 weight vectors + a broadcast: mr <= 4. */
 static inline void q8_row(const float *a, const int8_t *q, const float *d, const float *m, int64_t K,
-                          float *c, int nc, const float *bias);
+                          int64_t bs, float *c, int nc, const float *bias);
 
 static inline __attribute__((always_inline)) void q8_kernel(
     const int mr, const float *a, int64_t lda, const int8_t *q, const float *d, const float *m,
-    int64_t K, float *c, int64_t ldc, int nc, const float *bias) {
-    const int64_t KB = K / 32;
+    int64_t K, int64_t bs, float *c, int64_t ldc, int nc, const float *bias) {
+    const int64_t KB = K / bs;
     if (mr == 1) {
-        q8_row(a, q, d, m, K, c, nc, bias);
+        q8_row(a, q, d, m, K, bs, c, nc, bias);
         return;
     }
     for (int h = 0; h < nc; h += NP) {
@@ -182,9 +182,9 @@ static inline __attribute__((always_inline)) void q8_kernel(
         for (int64_t kb = 0; kb < KB; kb++) {
             const __m256 d0 = _mm256_loadu_ps(dh + kb * NP), d1 = _mm256_loadu_ps(dh + kb * NP + 8);
             const __m256 o0 = _mm256_loadu_ps(mh + kb * NP), o1 = _mm256_loadu_ps(mh + kb * NP + 8);
-            const int8_t *qk = qh + kb * 32 * NP;
-            const float *ak = a + kb * 32;
-            _Pragma("GCC unroll 4") for (int k = 0; k < 32; k++) {
+            const int8_t *qk = qh + kb * bs * NP;
+            const float *ak = a + kb * bs;
+            _Pragma("GCC unroll 4") for (int64_t k = 0; k < bs; k++) {
                 const __m256 w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                                           _mm_loadl_epi64((const __m128i *)(qk + k * NP)))), o0);
                 const __m256 w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
@@ -208,8 +208,8 @@ static inline __attribute__((always_inline)) void q8_kernel(
  * order, bit for bit as the fp32 kernel. The scales come from L1 as FMA operands: 6 accumulators
  * + 6 offsets + a broadcast + a weight fill the 16 ymm. */
 static inline void q8_row(const float *a, const int8_t *q, const float *d, const float *m, int64_t K,
-                          float *c, int nc, const float *bias) {
-    const int64_t KB = K / 32;
+                          int64_t bs, float *c, int nc, const float *bias) {
+    const int64_t KB = K / bs;
     __m256 acc[6];
     for (int v = 0; v < 6; v++) {
         const __m256i mk = lane_mask(nc, 8 * v);
@@ -223,10 +223,10 @@ static inline void q8_row(const float *a, const int8_t *q, const float *d, const
             const int64_t sub = v / 2, lo = 8 * (v % 2);
             o[v] = _mm256_loadu_ps(m + sub * KB * NP + kb * NP + lo);
             dk[v] = d + sub * KB * NP + kb * NP + lo;
-            qk[v] = q + sub * K * NP + kb * 32 * NP + lo;
+            qk[v] = q + sub * K * NP + kb * bs * NP + lo;
         }
-        const float *ak = a + kb * 32;
-        _Pragma("GCC unroll 2") for (int k = 0; k < 32; k++) {
+        const float *ak = a + kb * bs;
+        _Pragma("GCC unroll 2") for (int64_t k = 0; k < bs; k++) {
             const __m256 av = _mm256_broadcast_ss(ak + k);
             _Pragma("GCC unroll 6") for (int v = 0; v < 6; v++) {
                 const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(

@@ -56,23 +56,27 @@ static inline __attribute__((always_inline)) void kernel(
     }
 }
 
-/* GGUF blocks for a few rows, dequantized in registers (llmsvc_gemm_q8 below Q8_REG_MAX_M
+/* GGUF blocks for a few rows, dequantized in registers (gemm_gguf.h, up to Q8_REG_MAX_M
  * rows): c[0:mr, 0:nc] = a[0:mr, 0:K] (row stride lda) @ (d * q + m) (+ bias), q the int8
- * panel [K][48], d and m its [K / 32][48] scale and offset panels; mr <= 4. */
+ * panel [K][48], d and m its [K / bs][48] scale and offset panels; mr <= 4. */
 static inline __attribute__((always_inline)) void q8_kernel(
     const int mr, const float *a, int64_t lda, const int8_t *q, const float *d, const float *m,
-    int64_t K, float *c, int64_t ldc, int nc, const float *bias) {
-    const int64_t KB = K / 32;
+    int64_t K, int64_t bs, float *c, int64_t ldc, int nc, const float *bias) {
+    const int64_t KB = K / bs;
     const __mmask16 mk[3] = {lane_mask(nc, 0), lane_mask(nc, 16), lane_mask(nc, 32)};
     __m512 acc[4][3];
     _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
-        for (int v = 0; v < 3; v++) acc[r][v] = bias ? _mm512_maskz_loadu_ps(mk[v], bias + 16 * v) : _mm512_setzero_ps();
+        for (int v = 0; v < 3; v++)
+            acc[r][v] = bias ? _mm512_maskz_loadu_ps(mk[v], bias + 16 * v) : _mm512_setzero_ps();
     for (int64_t kb = 0; kb < KB; kb++) {
         __m512 dv[3], ov[3];
-        for (int v = 0; v < 3; v++) dv[v] = _mm512_loadu_ps(d + kb * NR + 16 * v), ov[v] = _mm512_loadu_ps(m + kb * NR + 16 * v);
-        const int8_t *qk = q + kb * 32 * NR;
-        const float *ak = a + kb * 32;
-        _Pragma("GCC unroll 2") for (int k = 0; k < 32; k++) {
+        for (int v = 0; v < 3; v++) {
+            dv[v] = _mm512_loadu_ps(d + kb * NR + 16 * v);
+            ov[v] = _mm512_loadu_ps(m + kb * NR + 16 * v);
+        }
+        const int8_t *qk = q + kb * bs * NR;
+        const float *ak = a + kb * bs;
+        _Pragma("GCC unroll 2") for (int64_t k = 0; k < bs; k++) {
             __m512 w[3];
             for (int v = 0; v < 3; v++)
                 w[v] = _mm512_fmadd_ps(dv[v], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(

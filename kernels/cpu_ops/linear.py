@@ -23,10 +23,10 @@ copy:
         (`mkldnn::_reorder_linear_weight`, `mkldnn::_linear_pointwise`), likewise faster than
         F.linear
 
-GGUF blocks (`pack_gguf_blocks`, for `--quantization gguf`): Q4_0 / Q4_1 / Q8_0 weights kept as
-one int8 per weight in the fp32 panel layout plus fp32 scale and offset panels per 32 inputs, one
-uint8 blob; gemm.c dequantizes a panel at a time into the fp32 kernel (`llmsvc_gemm_q8`), so the
-result is the fp32 panels' on the dequantized weight, bit for bit, from a quarter of the bytes.
+GGUF blocks (`pack_gguf_blocks`, for `--quantization gguf`): a GGUF's block-quantized weights
+kept as one int8 per weight in the fp32 panel layout plus fp32 scale and offset panels per 16 or
+32 inputs, one uint8 blob; gemm.c turns them back into fp32 as it multiplies (`llmsvc_gemm_q8`,
+gemm_gguf.h): the fp32 panels' result on the dequantized weight, bit for bit, from ~1/3 the bytes.
 
 Every path packs B independently of the row count M of the input (MKL gets the call's own
 M as `prepack_batch_size`); the tests check M = 1 .. 1024 against F.linear. The packed copy
@@ -167,22 +167,25 @@ def pack_panels(weight: torch.Tensor, subpanel: Optional[int] = None) -> torch.T
     return _aligned(blocks.view(np_, k, PANEL))
 
 
-GGUF_BLOCK = 32  # inputs per scale / offset of a GGUF Q4_0 / Q4_1 / Q8_0 block
+GGUF_HEADER = 64  # gemm_gguf.h's blob header: int32 weights per scale, then padding
 
 
 def pack_gguf_blocks(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Optional[torch.Tensor]:
-    """qweight [N, K] int8, scale and offset [N, K / 32] fp32 (W = scale * q + offset, each
-    per 32 inputs) -> one 64-byte aligned uint8 blob for llmsvc_gemm_q8: the int8 panels
-    [ceil(N / 48), K, 48], then the scale and the offset panels [ceil(N / 48), K / 32, 48], each
-    in pack_panels' layout. None where gemm.c is not built (the caller keeps the fp32 path) or
-    K % 32 != 0."""
+    """qweight [N, K] int8, scale and offset [N, K / bs] fp32 with bs = 16 or 32 weights per
+    scale (W = scale * q + offset) -> one 64-byte aligned uint8 blob for llmsvc_gemm_q8
+    (gemm_gguf.h): a header holding bs, the int8 panels [ceil(N / 48), K, 48], then the scale
+    and the offset panels [ceil(N / 48), K / bs, 48], each in pack_panels' layout. None where
+    gemm.c is not built (the caller keeps the fp32 path) or the shapes do not fit."""
     n, k = qweight.shape
-    if (not enabled() or qweight.dtype != torch.int8 or k % GGUF_BLOCK or k > _PANEL_MAX_K
-            or scale.shape != (n, k // GGUF_BLOCK) or offset.shape != scale.shape or not _panels_ok()):
+    bs = k // scale.shape[1] if scale.dim() == 2 and scale.shape[1] else 0
+    if (not enabled() or qweight.dtype != torch.int8 or bs not in (16, 32) or k % bs or k > _PANEL_MAX_K
+            or scale.shape != (n, k // bs) or offset.shape != scale.shape or not _panels_ok()):
         return None
+    header = torch.zeros(GGUF_HEADER, dtype=torch.uint8)
+    header[:4] = torch.tensor([bs], dtype=torch.int32).view(torch.uint8)
     parts = [pack_panels(t.contiguous()).reshape(-1).view(torch.uint8)
              for t in (qweight, scale.float(), offset.float())]
-    return _aligned(torch.cat(parts))
+    return _aligned(torch.cat([header, *parts]))
 
 
 def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
@@ -213,7 +216,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     if m == 0 or x.dtype != dt:
         return F.linear(x, weight, bias)
     if packed.dtype == torch.uint8:  # GGUF blocks (the weight is their fp32 dequantization)
-        return _native(load().llmsvc_gemm_q8, x, packed, bias, weight) if m <= PANEL_MAX_M else F.linear(x, weight, bias)
+        if m > PANEL_MAX_M:
+            return F.linear(x, weight, bias)
+        return _native(load().llmsvc_gemm_q8, x, packed, bias, weight)
     if dt == torch.float32:
         if packed.dim() == 3:
             return _gemm_panels(x, packed, bias, weight) if m <= PANEL_MAX_M else F.linear(x, weight, bias)

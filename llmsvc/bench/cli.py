@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _serve_args(a, prefix_caching: bool = True) -> list[str]:
-    out = ([a.model] if a.model else []) + ["--dtype", a.dtype, "--quantization", a.quantization,
+    out = ([a.model] if a.model else []) + ["--dtype", a.dtype, "--quantization", getattr(a, "quantization", "none"),
                                             "--executor", a.executor,
                                             "--engine-core", a.engine_core,
                                             "--tensor-parallel-size", str(a.tensor_parallel_size)]
@@ -102,7 +102,8 @@ def _offline_engine(a, prefix_caching: bool = True):
     from llmsvc.engine.llm_engine import LLMEngine
 
     return LLMEngine.from_config(EngineConfig.from_options(
-        model=a.model, dtype=a.dtype, quantization=a.quantization, enable_prefix_caching=prefix_caching,
+        model=a.model, dtype=a.dtype, quantization=getattr(a, "quantization", None),
+        enable_prefix_caching=prefix_caching,
         max_num_seqs=a.max_num_seqs or None,
         max_num_batched_tokens=a.max_num_batched_tokens or None, kv_cache_memory=a.kv_cache_memory or None,
         executor="uniproc" if a.executor == "auto" else a.executor, tensor_parallel_size=a.tensor_parallel_size,
@@ -197,7 +198,8 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
         print(f"  memory floor ({m['weight_read_gb']:.1f} GB of weights + {m['kv_read_gb']:.1f} GB of K/V "
               f"at {m['read_gb_s']:.1f} GB/s): {m['output_tok_s']:.0f} out tok/s; the K/V reads alone take "
               f"{m['kv_seconds']:.1f} s, outside the FLOP ceiling")
-        if d := decode_step(model_dir, a.dtype, m["read_gb_s"] * 1e9, quantization=a.quantization):  # None on a GPU
+        quantization = getattr(a, "quantization", "none")
+        if d := decode_step(model_dir, a.dtype, m["read_gb_s"] * 1e9, quantization=quantization):  # None on a GPU
             res["decode_step"] = d
             print(f"  {d['seqs']}-seq decode step: {d['step_ms']:.1f} ms = {d['ratio']:.2f} x its memory floor")
     for kind, values in (("rate", a.sweep_rate), ("concurrency", a.sweep_concurrency)):

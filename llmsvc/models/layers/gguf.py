@@ -9,25 +9,24 @@ import torch
 
 from kernels import ops
 
-BLOCK = 32  # weights per scale and offset
-
-
 class GGUFBlocksMixin:
     """For layers with `weight` [N, K] and `weight_loader(param, loaded, shard_id)`."""
 
-    # this rank's (q [N, K] int8, scale [N, K / 32] fp32, offset [N, K / 32] fp32), W = scale * q + offset
+    # this rank's (q [N, K] int8, scale [N, K / bs] fp32, offset [N, K / bs] fp32), W = scale * q
+    # + offset per bs (16 or 32) weights
     gguf_blocks: tuple | None = None
 
     def load_gguf_blocks(self, shard_id, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
         """Copy this rank's share of one checkpoint tensor's blocks (the whole fused weight, or
-        shard `shard_id` of it) as the weight loader copies the fp32 tensor. Raises ValueError
-        when this rank's inputs do not fall on whole blocks."""
+        shard `shard_id` of it; every part in blocks of the same size) as the weight loader
+        copies the fp32 tensor. Raises ValueError when this rank's inputs do not fall on whole
+        blocks."""
         n, k = self.weight.shape
-        if k % BLOCK:
-            raise ValueError(f"{k} input features per rank split GGUF blocks of {BLOCK}")
+        bs = qweight.shape[1] // scale.shape[1]
+        if k % bs:
+            raise ValueError(f"{k} input features per rank split GGUF blocks of {bs}")
         if self.gguf_blocks is None:
-            self.gguf_blocks = (torch.zeros(n, k, dtype=torch.int8), torch.zeros(n, k // BLOCK),
-                                torch.zeros(n, k // BLOCK))
+            self.gguf_blocks = (torch.zeros(n, k, dtype=torch.int8), torch.zeros(n, k // bs), torch.zeros(n, k // bs))
         for dst, src in zip(self.gguf_blocks, (qweight, scale, offset)):
             self.weight_loader(dst, src, shard_id)
 
