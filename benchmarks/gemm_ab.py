@@ -1,10 +1,12 @@
 """Two builds of a packed CPU GEMM, side by side in one process, called alternately.
 
-    python -m benchmarks.gemm_ab [--base REV] [--dtype bfloat16|bfloat16-widen|float32]
+    python -m benchmarks.gemm_ab [--base REV] [--dtype bfloat16|bfloat16-widen|float32|gguf]
                                  [--rows 1,16,64] [--threads 2] [--rounds 25]
 
 Compiles the GEMM's source (`gemm_bf16dp.c`, AVX512-BF16 dot products; `gemm.c`, fp32 panels,
-or its bf16 entry that widens bf16 panels on AVX2, `bfloat16-widen`) as committed at --base
+its bf16 entry that widens bf16 panels on AVX2, `bfloat16-widen`, or its GGUF-block entry with
+the weights rounded to Q4_1-like blocks, `gguf`: `--base` must know the blob of 5a3f487) as
+committed at --base
 (default HEAD) and as it is in the working tree, each into its own library with the engine's
 flags, and multiplies an [M, K] activation through the default
 model's 30 layers of packed weights (qkv, o, gate_up, down) and its LM head, as a decode step
@@ -32,7 +34,19 @@ GEMMS = {  # dtype: (source, entry, packing)
     "bfloat16": ("kernels/cpu_ops/gemm_bf16dp.c", "llmsvc_gemm_bf16_dp", linear.pack_amx),
     "bfloat16-widen": ("kernels/cpu_ops/gemm.c", "llmsvc_gemm_bf16_widen", linear.pack_panels),
     "float32": ("kernels/cpu_ops/gemm.c", "llmsvc_gemm_f32", linear.pack_panels),
+    "gguf": ("kernels/cpu_ops/gemm.c", "llmsvc_gemm_q8", lambda w: _gguf_blocks(w)),
 }
+
+
+def _gguf_blocks(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] fp32 rounded to blocks of 32 as Q4_1 holds them (0..15 above each block's
+    minimum, fp16 scale and minimum), packed by linear.pack_gguf_blocks."""
+    n, k = w.shape
+    b = w.reshape(n, k // 32, 32)
+    lo = b.amin(-1).half().float()
+    d = ((b.amax(-1) - lo) / 15).clamp_min(1e-8).half().float()
+    q = ((b - lo[..., None]) / d[..., None]).round().clamp(0, 15)
+    return linear.pack_gguf_blocks(q.to(torch.int8).reshape(n, k), d, lo)
 _PANELS = ("llmsvc_gemm_f32", "llmsvc_gemm_bf16_widen")  # entries reading pack_panels' layout
 
 
@@ -45,7 +59,7 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=25)
     a = ap.parse_args(argv)
-    dtype = getattr(torch, a.dtype.split("-")[0])
+    dtype = torch.float32 if a.dtype.startswith("gguf") else getattr(torch, a.dtype.split("-")[0])
     path, entry, pack = GEMMS[a.dtype]
     g = torch.Generator().manual_seed(0)
     # (name, weight [N, K]) in the order a step calls them

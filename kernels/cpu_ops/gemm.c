@@ -124,9 +124,9 @@ typedef struct {
     int64_t lda, ldc, N, K, m0, mc, nb, share, steps, esz;
     const char *end;
     int q;
-    int64_t pbytes;         /* bytes per panel: K * NR * esz, or GGUF blocks' K * NR * bits / 8 */
+    int64_t wsz;            /* bytes per panel element: esz, or 1 for GGUF blocks */
     const float *qd, *qm;   /* GGUF blocks: scale and offset panels [np][K / bs][48]; else NULL */
-    int64_t bs, bits;       /* GGUF blocks: weights per scale (16 or 32), bits per weight (8 or 4) */
+    int64_t bs;             /* GGUF blocks: weights per scale (16 or 32) */
 } gemm_t;
 
 #include "gemm_gguf.h"
@@ -134,7 +134,7 @@ typedef struct {
 /* all row blocks of rows [m0, m0 + mc) against panel p; prefetches panel pf_p (-1: none) */
 static void do_panel(void *ctx, int64_t p, int64_t pf_p) {
     const gemm_t *g = (const gemm_t *)ctx;
-    const int64_t K = g->K, bytes = g->pbytes; /* one panel */
+    const int64_t K = g->K, bytes = K * NR * g->wsz; /* one panel */
     const char *panel = g->packed + p * bytes;
     int bf = 0;
     if (g->qd && g->mc <= Q8_REG_MAX_M) {
@@ -143,8 +143,7 @@ static void do_panel(void *ctx, int64_t p, int64_t pf_p) {
     }
     if (g->qd) { /* dequantized once here, read by nb row blocks */
         float *w = g->wide + (int64_t)omp_get_thread_num() * K * NR;
-        dequant_panel(w, (const uint8_t *)panel, g->qd + p * (K / g->bs) * NR, g->qm + p * (K / g->bs) * NR, K, g->bs,
-                      g->bits);
+        dequant_panel(w, (const int8_t *)panel, g->qd + p * (K / g->bs) * NR, g->qm + p * (K / g->bs) * NR, K, g->bs);
         panel = (const char *)w;
     }
 #if BF16_WIDEN
@@ -205,11 +204,11 @@ static int gemm_run(const void *a, int64_t lda, const void *packed, const float 
                     int64_t ldc, int64_t M, int64_t N, int64_t K, int nt, int64_t esz, int quant) {
     if (((uintptr_t)packed) % 64 || M < 0 || N <= 0 || K <= 0 || lda < K || ldc < N || N / NR >= (1ll << 31))
         return -1;
-    const int64_t bs = quant ? ((const int32_t *)packed)[0] : 1, bits = quant ? ((const int32_t *)packed)[1] : 0;
-    if (quant && ((bs != 16 && bs != 32) || (bits != 8 && bits != 4) || K % bs || esz != 4)) return -1;
+    const int64_t bs = quant ? *(const int32_t *)packed : 1;
+    if (quant && ((bs != 16 && bs != 32) || K % bs || esz != 4)) return -1;
     if (quant) packed = (const char *)packed + GGUF_HEADER;
-    const int64_t np = (N + NR - 1) / NR, pbytes = quant ? K * NR * bits / 8 : K * NR * esz;
-    const float *qd = quant ? (const float *)((const char *)packed + np * pbytes) : 0;
+    const int64_t np = (N + NR - 1) / NR, wsz = quant ? 1 : esz;
+    const float *qd = quant ? (const float *)((const char *)packed + np * K * NR) : 0;
     const float *qm = quant ? qd + np * (K / bs) * NR : 0;
     nt = nt < 1 ? 1 : nt > MAX_NT ? MAX_NT : nt;
     float *apack = 0, *wide = 0;
@@ -218,13 +217,13 @@ static int gemm_run(const void *a, int64_t lda, const void *packed, const float 
     if ((quant || (esz == 2 && ((M < MC ? M : MC) + MR - 1) / MR >= WIDEN_MIN_BLOCKS))
         && !(wide = scratch(2, nt * K * NR)))
         return -1;
-    const char *end = (const char *)packed + np * pbytes;
+    const char *end = (const char *)packed + np * K * NR * wsz;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
-        gemm_t g = {a, packed, bias, apack, wide, c, lda, ldc, N, K, m0, 0, 0, 0, 0, esz, end, 0, pbytes, qd, qm, bs, bits};
+        gemm_t g = {a, packed, bias, apack, wide, c, lda, ldc, N, K, m0, 0, 0, 0, 0, esz, end, 0, wsz, qd, qm, bs};
         g.mc = M - m0 < MC ? M - m0 : MC;
         g.nb = (g.mc + MR - 1) / MR;
         /* the next panel's lines, split over this panel's nb row blocks */
-        g.share = ((pbytes + 63) / 64 + g.nb - 1) / g.nb;
+        g.share = ((K * NR * wsz + 63) / 64 + g.nb - 1) / g.nb;
         g.steps = K / 4 > 0 ? K / 4 : 1;
         g.q = (int)((g.share + g.steps - 1) / g.steps);
         range_t ranges[MAX_NT] __attribute__((aligned(64)));

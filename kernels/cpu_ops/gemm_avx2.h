@@ -154,33 +154,23 @@ static inline __attribute__((always_inline)) void kernel(
     }
 }
 
-/* 8 weights of a GGUF panel as fp32: row k, columns col .. col + 7 of sub-panel sub ([K][16]),
- * bits 8 (int8) or 4 (a byte per two k: even k low nibble, odd k high; bits is a constant at
- * every use) */
-static inline __attribute__((always_inline)) __m256 q8_at(const uint8_t *sub, int64_t k, int64_t col, const int bits) {
-    if (bits == 8)
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sub + k * NP + col))));
-    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sub + (k >> 1) * NP + col)));
-    return _mm256_cvtepi32_ps((k & 1) ? _mm256_srli_epi32(x, 4) : _mm256_and_si256(x, _mm256_set1_epi32(15)));
-}
-
 /* GGUF blocks for a few rows, dequantized in registers (gemm_gguf.h, up to Q8_REG_MAX_M
- * rows): c[0:mr, 0:nc] = a[0:mr, 0:K] (row stride lda) @ (d * q + m) (+ bias), q the panel of
- * `bits` per weight in three [K][16] sub-panels, d and m its [K / bs][16] scale and offset
- * sub-panels. 2 x mr accumulators + 2 scale + 2 offset + 2 weight vectors + a broadcast: mr <= 4. */
-static inline void q8_row(const float *a, const uint8_t *q, const float *d, const float *m, int64_t K,
-                          int64_t bs, const int bits, float *c, int nc, const float *bias);
+ * rows): c[0:mr, 0:nc] = a[0:mr, 0:K] (row stride lda) @ (d * q + m) (+ bias), q the int8
+ * panel in three [K][16] sub-panels, d and m its [K / bs][16] scale and offset sub-panels.
+ * 2 x mr accumulators + 2 scale + 2 offset + 2 weight vectors + a broadcast: mr <= 4. */
+static inline void q8_row(const float *a, const int8_t *q, const float *d, const float *m, int64_t K,
+                          int64_t bs, float *c, int nc, const float *bias);
 
 static inline __attribute__((always_inline)) void q8_kernel(
-    const int mr, const float *a, int64_t lda, const uint8_t *q, const float *d, const float *m,
-    int64_t K, int64_t bs, const int bits, float *c, int64_t ldc, int nc, const float *bias) {
+    const int mr, const float *a, int64_t lda, const int8_t *q, const float *d, const float *m,
+    int64_t K, int64_t bs, float *c, int64_t ldc, int nc, const float *bias) {
     const int64_t KB = K / bs;
     if (mr == 1) {
-        q8_row(a, q, d, m, K, bs, bits, c, nc, bias);
+        q8_row(a, q, d, m, K, bs, c, nc, bias);
         return;
     }
     for (int h = 0; h < nc; h += NP) {
-        const uint8_t *qh = q + (int64_t)h * K * bits / 8;
+        const int8_t *qh = q + (int64_t)h * K;
         const float *dh = d + (int64_t)h * KB, *mh = m + (int64_t)h * KB;
         const __m256i m0 = lane_mask(nc, h), m1 = lane_mask(nc, h + 8);
         __m256 acc[4][2], b0 = _mm256_setzero_ps(), b1 = b0;
@@ -192,10 +182,13 @@ static inline __attribute__((always_inline)) void q8_kernel(
         for (int64_t kb = 0; kb < KB; kb++) {
             const __m256 d0 = _mm256_loadu_ps(dh + kb * NP), d1 = _mm256_loadu_ps(dh + kb * NP + 8);
             const __m256 o0 = _mm256_loadu_ps(mh + kb * NP), o1 = _mm256_loadu_ps(mh + kb * NP + 8);
+            const int8_t *qk = qh + kb * bs * NP;
             const float *ak = a + kb * bs;
             _Pragma("GCC unroll 4") for (int64_t k = 0; k < bs; k++) {
-                const __m256 w0 = _mm256_fmadd_ps(d0, q8_at(qh, kb * bs + k, 0, bits), o0);
-                const __m256 w1 = _mm256_fmadd_ps(d1, q8_at(qh, kb * bs + k, 8, bits), o1);
+                const __m256 w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                          _mm_loadl_epi64((const __m128i *)(qk + k * NP)))), o0);
+                const __m256 w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                          _mm_loadl_epi64((const __m128i *)(qk + k * NP + 8)))), o1);
                 _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
                     const __m256 av = _mm256_broadcast_ss(ak + r * lda + k);
                     acc[r][0] = _mm256_fmadd_ps(av, w0, acc[r][0]);
@@ -214,8 +207,8 @@ static inline __attribute__((always_inline)) void q8_kernel(
  * (not two, each waiting on its previous FMA) are in flight; each column still sums over k in
  * order, bit for bit as the fp32 kernel. The scales come from L1 as FMA operands: 6 accumulators
  * + 6 offsets + a broadcast + a weight fill the 16 ymm. */
-static inline void q8_row(const float *a, const uint8_t *q, const float *d, const float *m, int64_t K,
-                          int64_t bs, const int bits, float *c, int nc, const float *bias) {
+static inline void q8_row(const float *a, const int8_t *q, const float *d, const float *m, int64_t K,
+                          int64_t bs, float *c, int nc, const float *bias) {
     const int64_t KB = K / bs;
     __m256 acc[6];
     for (int v = 0; v < 6; v++) {
@@ -225,17 +218,21 @@ static inline void q8_row(const float *a, const uint8_t *q, const float *d, cons
     for (int64_t kb = 0; kb < KB; kb++) {
         __m256 o[6];
         const float *dk[6];
+        const int8_t *qk[6];
         for (int v = 0; v < 6; v++) { /* sub-panel v / 2, its columns 8 (v % 2) .. + 7 */
             const int64_t sub = v / 2, lo = 8 * (v % 2);
             o[v] = _mm256_loadu_ps(m + sub * KB * NP + kb * NP + lo);
             dk[v] = d + sub * KB * NP + kb * NP + lo;
+            qk[v] = q + sub * K * NP + kb * bs * NP + lo;
         }
         const float *ak = a + kb * bs;
         _Pragma("GCC unroll 2") for (int64_t k = 0; k < bs; k++) {
             const __m256 av = _mm256_broadcast_ss(ak + k);
             _Pragma("GCC unroll 6") for (int v = 0; v < 6; v++) {
-                const __m256 x = q8_at(q + (v / 2) * K * NP * bits / 8, kb * bs + k, 8 * (v % 2), bits);
-                acc[v] = _mm256_fmadd_ps(av, _mm256_fmadd_ps(x, _mm256_loadu_ps(dk[v]), o[v]), acc[v]);
+                const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                     _mm_loadl_epi64((const __m128i *)(qk[v] + k * NP)))),
+                                                 _mm256_loadu_ps(dk[v]), o[v]);
+                acc[v] = _mm256_fmadd_ps(av, w, acc[v]);
             }
         }
     }

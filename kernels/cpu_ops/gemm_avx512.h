@@ -56,21 +56,12 @@ static inline __attribute__((always_inline)) void kernel(
     }
 }
 
-/* 16 weights of a GGUF panel ([K][48]) as fp32: row k, columns col .. col + 15, bits 8 (int8)
- * or 4 (a byte per two k: even k low nibble, odd k high; bits is a constant at every use) */
-static inline __attribute__((always_inline)) __m512 q16_at(const uint8_t *q, int64_t k, int64_t col, const int bits) {
-    if (bits == 8)
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k * NR + col))));
-    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + (k >> 1) * NR + col)));
-    return _mm512_cvtepi32_ps((k & 1) ? _mm512_srli_epi32(x, 4) : _mm512_and_si512(x, _mm512_set1_epi32(15)));
-}
-
 /* GGUF blocks for a few rows, dequantized in registers (gemm_gguf.h, up to Q8_REG_MAX_M
- * rows): c[0:mr, 0:nc] = a[0:mr, 0:K] (row stride lda) @ (d * q + m) (+ bias), q the panel of
- * `bits` per weight ([K][48]), d and m its [K / bs][48] scale and offset panels; mr <= 4. */
+ * rows): c[0:mr, 0:nc] = a[0:mr, 0:K] (row stride lda) @ (d * q + m) (+ bias), q the int8
+ * panel [K][48], d and m its [K / bs][48] scale and offset panels; mr <= 4. */
 static inline __attribute__((always_inline)) void q8_kernel(
-    const int mr, const float *a, int64_t lda, const uint8_t *q, const float *d, const float *m,
-    int64_t K, int64_t bs, const int bits, float *c, int64_t ldc, int nc, const float *bias) {
+    const int mr, const float *a, int64_t lda, const int8_t *q, const float *d, const float *m,
+    int64_t K, int64_t bs, float *c, int64_t ldc, int nc, const float *bias) {
     const int64_t KB = K / bs;
     const __mmask16 mk[3] = {lane_mask(nc, 0), lane_mask(nc, 16), lane_mask(nc, 32)};
     __m512 acc[4][3];
@@ -83,10 +74,13 @@ static inline __attribute__((always_inline)) void q8_kernel(
             dv[v] = _mm512_loadu_ps(d + kb * NR + 16 * v);
             ov[v] = _mm512_loadu_ps(m + kb * NR + 16 * v);
         }
+        const int8_t *qk = q + kb * bs * NR;
         const float *ak = a + kb * bs;
         _Pragma("GCC unroll 2") for (int64_t k = 0; k < bs; k++) {
             __m512 w[3];
-            for (int v = 0; v < 3; v++) w[v] = _mm512_fmadd_ps(dv[v], q16_at(q, kb * bs + k, 16 * v, bits), ov[v]);
+            for (int v = 0; v < 3; v++)
+                w[v] = _mm512_fmadd_ps(dv[v], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                  _mm_loadu_si128((const __m128i *)(qk + k * NR + 16 * v)))), ov[v]);
             _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
                 const __m512 av = _mm512_set1_ps(ak[r * lda + k]);
                 for (int v = 0; v < 3; v++) acc[r][v] = _mm512_fmadd_ps(av, w[v], acc[r][v]);

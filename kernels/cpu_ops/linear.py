@@ -167,50 +167,24 @@ def pack_panels(weight: torch.Tensor, subpanel: Optional[int] = None) -> torch.T
     return _aligned(blocks.view(np_, k, PANEL))
 
 
-GGUF_HEADER = 64  # gemm_gguf.h's blob header: int32 weights per scale, int32 bits per weight
-
-
-def _four_bit(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
-    """(q in 0..15, offset) giving the same weights bit for bit, or None: values 0..15 as they
-    are (Q4_1, Q4_K); -8..7 without an offset (Q4_0) as q + 8 with offset -8 * scale (d * (q + 8)
-    - 8 d is d * q, exactly representable, so the one rounding of an FMA is none)."""
-    from kernels.reference import dequantize_gguf_blocks
-
-    lo, hi = int(qweight.min()), int(qweight.max())
-    if 0 <= lo and hi <= 15:
-        return qweight, offset
-    if -8 <= lo and hi <= 7 and not offset.any():
-        q, m = qweight + 8, -8 * scale
-        if dequantize_gguf_blocks(q, scale, m).equal(dequantize_gguf_blocks(qweight, scale, offset)):
-            return q, m
-    return None
+GGUF_HEADER = 64  # gemm_gguf.h's blob header: int32 weights per scale, then padding
 
 
 def pack_gguf_blocks(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Optional[torch.Tensor]:
     """qweight [N, K] int8, scale and offset [N, K / bs] fp32 with bs = 16 or 32 weights per
     scale (W = scale * q + offset) -> one 64-byte aligned uint8 blob for llmsvc_gemm_q8
-    (gemm_gguf.h): a header (bs, bits), the value panels (pack_panels' layout; 4 bits per value
-    where every value fits 0..15 after `_four_bit`, two k per byte, else int8), then the scale
-    and the offset panels [ceil(N / 48), K / bs, 48]. None where gemm.c is not built (the caller
-    keeps the fp32 path) or the shapes do not fit."""
+    (gemm_gguf.h): a header holding bs, the int8 panels [ceil(N / 48), K, 48], then the scale
+    and the offset panels [ceil(N / 48), K / bs, 48], each in pack_panels' layout. None where
+    gemm.c is not built (the caller keeps the fp32 path) or the shapes do not fit."""
     n, k = qweight.shape
     bs = k // scale.shape[1] if scale.dim() == 2 and scale.shape[1] else 0
     if (not enabled() or qweight.dtype != torch.int8 or bs not in (16, 32) or k % bs or k > _PANEL_MAX_K
             or scale.shape != (n, k // bs) or offset.shape != scale.shape or not _panels_ok()):
         return None
-    scale, offset = scale.float(), offset.float()
-    four = _four_bit(qweight, scale, offset)
-    if four is not None:
-        qweight, offset = four
-    values = pack_panels(qweight.contiguous())  # [np, K, 48], memory [np][48 / sub][K][sub]
-    if four is not None:
-        sub = load().llmsvc_gemm_f32_subpanel()
-        pairs = values.reshape(values.shape[0], PANEL // sub, k // 2, 2, sub).to(torch.uint8)
-        values = pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)  # [np, 48 / sub, K / 2, sub]
     header = torch.zeros(GGUF_HEADER, dtype=torch.uint8)
-    header[:8] = torch.tensor([bs, 4 if four is not None else 8], dtype=torch.int32).view(torch.uint8)
-    parts = [values.reshape(-1).view(torch.uint8)] + [pack_panels(t.contiguous()).reshape(-1).view(torch.uint8)
-                                                     for t in (scale, offset)]
+    header[:4] = torch.tensor([bs], dtype=torch.int32).view(torch.uint8)
+    parts = [pack_panels(t.contiguous()).reshape(-1).view(torch.uint8)
+             for t in (qweight, scale.float(), offset.float())]
     return _aligned(torch.cat([header, *parts]))
 
 

@@ -208,10 +208,15 @@ def gguf_block_tensors(gguf_path: str, model_dir: str, head_dim: int) -> tuple[d
     return blocks, counts
 
 
+def _target(model: nn.Module, name: str, splits: dict) -> str:
+    """Our parameter a checkpoint tensor loads into (a fused checkpoint tensor keeps its name)."""
+    return name if any(f".{hf}." in name for hf in splits) else model.checkpoint_target(name)[0]
+
+
 def load_gguf_blocks(model: nn.Module, gguf_path: str, model_dir: str, head_dim: int) -> dict:
     """Give every layer of `model` (loaded from `model_dir`, the derived checkpoint of
-    `gguf_path`) whose weight is Q4_0 / Q4_1 / Q8_0 in the file its blocks. Returns (and logs)
-    {"tensors": {type or reason: count}, "layers": layers with blocks, "of": candidate layers}."""
+    `gguf_path`) whose weight is of a kept type (BLOCKS) in the file its blocks. Returns (and
+    logs) {"tensors": {type or reason: count}, "layers": layers with blocks, "of": candidates}."""
     start = time.perf_counter()
     blocks, counts = gguf_block_tensors(gguf_path, model_dir, head_dim)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -222,12 +227,11 @@ def load_gguf_blocks(model: nn.Module, gguf_path: str, model_dir: str, head_dim:
     # the finest: a 32-weight block is two 16-weight blocks of the same scale and offset
     finest: dict[str, int] = {}
     for name, (q, d, _) in blocks.items():
-        target = name if any(f".{hf}." in name for hf in splits) else model.checkpoint_target(name)[0]
+        target = _target(model, name, splits)
         finest[target] = min(finest.get(target, 32), q.shape[1] // d.shape[1])
     for name, decoded in blocks.items():
-        target = name if any(f".{hf}." in name for hf in splits) else model.checkpoint_target(name)[0]
         q, d, m = decoded
-        if (r := q.shape[1] // d.shape[1] // finest[target]) > 1:
+        if (r := q.shape[1] // d.shape[1] // finest[_target(model, name, splits)]) > 1:
             decoded = (q, d.repeat_interleave(r, 1), m.repeat_interleave(r, 1))
         pieces = zip(*(checkpoint_targets(model, name, x, splits) for x in decoded))
         for (target, sid, q), (_, _, d), (_, _, m) in pieces:
@@ -241,7 +245,7 @@ def load_gguf_blocks(model: nn.Module, gguf_path: str, model_dir: str, head_dim:
     for mod, want in expected.items():
         if not want <= shards[mod]:  # a part of a fused weight is not in blocks
             mod.gguf_blocks = None
-    layers = [m for m in set(holders_m for ms in holders.values() for holders_m in ms)]
+    layers = {mod for mods in holders.values() for mod in mods}
     kept = sum(m.gguf_blocks is not None for m in layers)
     logger.info("GGUF blocks: %d of %d layers multiply them (checkpoint tensors by GGUF type: %s), in %.1f s",
                 kept, len(layers), ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
