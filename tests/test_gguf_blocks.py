@@ -206,3 +206,54 @@ def test_k_quants_and_mixed_block_sizes(tiny_k_quants):
     config.model_config.quantization = "gguf"
     ids = prompts_for(TINY_VOCAB, lens=(9, 20))
     assert run(config, ids) == run(engine_config(tiny_k_quants), ids)
+
+
+def test_fp32_copies_go_and_lora_still_applies(tiny_gguf, tmp_path):
+    """Layers multiplying blocks drop their fp32 weight (meta: shape and dtype only), a tied or
+    fp32 one keeps it; LoRA adapters on such layers give the tokens they give over `none`; steps
+    past the native GEMM's 1024 rows go through it in chunks."""
+    from llmsvc import LLM, LoRARequest, SamplingParams
+    from llmsvc.models.resolve import resolve_model_dir
+    from tests.lora_utils import make_lora_adapter
+
+    model = _model(tiny_gguf, "gguf")
+    metas = {name for name, p in model.named_parameters() if p.is_meta}
+    assert "model.layers.0.self_attn.qkv_proj.weight" in metas and "lm_head.weight" in metas
+    assert "model.layers.1.mlp.gate_up_proj.weight" not in metas  # an F32 part: fp32 path
+    assert not any("embed_tokens" in n or "norm" in n for n in metas)
+    x = torch.randn(1300, 64)
+    layer = model.model.layers[0].self_attn.qkv_proj
+    plain = _model(tiny_gguf, "none").model.layers[0].self_attn.qkv_proj
+    torch.testing.assert_close(layer(x), plain(x), atol=1e-5, rtol=1e-5)  # 1024 + 276 rows
+    assert layer(x[:0]).shape == (0, plain.weight.shape[0])
+
+    adapter = make_lora_adapter(resolve_model_dir(tiny_gguf), str(tmp_path / "lora"), rank=4)
+    prompts = [[3, 4, 5, 6, 7], list(range(20, 40))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = {}
+    for q in ("none", "gguf"):
+        llm = LLM(tiny_gguf, dtype="float32", quantization=q, kv_cache_memory="8MiB", lora_modules={"a": adapter},
+                  max_lora_rank=8)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False,
+                                lora_request=[LoRARequest("a", 1, adapter), None])
+            got[q] = [list(o.outputs[0].token_ids) for o in outs]
+        finally:
+            llm.shutdown()
+    assert got["gguf"] == got["none"]
+
+
+def test_tied_lm_head_multiplies_blocks_and_keeps_the_embedding(tmp_path, monkeypatch):
+    from test_models_gguf import write_gguf
+
+    monkeypatch.setenv("LLMSVC_CACHE", str(tmp_path / "cache"))
+    src = make_tiny_model_dir(tmp_path, arch="llama", tie=True, vocab_size=TINY_VOCAB)
+    path = str(tmp_path / "tied.gguf")
+    write_gguf(src, path, "llama", {"embed_tokens": Q.Q8_0, "proj": Q.Q4_1})
+    plain, blocks = _model(path, "none"), _model(path, "gguf")
+    head, embed = blocks.lm_head, blocks.model.embed_tokens
+    assert head.weight is embed.weight and not embed.weight.is_meta
+    assert head.packed_weight.dtype == torch.uint8
+    ids = list(range(3, 30))
+    a, b = (PagedRunner(m, num_blocks=8, block_size=16).step({0: ids})[0] for m in (plain, blocks))
+    assert torch.equal(a, b)

@@ -213,12 +213,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     """x: [M, K] (or [..., K]) -> [M, N]; F.linear(x, weight, bias) up to summation order."""
     m = x.numel() // x.shape[-1]
     dt = weight.dtype
+    if packed.dtype == torch.uint8:  # GGUF blocks: `weight` gives the shape only (it may be on meta)
+        return _gguf_linear(x, packed, bias, weight, m)
     if m == 0 or x.dtype != dt:
         return F.linear(x, weight, bias)
-    if packed.dtype == torch.uint8:  # GGUF blocks (the weight is their fp32 dequantization)
-        if m > PANEL_MAX_M:
-            return F.linear(x, weight, bias)
-        return _native(load().llmsvc_gemm_q8, x, packed, bias, weight)
     if dt == torch.float32:
         if packed.dim() == 3:
             return _gemm_panels(x, packed, bias, weight) if m <= PANEL_MAX_M else F.linear(x, weight, bias)
@@ -245,6 +243,26 @@ def _native(entry, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.T
     if rc != 0:
         raise ValueError("CPU packed GEMM: arguments rejected")
     return out if flat else out.view(*x.shape[:-1], n)
+
+
+def _gguf_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], weight: torch.Tensor,
+                 m: int) -> torch.Tensor:
+    """x [..., K] fp32 @ GGUF blocks: llmsvc_gemm_q8, PANEL_MAX_M rows at a time (each row's sums
+    do not depend on the others)."""
+    n, k = weight.shape
+    if x.dtype != torch.float32:
+        raise ValueError(f"GGUF blocks multiply float32 activations, not {x.dtype}")
+    if m == 0:
+        return x.new_empty((*x.shape[:-1], n))
+    x2 = x.reshape(-1, k)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()  # _native's F.linear fallback has no weight here
+    bias = None if bias is None else bias.float().contiguous()
+    entry = load().llmsvc_gemm_q8
+    if m <= PANEL_MAX_M:
+        out = _native(entry, x2, packed, bias, weight)
+    else:
+        out = torch.cat([_native(entry, x2[i:i + PANEL_MAX_M], packed, bias, weight) for i in range(0, m, PANEL_MAX_M)])
+    return out.view(*x.shape[:-1], n)
 
 
 def _gemm_panels(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],

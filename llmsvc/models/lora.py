@@ -61,8 +61,9 @@ class LoRAManager:
             if isinstance(m, LinearBase) and ".layers." in f".{name}":
                 w = m.weight
                 width = len(model.shard_ids(name + ".weight")) * max_rank
-                m.lora = LoRALayer(self, torch.zeros(slots, width, w.shape[1], dtype=w.dtype, device=w.device),
-                                   torch.zeros(slots, w.shape[0], width, dtype=w.dtype, device=w.device))
+                device = "cpu" if w.is_meta else w.device  # meta: the layer multiplies GGUF blocks
+                m.lora = LoRALayer(self, torch.zeros(slots, width, w.shape[1], dtype=w.dtype, device=device),
+                                   torch.zeros(slots, w.shape[0], width, dtype=w.dtype, device=device))
                 self.layers[name] = m
         if hasattr(model, "model") and hasattr(model.model, "lora_manager"):
             model.model.lora_manager = self
@@ -117,7 +118,7 @@ class LoRAManager:
             else:  # B's rows go where the layer's weight rows for this shard go
                 padded = torch.zeros(b.shape[0], r_max, dtype=w.dtype)
                 padded[:, :r] = b
-                layer.weight_loader(lora_b[slot, :, cols], padded.to(w.device), shard_id)
+                layer.weight_loader(lora_b[slot, :, cols], padded.to(lora_b.device), shard_id)
             lora_a[slot, cols][:r] = a.to(w.dtype)
         layer.lora.loaded[slot] = True
         layer.lora.repack(slot)

@@ -54,6 +54,7 @@ class ParallelLMHead(GGUFBlocksMixin, VocabParallelEmbedding):
 
     def tie_weights(self, embed: VocabParallelEmbedding) -> None:
         self.weight = embed.weight
+        self.shares_weight = True
 
     def process_weights_after_loading(self) -> None:
         """Pre-pack the (possibly tied) weight, or its GGUF blocks, for the CPU GEMM; the

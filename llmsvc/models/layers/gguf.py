@@ -2,6 +2,9 @@
 
 llmsvc/models/gguf_blocks.py hands the blocks over after the checkpoint has loaded; the layer
 keeps them only until `packed_weight` is made from them (kernels/cpu_ops/gemm.c's int8 panels).
+Then its fp32 weight, which nothing multiplies any more, becomes a tensor on the meta device: the
+shape and dtype stay (LoRA, parameter counts read them), the memory goes. A weight another module
+uses too (an LM head tied to the embedding) stays.
 """
 from __future__ import annotations
 
@@ -30,9 +33,18 @@ class GGUFBlocksMixin:
         for dst, src in zip(self.gguf_blocks, (qweight, scale, offset)):
             self.weight_loader(dst, src, shard_id)
 
+    # set where `weight` is another module's too (ParallelLMHead.tie_weights): it stays
+    shares_weight: bool = False
+
     def pack_weight(self):
         """The packed weight for ops.linear: the GGUF blocks where they were loaded and the CPU
-        GEMM takes them, else the fp32 (or bf16) weight packed as usual; drops the blocks."""
+        GEMM takes them (the fp32 weight then moves to the meta device unless shared), else the
+        fp32 (or bf16) weight packed as usual; drops the blocks."""
         blocks, self.gguf_blocks = self.gguf_blocks, None
         packed = None if blocks is None else ops.pack_gguf_blocks(*blocks)
-        return packed if packed is not None else ops.pack_linear_weight(self.weight.data)
+        if packed is None:
+            return ops.pack_linear_weight(self.weight.data)
+        if not self.shares_weight:
+            w = self.weight
+            self.weight = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+        return packed
