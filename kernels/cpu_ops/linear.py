@@ -30,7 +30,8 @@ gemm_gguf.h): the fp32 panels' result on the dequantized weight, bit for bit, fr
 
 Every path packs B independently of the row count M of the input (MKL gets the call's own
 M as `prepack_batch_size`); the tests check M = 1 .. 1024 against F.linear. The packed copy
-lives beside the original weight (the embedding and checkpoint-shaped code keep using that).
+lives beside the original weight (the embedding and checkpoint-shaped code keep using that),
+except that a layer multiplying GGUF blocks drops its fp32 copy (llmsvc/models/layers/gguf.py).
 """
 from __future__ import annotations
 

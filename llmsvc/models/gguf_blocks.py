@@ -159,14 +159,20 @@ def _read_gguf(gguf_path: str, model_dir: str, head_dim: int) -> tuple[dict, dic
                 if len(shape) != 2 or not name.endswith(".weight"):
                     continue
                 t = tensors.get(names.get_name(name, try_suffixes=(".weight",)) or "")
-                kind = t.tensor_type.name if t is not None else "absent"
-                decoded = decode_blocks(kind, t.data, *shape) if t is not None else None
+                if t is None:
+                    counts["absent (fp32)"] += 1
+                    continue
+                kind = t.tensor_type.name
+                decoded = decode_blocks(kind, t.data, *shape)
+                why = "" if kind in BLOCKS else "type not kept"
                 if decoded is not None:
                     decoded = _matching_blocks(decoded, f.get_tensor(name).float(), head_dim)
-                    kind = kind if decoded is not None else "blocks differ from the checkpoint"
+                    why = "" if decoded is not None else "blocks differ from the checkpoint"
+                elif not why:
+                    why = "shape splits its blocks"
                 if decoded is not None:
                     blocks[name] = decoded
-                counts[kind] += 1
+                counts[kind if decoded is not None else f"{kind} (fp32: {why})"] += 1
     return blocks, dict(counts)
 
 
