@@ -76,12 +76,13 @@ def build_requests(task: str, tokenizer, vocab: list[int], count: int = 4) -> li
              {**sampling, "seed": i} if task == "story" else sampling) for i, c in enumerate(chats)]
 
 
-def run_case(model, dtype: str, spec: dict | None, requests, concurrency: int, max_tokens: int):
+def run_case(model, dtype: str, spec: dict | None, requests, concurrency: int, max_tokens: int,
+             quantization: str = "none"):
     """(out tok/s, outputs, spec stats): the task's requests (cycled up to `concurrency`) in waves
     of `concurrency` at once; tok/s counts the waves' time only."""
     from llmsvc import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, speculative_config=spec)
+    llm = LLM(model=model, dtype=dtype, speculative_config=spec, quantization=quantization)
     try:
         warm = SamplingParams(max_tokens=4, temperature=0.0)
         llm.generate([requests[0][0]], warm, use_tqdm=False)  # first-call costs out of the timing
@@ -105,6 +106,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default="none", choices=["none", "gguf"], help="as `llmsvc serve`'s")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
@@ -133,14 +135,14 @@ def main(argv=None) -> None:
             for r in range(args.repeats):
                 for case in (("off", "ngram") if r % 2 == 0 else ("ngram", "off")):
                     tps, outs[case], st = run_case(args.model, args.dtype, spec if case == "ngram" else None,
-                                                   requests, c, args.max_tokens)
+                                                   requests, c, args.max_tokens, args.quantization)
                     runs[case].append(tps)
                     stats = st if st is not None else stats
                     print(f"{task} c={c} repeat {r + 1}: {case}: {tps:.1f} out tok/s", flush=True)
             rows.append((task, c, runs, stats, outs["off"] == outs["ngram"],
                          sum(map(len, outs["off"])) / len(outs["off"])))
     cap = "" if args.disable_by_batch_size is None else f", disable_by_batch_size {args.disable_by_batch_size}"
-    print(f"\n{args.dtype}, ngram k={args.k} lookup {args.lookup[0]}-{args.lookup[1]}{cap}, {args.repeats} repeats, "
+    print(f"\n{args.dtype}, quantization {args.quantization}, ngram k={args.k} lookup {args.lookup[0]}-{args.lookup[1]}{cap}, {args.repeats} repeats, "
           f"max_tokens {args.max_tokens} (median, min-max out tok/s):")
     print("| task | concurrency | mean output tokens | no drafts | ngram | ratio | acceptance rate | "
           "mean acceptance length | same tokens |")
