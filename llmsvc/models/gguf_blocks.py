@@ -1,11 +1,11 @@
-"""GGUF Q4_0 / Q4_1 / Q8_0 weights kept as blocks for the CPU GEMM (`--quantization gguf`).
+"""A GGUF's block-quantized weights kept as blocks for the CPU GEMM (`--quantization gguf`).
 
 The model loads as always from the GGUF's derived fp32 checkpoint (resolve.py). This module
 then reads the same file's blocks of every linear weight (gguf-py's reader and its tensor-name
 map), checks that their dequantization equals that fp32 weight bit for bit, and hands each
 layer its share through the layer's own weight loader, so tensor parallelism slices the blocks
 as it slices the weight. The layers then multiply the blocks (kernels/cpu_ops/gemm.c,
-`llmsvc_gemm_q8`): the same products and sums as the fp32 path, from a quarter of the bytes.
+`llmsvc_gemm_q8`): the same products and sums as the fp32 path, from ~1/3 of the bytes.
 
 Kept: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (a scale, and an offset where the type has one, per 32
 weights), Q4_K and Q5_K (per 32-weight sub-block: the super-block's scale times the 6-bit
