@@ -12,7 +12,8 @@
  * lp: [L][LP_N] int64 addresses per layer, see LP_* below (qkv bias 0 = none; the o, gate_up
  * and down projections have no bias on this path). dtype 0 = fp32 (weights packed for
  * gemm.c), 1 = bf16 (packed for gemm_bf16.c). LP_GGUF: a bit per projection (1 << LP_QKV, ...)
- * whose weight is GGUF blocks for llmsvc_gemm_q8 (fp32 only). Stops at the first rejected call and returns -1.
+ * whose weight is GGUF blocks for llmsvc_gemm_q8 (fp32 only). Stops at the first rejected call
+ * and returns -1.
  * prof: NULL, or [2][PROF_N] doubles to which each kind of call adds its wall seconds (row 0)
  * and the calling thread's CPU seconds (row 1: unlike wall time, not inflated while another
  * process holds the core; the whole work with one thread). PROF_* below;

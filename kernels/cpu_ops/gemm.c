@@ -212,9 +212,11 @@ static int gemm_run(const void *a, int64_t lda, const void *packed, const float 
     const float *qm = quant ? qd + np * (K / bs) * NR : 0;
     nt = nt < 1 ? 1 : nt > MAX_NT ? MAX_NT : nt;
     float *apack = 0, *wide = 0;
-    if (PACK_A && M > 0 && !(apack = scratch(0, ((M < MC ? M : MC) + MR - 1) / MR * MR * K))) return -1;
+    const int64_t mc0 = M < MC ? M : MC; /* the first (largest) chunk's rows */
+    const int in_registers = quant && mc0 <= Q8_REG_MAX_M; /* GGUF blocks: no packed A, no buffer */
+    if (PACK_A && M > 0 && !in_registers && !(apack = scratch(0, (mc0 + MR - 1) / MR * MR * K))) return -1;
     /* the panel buffers only where a chunk has the row blocks do_panel widens into them for */
-    if ((quant || (esz == 2 && ((M < MC ? M : MC) + MR - 1) / MR >= WIDEN_MIN_BLOCKS))
+    if (((quant && !in_registers) || (esz == 2 && (mc0 + MR - 1) / MR >= WIDEN_MIN_BLOCKS))
         && !(wide = scratch(2, nt * K * NR)))
         return -1;
     const char *end = (const char *)packed + np * K * NR * wsz;

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 BLOCKS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
 SUPER = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # weights per stored block where not BLOCKS'
 FORMAT = 2  # of the kept blocks file: a file of another format (fewer types) is rebuilt
+PARTS = ("q", "scale", "offset")  # a kept tensor's entries, "<checkpoint name>:<part>"
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -176,38 +177,39 @@ def _read_gguf(gguf_path: str, model_dir: str, head_dim: int) -> tuple[dict, dic
     return blocks, dict(counts)
 
 
-def _format_of(path: str) -> int:
-    """The FORMAT a kept blocks file was written in (0: unreadable or older)."""
+def _read_kept(path: str) -> tuple[dict, dict] | None:
+    """A kept blocks file's (blocks, counts), or None where it is absent, unreadable or of
+    another FORMAT (then it is rebuilt)."""
     from safetensors import safe_open
 
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
-            return int((f.metadata() or {}).get("format", 0))
-    except Exception:  # noqa: BLE001 - a torn or foreign file is rebuilt
-        return 0
+            meta = f.metadata() or {}
+            if int(meta.get("format", 0)) != FORMAT:
+                return None
+            blocks: dict = {}
+            for key in f.keys():
+                name, _, part = key.rpartition(":")
+                blocks.setdefault(name, [None] * 3)[PARTS.index(part)] = f.get_tensor(key)
+            return {k: tuple(v) for k, v in blocks.items()}, json.loads(meta["counts"])
+    except Exception:  # noqa: BLE001 - absent, torn or foreign: rebuilt
+        return None
 
 
 def gguf_block_tensors(gguf_path: str, model_dir: str, head_dim: int) -> tuple[dict, dict]:
     """_read_gguf's result, kept beside the derived checkpoint (model_dir/gguf_blocks/, written
     once: gguf-py's reader takes seconds over a vocabulary, safetensors maps the blocks at once)."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     path = os.path.join(model_dir, "gguf_blocks", "blocks.safetensors")
-    if os.path.isfile(path) and _format_of(path) == FORMAT:
-        blocks: dict = {}
-        with safe_open(path, framework="pt", device="cpu") as f:
-            counts = json.loads(f.metadata()["counts"])
-            for key in f.keys():
-                name, _, part = key.rpartition(":")
-                blocks.setdefault(name, [None] * 3)[("q", "scale", "offset").index(part)] = f.get_tensor(key)
-        return {k: tuple(v) for k, v in blocks.items()}, counts
+    if (kept := _read_kept(path)) is not None:
+        return kept
     blocks, counts = _read_gguf(gguf_path, model_dir, head_dim)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
-        save_file({f"{name}:{part}": t.contiguous() for name, b in blocks.items()
-                   for part, t in zip(("q", "scale", "offset"), b)}, tmp, metadata={"counts": json.dumps(counts), "format": str(FORMAT)})
+        save_file({f"{name}:{part}": t.contiguous() for name, b in blocks.items() for part, t in zip(PARTS, b)},
+                  tmp, metadata={"counts": json.dumps(counts), "format": str(FORMAT)})
         os.replace(tmp, path)
     except OSError as e:  # a read-only cache: read the GGUF again next time
         logger.warning("could not keep the GGUF blocks in %s: %s", path, e)

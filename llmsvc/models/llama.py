@@ -29,6 +29,8 @@ from llmsvc.models.loader_names import ARCHITECTURES, layer_sliding_windows
 from llmsvc.models.parallel import get_tp_world_size
 from llmsvc.models.weights import load_checkpoint
 
+logger = logging.getLogger(__name__)
+
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): [num_blocks, block_size, Hkv_rank, D]
 
 
@@ -295,7 +297,7 @@ def build_model(model_config: ModelConfig, device: str | torch.device = "cpu", d
         model = cls(model_config.hf_config, torch_dtype, model_config.max_model_len)
     model.load_weights(model_config.model_dir)
     if model_config.quantization == "gguf" and torch.device(device).type != "cpu":
-        logging.getLogger(__name__).warning("quantization 'gguf': the GPU multiplies the dequantized weights")
+        logger.warning("quantization 'gguf': the GPU multiplies the dequantized weights")
     elif model_config.quantization == "gguf":
         from llmsvc.models.gguf_blocks import load_gguf_blocks
         from llmsvc.models.resolve import gguf_file

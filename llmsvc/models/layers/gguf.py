@@ -12,12 +12,15 @@ import torch
 
 from kernels import ops
 
+
 class GGUFBlocksMixin:
     """For layers with `weight` [N, K] and `weight_loader(param, loaded, shard_id)`."""
 
     # this rank's (q [N, K] int8, scale [N, K / bs] fp32, offset [N, K / bs] fp32), W = scale * q
     # + offset per bs (16 or 32) weights
     gguf_blocks: tuple | None = None
+    # set where `weight` is another module's too (ParallelLMHead.tie_weights): it stays
+    shares_weight: bool = False
 
     def load_gguf_blocks(self, shard_id, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
         """Copy this rank's share of one checkpoint tensor's blocks (the whole fused weight, or
@@ -32,9 +35,6 @@ class GGUFBlocksMixin:
             self.gguf_blocks = (torch.zeros(n, k, dtype=torch.int8), torch.zeros(n, k // bs), torch.zeros(n, k // bs))
         for dst, src in zip(self.gguf_blocks, (qweight, scale, offset)):
             self.weight_loader(dst, src, shard_id)
-
-    # set where `weight` is another module's too (ParallelLMHead.tie_weights): it stays
-    shares_weight: bool = False
 
     def pack_weight(self):
         """The packed weight for ops.linear: the GGUF blocks where they were loaded and the CPU
