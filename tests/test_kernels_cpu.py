@@ -7,6 +7,7 @@ cleaned copy. The packed GEMM is checked against F.linear for every batch size c
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -23,6 +24,19 @@ def test_native_kernels_build_here():
     # CI machines have a C compiler: the fast path must really be exercised, not skipped
     assert attention.available(), "kernels/cpu_ops failed to build (see the warning logged)"
     assert build.build() == build.build()  # second call: the cached library
+
+
+def test_build_pads_branches_where_the_assembler_takes_it(tmp_path):
+    # x86: GNU as keeps jumps off 32-byte boundaries (the JCC-erratum slowdown, build.py); an
+    # assembler that refuses a -Wa flag makes the build go without it, not fail
+    cc = build._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert build._ASFLAGS == ["-Wa,-mbranches-within-32B-boundaries"]
+        assert build._compiles(cc, build._CFLAGS + build._ASFLAGS, str(tmp_path))
+    assert build._compiles(cc, build._CFLAGS, str(tmp_path))
+    assert not build._compiles(cc, build._CFLAGS + ["-Wa,--no-such-assembler-flag"], str(tmp_path))
 
 
 def _check(batch: PagedBatch, dtype, threads=None):

@@ -36,6 +36,12 @@ _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # flips the whole process's FPU to flush-to-zero when the library loads.
 _CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall"]
 _LDFLAGS = ["-shared", "-fopenmp", "-lm"]
+# Skylake-family cores (Skylake-SP, Cascade Lake) under Intel's JCC-erratum microcode keep no
+# jump that crosses or ends on a 32-byte boundary in the uop cache: a GEMM k-loop whose jump
+# landed there ran from the legacy decoders, 25-30% slower, and which loop it hit moved with
+# any edit (gemm.c's 256 x 3072 x 576 panel GEMM, one Cascade Lake core: 9.0 against 7.0 ms).
+# GNU as pads branches off those boundaries; a build whose assembler refuses it goes without.
+_ASFLAGS = ["-Wa,-mbranches-within-32B-boundaries"] if platform.machine().lower() in ("x86_64", "amd64") else []
 
 # the `int dtype` argument of the entry points that take either storage type
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -109,13 +115,20 @@ def _cache_dir() -> Path:
     return Path(os.path.expanduser(root)) / "kernels"
 
 
+def _compiles(cc: str, cflags: list[str], tmp: str) -> bool:
+    """Whether cc with cflags compiles an empty function (the assembler takes every -Wa flag)."""
+    src = os.path.join(tmp, "probe.c")
+    Path(src).write_text("int llmsvc_probe(int x) { return x ? 1 : 2; }\n")
+    return subprocess.run([cc, *cflags, "-c", src, "-o", src + ".o"], capture_output=True).returncode == 0
+
+
 def build(force: bool = False) -> Path:
     """Compile (or find in the cache) the shared library; returns its path. Raises on failure."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc / gcc / $CC) found")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    cflags = _CFLAGS + os.environ.get("LLMSVC_CPU_CFLAGS", "").split()
+    cflags = _CFLAGS + _ASFLAGS + os.environ.get("LLMSVC_CPU_CFLAGS", "").split()
     key = hashlib.sha256("\0".join([*(p.read_text() for p in _SOURCES + _HEADERS), *cflags, *_LDFLAGS, *version, _cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     out = _cache_dir() / key / "libllmsvc_cpu.so"
@@ -125,6 +138,8 @@ def build(force: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objs = [os.path.join(tmp, p.stem + ".o") for p in _SOURCES]
         so = os.path.join(tmp, "k.so")
+        if _ASFLAGS and not _compiles(cc, cflags, tmp):
+            cflags = [f for f in cflags if f not in _ASFLAGS]
         cmds = [[cc, *cflags, "-c", str(p), "-o", o] for p, o in zip(_SOURCES, objs)]
         for cmd in cmds + [[cc, *objs, *_LDFLAGS, "-o", so]]:
             r = subprocess.run(cmd, capture_output=True, text=True)
