@@ -8,7 +8,7 @@ them; each round multiplies an [M, K] activation through all layers and the LM h
 the weights stream from DRAM as in a decode step. Prints ms per pass (best of the rounds)
 and the weight bytes per second for:
   ours     `kernels.ops.linear` on the engine's packed copy (gemm.c fp32 panels, gemm_bf16.c
-           bf16 VNNI panels on AMX or AVX512-BF16, bf16 panels widened to fp32 on AVX2 only;
+           bf16 VNNI panels on AMX or AVX512-BF16, bf16 panels widened to fp32 elsewhere;
            whatever `pack_linear_weight` chose on this CPU)
   library  MKL's packed sgemm (fp32) or oneDNN's packed matmul (bf16), the paths torch's
            inductor uses for frozen weights; left out where oneDNN has no bf16 (AVX2 only)

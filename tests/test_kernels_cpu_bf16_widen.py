@@ -1,10 +1,11 @@
-"""The bf16 GEMM of CPUs with AVX2 + FMA but neither AMX nor AVX512-BF16 (gemm.c's
-llmsvc_gemm_bf16_widen, behind gemm_bf16.c): bf16 operands in gemm.c's fp32 panel layout,
+"""The bf16 GEMM of CPUs with neither AMX nor AVX512-BF16 (gemm.c's llmsvc_gemm_bf16_widen,
+behind gemm_bf16.c; AVX2 + FMA or plain AVX-512F): bf16 operands in gemm.c's fp32 panel layout,
 widened to fp32 and rounded once. Its reference is gemm.c's fp32 entry on the widened operands,
 which it must equal bit for bit (then torch's round-to-nearest-even), and F.linear.
 
-On a CPU with AVX-512 the in-process library does not build this entry; the last test builds
-the library with -mno-avx512f in a fresh process, as an AVX2-only CPU would."""
+The in-process library builds this entry for the CPU it runs on (AVX-512: [K][48] panels, A
+widened by rows; AVX2: [K][16] sub-panels, A packed [K][6]); the last test builds the library
+with -mno-avx512f in a fresh process, as an AVX2-only CPU would."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,7 @@ from kernel_utils import TOL, run_avx2_build_probe
 def _widen_or_skip():
     lib = build.load()
     if lib is None or lib.llmsvc_gemm_bf16_widen_supported() != 1:
-        pytest.skip("this build has no widening bf16 GEMM (AVX-512, or no AVX2 + FMA)")
+        pytest.skip("this build has no widening bf16 GEMM (neither AVX-512F nor AVX2 + FMA)")
     return lib
 
 
@@ -35,9 +36,9 @@ def _fp32_then_round(x, w, b, lda_k):
     return out.bfloat16()
 
 
-# row blocks of 6 and tails, widened in registers (up to 7 blocks) or into a panel buffer (64:
-# 11 blocks; 300: chunks of 256 and 44 rows)
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 42, 64, 300])
+# row blocks of 6 (AVX2) or 8 (AVX-512) and tails, widened in registers (up to 7 blocks) or into
+# a panel buffer (64: 11 or 8 blocks; 300: chunks of 256 and 44 rows)
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 8, 42, 64, 300])
 @pytest.mark.parametrize("n,k", [(48, 64), (50, 35), (130, 33), (100, 576)])  # ragged panels, odd K
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("nt", [1, 3])

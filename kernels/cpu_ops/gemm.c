@@ -23,11 +23,12 @@
  * (K * 192 bytes) well inside L2 (K <= 4096). Built with AVX-512F or AVX2 + FMA; elsewhere
  * the entry point returns -1 and the caller uses its other GEMM.
  *
- * bf16 on AVX2 (llmsvc_gemm_bf16_widen, behind gemm_bf16.c where the CPU has neither AMX nor
- * AVX512-BF16): A, the panels (packed as above with bf16 elements, half the bytes to stream),
+ * bf16 without AMX or AVX512-BF16 (llmsvc_gemm_bf16_widen, behind gemm_bf16.c; AVX2 or plain
+ * AVX-512F): A, the panels (packed as above with bf16 elements, half the bytes to stream),
  * the bias and C are bf16. The micro-kernel widens each panel vector to fp32 as it loads it (a
  * zero-extend and a shift, beside the FMAs), or, for many row blocks, a thread widens the panel
- * once into its own buffer (WIDEN_MIN_BLOCKS); A is widened as it is packed, and the fp32
+ * once into its own buffer (WIDEN_MIN_BLOCKS); A is widened as it is packed (AVX2: [K][6]
+ * blocks; AVX-512: rows, read by the kernel as fp32 A), and the fp32
  * accumulators are rounded to bf16 once on the store: the same arithmetic as llmsvc_gemm_f32
  * on the widened operands, bit for bit, with one rounding as F.linear's bf16 GEMMs.
  *
@@ -79,6 +80,9 @@
 #endif
 #ifndef BF16_WIDEN
 #define BF16_WIDEN 0
+#endif
+#ifndef WIDEN_A_ROWS
+#define WIDEN_A_ROWS 0 /* bf16 A widened into apack as rows [mr][K] (kernels that read A by rows) */
 #endif
 /* bf16: row blocks per chunk from which a thread widens each panel once into its buffer and runs
  * the fp32-panel kernel, instead of widening every panel vector in registers in each row block
@@ -162,17 +166,25 @@ static void do_panel(void *ctx, int64_t p, int64_t pf_p) {
         const char *pf = pf_p < 0 ? 0 : g->packed + pf_p * bytes + i * g->share * 64;
         if (pf && pf + (int64_t)g->q * g->steps * 64 > g->end) pf = 0;
         const float *a = PACK_A ? g->apack + i * K * MR : (const float *)g->a + (g->m0 + m) * g->lda;
-        row_block((int)(g->mc - m < MR ? g->mc - m : MR), a, g->lda, panel, K,
+        int64_t lda = g->lda;
+        if (WIDEN_A_ROWS && g->esz == 2) a = g->apack + m * K, lda = K;
+        row_block((int)(g->mc - m < MR ? g->mc - m : MR), a, lda, panel, K,
                   g->c + ((g->m0 + m) * g->ldc + p * NR) * g->esz, g->ldc, nc,
                   g->bias ? g->bias + p * NR : 0, pf, g->q, bf);
     }
 }
 
 /* Row block i of the chunk into apack as [K][MR], widened from bf16 if need be (rows past the
- * chunk: zero) */
+ * chunk: zero); WIDEN_A_ROWS builds: bf16 rows widened as they are, [mr][K] at apack + i MR K */
 static void pack_block(const gemm_t *g, int64_t i) {
     const int64_t K = g->K, m = i * MR, mr = g->mc - m < MR ? g->mc - m : MR;
     float *dst = g->apack + i * K * MR;
+    if (WIDEN_A_ROWS) {
+        const uint16_t *src = (const uint16_t *)g->a + (g->m0 + m) * g->lda;
+        for (int64_t r = 0; r < mr; r++)
+            for (int64_t k = 0; k < K; k++) dst[r * K + k] = bf16_to_f32(src[r * g->lda + k]);
+        return;
+    }
     if (g->esz == 2) {
         const uint16_t *src = (const uint16_t *)g->a + (g->m0 + m) * g->lda;
         for (int64_t k = 0; k < K; k++)
@@ -214,7 +226,8 @@ static int gemm_run(const void *a, int64_t lda, const void *packed, const float 
     float *apack = 0, *wide = 0;
     const int64_t mc0 = M < MC ? M : MC; /* the first (largest) chunk's rows */
     const int in_registers = quant && mc0 <= Q8_REG_MAX_M; /* GGUF blocks: no packed A, no buffer */
-    if (PACK_A && M > 0 && !in_registers && !(apack = scratch(0, (mc0 + MR - 1) / MR * MR * K))) return -1;
+    const int pack_a = PACK_A ? !in_registers : WIDEN_A_ROWS && esz == 2;
+    if (pack_a && M > 0 && !(apack = scratch(0, (mc0 + MR - 1) / MR * MR * K))) return -1;
     /* the panel buffers only where a chunk has the row blocks do_panel widens into them for */
     if (((quant && !in_registers) || (esz == 2 && (mc0 + MR - 1) / MR >= WIDEN_MIN_BLOCKS))
         && !(wide = scratch(2, nt * K * NR)))
@@ -233,7 +246,7 @@ static int gemm_run(const void *a, int64_t lda, const void *packed, const float 
         _Pragma("omp parallel num_threads(nt) if (nt > 1 && np > 1)")
         {
             const int me = omp_get_thread_num(), team = omp_get_num_threads();
-            if (PACK_A && !(quant && g.mc <= Q8_REG_MAX_M)) {
+            if (pack_a) {
                 for (int64_t i = me; i < g.nb; i += team) pack_block(&g, i);
                 _Pragma("omp barrier")
             }

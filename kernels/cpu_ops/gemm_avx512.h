@@ -1,14 +1,32 @@
-/* gemm.c's AVX-512 micro-kernel: 8 x 48 with 24 zmm accumulators. Included by gemm.c only,
- * after its NR, MC and K_LOOP. */
+/* gemm.c's AVX-512 micro-kernel: 8 x 48 with 24 zmm accumulators, over a [K][48] panel of
+ * fp32 or (bf, the bf16 entry) of bf16 widened in registers, with C stored as fp32 or rounded
+ * to bf16. Included by gemm.c only, after its NR, MC and K_LOOP. */
 #include <immintrin.h>
 #define GEMM_F32 1
 #define MR 8 /* rows per micro-kernel */
+#define BF16_WIDEN 1 /* llmsvc_gemm_bf16_widen is built (taken where neither AMX nor AVX512-BF16 is) */
+#define WIDEN_A_ROWS 1 /* bf16 A: its rows widened into apack as [mr][K] fp32 (pack_block) */
+
+/* 16 bf16 at p (any alignment) -> 16 fp32, exact: zero-extend, shift into the high half */
+static inline __m512 bf16x16_to_f32(const void *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* dst[0:n] = src[0:n] widened to fp32 (exact); n % 16 == 0, dst 64-byte aligned */
+static void widen_panel(float *dst, const uint16_t *src, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) _mm512_store_ps(dst + i, bf16x16_to_f32(src + i));
+}
 
 #define FMA_ROWS(K_)                                                                      \
     do {                                                                                  \
-        const float *bk = b + (K_) * NR;                                                  \
-        const __m512 w0 = _mm512_load_ps(bk), w1 = _mm512_load_ps(bk + 16),               \
-                     w2 = _mm512_load_ps(bk + 32);                                        \
+        __m512 w0, w1, w2;                                                                \
+        if (bf & BF_B) {                                                                  \
+            const uint16_t *bk = (const uint16_t *)bv + (K_) * NR;                        \
+            w0 = bf16x16_to_f32(bk), w1 = bf16x16_to_f32(bk + 16), w2 = bf16x16_to_f32(bk + 32); \
+        } else {                                                                          \
+            const float *bk = (const float *)bv + (K_) * NR;                              \
+            w0 = _mm512_load_ps(bk), w1 = _mm512_load_ps(bk + 16), w2 = _mm512_load_ps(bk + 32); \
+        }                                                                                 \
         _Pragma("GCC unroll 8") for (int r = 0; r < mr; r++) {                            \
             const __m512 av = _mm512_set1_ps(a[r * lda + (K_)]);                          \
             acc[r][0] = _mm512_fmadd_ps(av, w0, acc[r][0]);                               \
@@ -27,13 +45,24 @@ static inline __mmask16 lane_mask(int nc, int lo) {
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
 }
 
+/* 16 fp32 -> 16 bf16 at dst, lanes in mask only: round to nearest even, NaN kept a quiet NaN
+ * (bf16.h's f32_to_bf16) */
+static inline void store_bf16x16(uint16_t *dst, __mmask16 mask, __m512 v) {
+    const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    const __m512i rne = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i h = _mm512_mask_or_epi32(rne, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm512_mask_cvtepi32_storeu_epi16(dst, mask, h); /* h <= 0xffff: the truncation keeps it */
+}
+
 /* c[0:mr, 0:nc] = a[0:mr, 0:K] @ b[0:K, 0:48] (+ bias[0:nc]); prefetches q lines of pf
- * (NULL: none) every 4 k */
+ * (NULL: none) every 4 k. b and c are fp32, or bf16 when bf (b widened exactly, each element of
+ * c rounded once). */
 static inline __attribute__((always_inline)) void kernel(
     const int mr, const float *a, int64_t lda, const void *bv, int64_t K, void *cv, int64_t ldc,
     int nc, const float *bias, const char *pf, int q, const int bf) {
-    (void)bf; /* fp32 only: no bf16 entry on AVX-512 (gemm_bf16.c has its own kernels) */
-    const float *b = (const float *)bv;
     float *c = (float *)cv;
     __m512 acc[MR][3];
     const __mmask16 m0 = lane_mask(nc, 0), m1 = lane_mask(nc, 16), m2 = lane_mask(nc, 32);
@@ -49,6 +78,15 @@ static inline __attribute__((always_inline)) void kernel(
         acc[r][2] = b2;
     }
     K_LOOP(pf);
+    if (bf & BF_C) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < mr; r++) {
+            uint16_t *cr = (uint16_t *)cv + r * ldc;
+            store_bf16x16(cr, m0, acc[r][0]);
+            store_bf16x16(cr + 16, m1, acc[r][1]);
+            store_bf16x16(cr + 32, m2, acc[r][2]);
+        }
+        return;
+    }
     _Pragma("GCC unroll 8") for (int r = 0; r < mr; r++) {
         _mm512_mask_storeu_ps(c + r * ldc, m0, acc[r][0]);
         _mm512_mask_storeu_ps(c + r * ldc + 16, m1, acc[r][1]);

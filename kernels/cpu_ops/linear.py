@@ -106,8 +106,8 @@ def _panels_ok() -> bool:
 @functools.cache
 def bf16_layout() -> str:
     """The bf16 weight layout gemm_bf16.c reads on this CPU: "vnni" (pack_amx, for AMX tiles or
-    AVX512-BF16 dot products), "panels" (pack_panels in bf16, widened to fp32 by gemm.c: AVX2 +
-    FMA without either) or "" (no native bf16 GEMM built)."""
+    AVX512-BF16 dot products), "panels" (pack_panels in bf16, widened to fp32 by gemm.c: AVX-512F
+    or AVX2 + FMA without either) or "" (no native bf16 GEMM built)."""
     lib = load()
     return {1: "vnni", 2: "panels"}.get(lib.llmsvc_gemm_bf16_layout() if lib is not None else 0, "")
 
