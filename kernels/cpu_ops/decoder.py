@@ -3,7 +3,8 @@
 The model hands over its per-layer weights once (`make_plan`); a step whose every GEMM
 would take the native packed kernels anyway (fp32 panels up to PANEL_MAX_M rows, bf16 panels
 up to `linear.bf16_max_m()`: AMX tiles, AVX512-BF16 dot products or, on AVX-512F or AVX2
-without either, panels widened to fp32) then runs all layers in one ctypes call instead of ~20 Python-level calls per layer.
+without either, panels widened to fp32) then runs all layers in one ctypes call instead of ~20
+Python-level calls per layer.
 The result is bit for bit the per-op path's (the same kernels with the same arguments), which
 is this op's reference: `tests/test_native_layers.py` checks it.
 """

@@ -175,7 +175,8 @@ static void do_panel(void *ctx, int64_t p, int64_t pf_p) {
 }
 
 /* Row block i of the chunk into apack as [K][MR], widened from bf16 if need be (rows past the
- * chunk: zero); WIDEN_A_ROWS builds: bf16 rows widened as they are, [mr][K] at apack + i MR K */
+ * chunk: zero); WIDEN_A_ROWS builds, which call it for bf16 A only: the rows widened as they
+ * are, [mr][K] at apack + i MR K */
 static void pack_block(const gemm_t *g, int64_t i) {
     const int64_t K = g->K, m = i * MR, mr = g->mc - m < MR ? g->mc - m : MR;
     float *dst = g->apack + i * K * MR;
