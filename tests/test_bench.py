@@ -126,13 +126,17 @@ def test_ceiling_from_parameter_counts(tmp_path):
 
 def test_ceiling_rate_is_that_of_the_arithmetic_the_cpu_engine_runs():
     # bf16 on a CPU without bf16 arithmetic computes in fp32 (gemm.c widens it): the ceiling
-    # is the fp32 rate there, not torch's slow bf16 fallback
-    import torch
-
+    # is the fp32 rate there, not that of torch's bf16, which oneDNN emulates on AVX-512
+    # without AVX512-BF16 and which is a slow fallback on AVX2
+    from kernels.cpu_ops import build, linear
     from llmsvc.bench.ceiling import arithmetic_dtype
     assert arithmetic_dtype("float32", "cpu") == "float32"
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert arithmetic_dtype("bfloat16", "cpu") == ("bfloat16" if native else "float32")
+    bf16_arithmetic = {"avx512_bf16", "amx_bf16"} & set(build._cpu_flags().split())
+    lib = build.load()
+    if lib is not None and lib.llmsvc_gemm_f32_supported() == 1 and not bf16_arithmetic:
+        assert linear.bf16_layout() == "panels" and arithmetic_dtype("bfloat16", "cpu") == "float32"
+    if linear.bf16_layout() == "vnni":
+        assert bf16_arithmetic and arithmetic_dtype("bfloat16", "cpu") == "bfloat16"
 
 
 def test_memory_floor_counts_weights_per_decode_step_and_every_kv_read(tmp_path):

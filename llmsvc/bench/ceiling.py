@@ -67,15 +67,21 @@ def _best_seconds(fn, sync, repeats: int) -> float:
 
 def arithmetic_dtype(dtype: str, device: str = "auto") -> str:
     """The dtype the engine's GEMMs compute in: `dtype`, except bf16 on a CPU without bf16
-    arithmetic (no AVX512-BF16 / AMX, where oneDNN has no bf16 either), whose packed GEMM widens
-    bf16 to fp32 (kernels/cpu_ops/gemm.c): there torch.mm in bf16 runs a slow fallback, and the
-    fp32 rate is the ceiling."""
+    arithmetic (no AVX512-BF16 / AMX), whose packed GEMM widens bf16 to fp32
+    (kernels/cpu_ops/gemm.c): there torch.mm in bf16 runs oneDNN's emulation (AVX-512) or a
+    slow fallback (AVX2), and the fp32 rate is the ceiling. Without our library: oneDNN's bf16
+    where it has one."""
     import torch
 
     dev, _ = bench_device(device)
-    if dtype == "bfloat16" and dev.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "float32"
-    return dtype
+    if dtype != "bfloat16" or dev.type != "cpu":
+        return dtype
+    from kernels.cpu_ops import linear
+
+    layout = linear.bf16_layout()  # "vnni": AMX / AVX512-BF16; "panels": widened to fp32
+    if layout:
+        return dtype if layout == "vnni" else "float32"
+    return dtype if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
 
 
 def gemm_flops(dtype: str = "float32", n: int = 4096, repeats: int = 3, device: str = "auto") -> float:
