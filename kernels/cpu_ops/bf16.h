@@ -28,4 +28,13 @@ static inline __m256 bf16x8_to_f32(const void *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 #endif
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 bf16 at p (any alignment) -> 16 fp32 in one widening load, exact */
+static inline __m512 bf16x16_to_f32(const void *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
 #endif

@@ -7,11 +7,6 @@
 #define BF16_WIDEN 1 /* llmsvc_gemm_bf16_widen is built (taken where neither AMX nor AVX512-BF16 is) */
 #define WIDEN_A_ROWS 1 /* bf16 A: its rows widened into apack as [mr][K] fp32 (pack_block) */
 
-/* 16 bf16 at p (any alignment) -> 16 fp32, exact: zero-extend, shift into the high half */
-static inline __m512 bf16x16_to_f32(const void *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 /* dst[0:n] = src[0:n] widened to fp32 (exact); n % 16 == 0, dst 64-byte aligned */
 static void widen_panel(float *dst, const uint16_t *src, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) _mm512_store_ps(dst + i, bf16x16_to_f32(src + i));

@@ -83,8 +83,7 @@ static inline void load_row(const void *p, int bf16, int64_t nc, v16 *dst) {
         for (int64_t c = 0; c < nc; c++) {
 #ifdef __AVX512F__ /* one widening load; GCC splits the generic conversion into 8-lane halves,
             * which costs time when K/V sit in cache (docs/cpu-kernels.md) */
-            const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + 16 * c)));
-            dst[c] = (v16)_mm512_slli_epi32(w, 16);
+            dst[c] = (v16)bf16x16_to_f32((const uint16_t *)p + 16 * c);
 #else
             v16u u = __builtin_convertvector(*(const v16h *)((const uint16_t *)p + 16 * c), v16u);
             dst[c] = (v16)(u << 16);
