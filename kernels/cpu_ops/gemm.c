@@ -247,7 +247,7 @@ static int gemm_run(const void *a, int64_t lda, const void *packed, const float 
         _Pragma("omp parallel num_threads(nt) if (nt > 1 && np > 1)")
         {
             const int me = omp_get_thread_num(), team = omp_get_num_threads();
-            if (pack_a) {
+            if (pack_a && !(quant && g.mc <= Q8_REG_MAX_M)) { /* a short last chunk of GGUF rows: registers */
                 for (int64_t i = me; i < g.nb; i += team) pack_block(&g, i);
                 _Pragma("omp barrier")
             }
