@@ -8,7 +8,8 @@ in the working tree, each into its own library with the engine's flags, loads bo
 shuffled order, K/V from DRAM) for a few step shapes, the two builds taking turns round by
 round. A slow phase of a shared machine (its memory bandwidth swings from minute to minute)
 hits both alike, which separate runs of `benchmarks.step_profile` cannot promise. Prints the
-min and median ms of a step's 30 calls and whether the two outputs are bit for bit equal.
+min and median ms of a step's 30 calls and whether the two outputs are bit for bit equal (if not,
+their largest difference).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ SHAPES = {  # name: [(context, query rows)] per sequence
     "decode 16 x ~200": [(200 + i % 8, 1) for i in range(16)],
     "prefill 1 x 256": [(256, 256)],
     "prefill 8 x 128": [(128, 128)] * 8,
+    "prefill 1 x 1024": [(1024, 1024)],
+    "chunk 256 after 768": [(1024, 256)],
 }
 _ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
              ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -83,9 +86,10 @@ def main(argv=None) -> None:
                         assert rc == 0, f"{tag}: rejected its arguments"
                     times[tag].append(time.perf_counter() - t0)
             same = all(torch.equal(x, y) for x, y in zip(*outs.values()))
+            diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(*outs.values()))
             cols = "   ".join(f"{tag}: min {1e3 * min(t[1:]):6.2f} median {1e3 * statistics.median(t[1:]):6.2f} ms"
                                for tag, t in times.items())
-            print(f"  {name:<18} {cols}   bit for bit: {'yes' if same else 'NO'}", flush=True)
+            print(f"  {name:<18} {cols}   bit for bit: {'yes' if same else f'no, max |diff| {diff:.2e}'}", flush=True)
 
 
 if __name__ == "__main__":

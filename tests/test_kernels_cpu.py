@@ -82,6 +82,20 @@ def test_prefill_chunks_and_mixed_batch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 4), (9, 3), (8, 2), (12, 2), (16, 2), (32, 2)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_tiles_at_every_gqa_ratio(dtype, hq, hkv, threads):
+    # on AVX-512 prefill tiles put a head's query vectors in lanes, 64 / G rows a tile (32 at
+    # most, 8 at least): G = 1 and 2 take 32 rows (2 and 4 registers of vectors), 3 and 4 take
+    # 16 (3 and 4), 6 and 8 take 8 (3 and 4); 16 (128 vectors) keeps a vector per row. Prompts
+    # of many tiles with a ragged last one, a chunk after a cached prefix, a decode, and one
+    # long prompt alone (few items: split per KV head)
+    seqs = [(150, 150), (300, 77), (40, 1), (33, 33)]
+    _check(PagedBatch(seqs, hq, hkv, 64, dtype=dtype, seed=hq * hkv), dtype, threads)
+    _check(PagedBatch([(70, 70)], hq, hkv, 128, dtype=dtype, seed=hq + hkv), dtype, threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 8, 32])
 def test_block_sizes(block_size, dtype):
     seqs = [(100, 20), (47, 1), (33, 16), (5, 5)]

@@ -3,12 +3,34 @@
  * as the keys go by). */
 #pragma once
 
+#if !P2_HALVES
+/* ac[g] += p(g, s) * v_s for keys s0 <= s < s1 (vr[s]: the row, off: the head's slice in it)
+ * and the group's vectors g < ga (of GA); p(g, s) = ps[g sa + s ss]. */
+static inline __attribute__((always_inline)) void p2_keys(
+    v16 *ac, const float *ps, const int64_t sa, int64_t ss, const char *const *vr, int64_t off, int64_t s0,
+    int64_t s1, const int64_t nc, const int64_t GA, const int64_t ga, const int bf16, pf_t *pf, int64_t pf_per) {
+    for (int64_t s = s0; s < s1; s++) {
+        pf_step(pf, pf_per);
+        v16 v[MAX_NC];
+        load_row(vr[s] + off, bf16, nc, v);
+#pragma GCC unroll 16
+        for (int64_t g = 0; g < GA; g++) {
+            const float p = g < ga ? ps[g * sa + s * ss] : 0.f;
+#pragma GCC unroll 16
+            for (int64_t c = 0; c < nc; c++) ac[g * nc + c] += p * v[c];
+        }
+    }
+}
+#endif
+
 /* Pass 2 of an item: acc[a] += sum_s p[a, s] * v_s, 16 keys at a time (their V rows stay in
  * L1 across heads), GA vectors of one head at a time with their accumulators in registers
- * across the 16 keys (GA * nc <= 24). */
+ * across the 16 keys (GA * nc <= 24). p of the head's vector j (a = hh * nqh + j) and key s
+ * at scores[hh * sh + j * sa + s * ss]: a row per vector (sa = sstride, ss = 1) or, after
+ * pass1_qlanes, a row per key (sa = 1, ss = LD). */
 static inline __attribute__((always_inline)) void pass2(
     const args_t *A, const int32_t *table, int64_t h0, int64_t nh, int64_t nqh, int64_t s_begin,
-    int64_t n_max, const int64_t nc, const int64_t GA, const float *scores, int64_t sstride, v16 *acc,
+    int64_t n_max, const int64_t nc, const int64_t GA, const float *scores, int64_t sh, int64_t sa, int64_t ss, v16 *acc,
     pf_t *pf, int64_t pf_per, const char **vrow) {
     const int64_t esz = A->bf16 ? 2 : 4, head_bytes = esz * 16 * nc, row_bytes = head_bytes * A->Hkv;
     const char *vbase = (const char *)A->v_cache;
@@ -18,6 +40,7 @@ static inline __attribute__((always_inline)) void pass2(
         for (int64_t hh = 0; hh < nh; hh++) {
             for (int64_t a0 = hh * nqh; a0 < (hh + 1) * nqh; a0 += GA) {
                 const int64_t ga = (hh + 1) * nqh - a0 < GA ? (hh + 1) * nqh - a0 : GA;
+                const float *ps = scores + hh * sh + (a0 - hh * nqh) * sa; /* p(a0 + g, s) = ps[g sa + s ss] */
 #if P2_HALVES
                 /* AVX2: GCC keeps an array of 64-byte vectors on the stack, a store and a reload
                  * per key; 8-lane halves with constant indexes stay in ymm. ah[g * 2nc + i]:
@@ -32,7 +55,7 @@ static inline __attribute__((always_inline)) void pass2(
                     const char *vr = vrow[s - s0] + (h0 + hh) * head_bytes;
 #pragma GCC unroll 4
                     for (int64_t g = 0; g < GA; g++) {
-                        const __m256 pv = _mm256_set1_ps(g < ga ? scores[(a0 + g) * sstride + s] : 0.f);
+                        const __m256 pv = _mm256_set1_ps(g < ga ? ps[g * sa + s * ss] : 0.f);
 #pragma GCC unroll 8
                         for (int64_t i = 0; i < 2 * nc; i++) {
                             const __m256 v = A->bf16 ? bf16x8_to_f32((const uint16_t *)vr + 8 * i)
@@ -47,17 +70,16 @@ static inline __attribute__((always_inline)) void pass2(
                 v16 ac[MAX_NC]; /* GA * nc <= 24, or nc alone (GA = 1) up to MAX_NC */
 #pragma GCC unroll 24
                 for (int64_t i = 0; i < GA * nc; i++) ac[i] = i < ga * nc ? acc[a0 * nc + i] : (v16){0};
-                for (int64_t s = s0; s < s1; s++) {
-                    pf_step(pf, pf_per);
-                    v16 v[MAX_NC];
-                    load_row(vrow[s - s0] + (h0 + hh) * head_bytes, A->bf16, nc, v);
-#pragma GCC unroll 16
-                    for (int64_t g = 0; g < GA; g++) {
-                        const float p = g < ga ? scores[(a0 + g) * sstride + s] : 0.f;
-#pragma GCC unroll 16
-                        for (int64_t c = 0; c < nc; c++) ac[g * nc + c] += p * v[c];
-                    }
-                }
+                const char *const *vr = vrow - s0;
+                const int64_t off = (h0 + hh) * head_bytes;
+                /* constants where they can be: a whole group, rows of fp32 or bf16, and p of
+                 * the group's vectors side by side (sa = 1) inline as immediates, with no test
+                 * per key (the generic form left GCC a branch per vector and per row) */
+                if (ga == GA && sa == 1 && !A->bf16) p2_keys(ac, ps, 1, ss, vr, off, s0, s1, nc, GA, GA, 0, pf, pf_per);
+                else if (ga == GA && sa == 1) p2_keys(ac, ps, 1, ss, vr, off, s0, s1, nc, GA, GA, 1, pf, pf_per);
+                else if (ga == GA && !A->bf16) p2_keys(ac, ps, sa, ss, vr, off, s0, s1, nc, GA, GA, 0, pf, pf_per);
+                else if (ga == GA) p2_keys(ac, ps, sa, ss, vr, off, s0, s1, nc, GA, GA, 1, pf, pf_per);
+                else p2_keys(ac, ps, sa, ss, vr, off, s0, s1, nc, GA, ga, A->bf16, pf, pf_per);
 #pragma GCC unroll 24
                 for (int64_t i = 0; i < GA * nc; i++)
                     if (i < ga * nc) acc[a0 * nc + i] = ac[i];

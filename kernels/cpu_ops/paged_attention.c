@@ -132,10 +132,13 @@ static inline int64_t item_first_key(const args_t *A, const item_t *it) {
 #include "attention_pass1.h"
 #include "attention_pass2.h"
 #include "attention_dp.h"
+#include "attention_qlanes.h"
 
 /* Heads [h0, h0 + nh) of one item; nx: the item this thread runs next, or NULL. ws: per-thread
- * fp32 workspace, nh*ROWS*G * (max_keys + 16) scores + 2 * nh*ROWS*G * D + 16 * nh * D. Each
- * cache row is streamed from memory once, front to back.
+ * fp32 workspace of ws_floats(nh, ...): nh * LD * (max_keys + 16) scores, nq * D query vectors
+ * and as many accumulators, 16 * nh * D for a group's K rows, and for pass1_qlanes nh * D * LD
+ * transposed queries and nq inverse sums (LD: nqh rounded up to 16). Each cache row is streamed
+ * from memory once, front to back.
  * Always inlined into run_item_<nc> below, so the common head sizes get constant trip counts. */
 static inline __attribute__((always_inline)) void run_heads(const args_t *A, const item_t *it, int64_t h0,
                                                             int64_t nh, const item_t *nx, float *ws,
@@ -147,14 +150,20 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     const int64_t n_max = item_keys(A, it); /* = first_lim + nrows - 1 */
     const int64_t s_begin = item_first_key(A, it), sstride = max_keys + 16; /* scores by key position */
     const int32_t *table = A->block_table + (int64_t)it->seq * A->bt_stride;
-    float *scores = ws;                              /* [nq, sstride], vector a = hh * nqh + r * G + g */
-    v16 *qv = (v16 *)(ws + nq * sstride);            /* [nq, nc] */
-    v16 *acc = qv + nq * nc;                         /* [nq, nc] */
-    v16 *kb = acc + nq * nc;                         /* [nh, 16 nc]: a group's K rows (or V pairs) */
-    const char *kbase = (const char *)A->k_cache, *vbase = (const char *)A->v_cache;
     /* bf16 dot products (AVX512-BF16, head_dim a multiple of 32) read q as stored; the other
      * passes take it widened and scaled in qv */
     const int dp = HAVE_DP && A->bf16 && nc % 2 == 0;
+    /* prefill tiles on AVX-512, unless bf16 takes attention_dp.h's tiles: query vectors in
+     * lanes (attention_qlanes.h) */
+    const int ql = HAVE_QLANES && !(HAVE_DP && A->bf16) && nq > QC && A->soft_cap <= 0.f && nqh <= 16 * QL_MAX_Z;
+    const int64_t LD = 16 * ((nqh + 15) / 16);
+    float *scores = ws;                              /* ql: [nh, sstride, LD]; else [nq, sstride], a = hh * nqh + r * G + g */
+    v16 *qv = (v16 *)(ws + (ql ? nh * LD : nq) * sstride); /* [nq, nc] */
+    v16 *acc = qv + nq * nc;                         /* [nq, nc] */
+    v16 *kb = acc + nq * nc;                         /* [nh, 16 nc]: a group's K rows (or V pairs) */
+    float *qt = (float *)(kb + nh * 16 * nc);        /* ql: [nh, D, LD] */
+    float *inv = qt + nh * D * LD;                   /* ql: [nq] */
+    const char *kbase = (const char *)A->k_cache, *vbase = (const char *)A->v_cache;
     for (int64_t a = 0; !dp && a < nq; a++) {
         const int64_t hh = a / nqh, r = (a % nqh) / G, g = a % G;
         const char *src = (const char *)A->q + esz * ((q0 + it->row0 + r) * A->q_stride + ((h0 + hh) * G + g) * D);
@@ -174,6 +183,11 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     } else if (nq <= QC && dp) {
         pass1_direct(A, it, h0, nh, table, qv, scores, sstride, s_begin, n_max, nc, 1, krow, knext, vnext);
     }
+#if HAVE_QLANES
+    else if (ql) {
+        pass1_qlanes(A, h0, nh, nqh, table, qv, kb, qt, scores, sstride, s_begin, n_max, nc, krow, knext, vnext);
+    }
+#endif
 #if HAVE_DP
     else if (dp) {
         pass1_transposed(A, it, h0, nh, table, qv, kb, scores, sstride, s_begin, n_max, nc, krow, knext, vnext);
@@ -206,7 +220,13 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
 #if HAVE_DP
     const int p_bf16 = nq > QC && A->bf16;
 #endif
-    for (int64_t a = 0; a < nq; a++) {
+#if HAVE_QLANES
+    if (ql) {
+        softmax_qlanes(A, nh, nqh, scores, sstride, s_begin, n_max, first_lim, inv);
+        for (int64_t i = 0; i < nq * nc; i++) acc[i] = (v16){0};
+    }
+#endif
+    for (int64_t a = 0; !ql && a < nq; a++) {
         const int64_t lim = first_lim + (a % nqh) / G;
         const int64_t lo = A->window > 0 && lim - A->window > 0 ? lim - A->window : 0;
         float *sc = scores + a * sstride;
@@ -254,14 +274,20 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
                      (__m512i *)kb, &pf, pf_per, vrow);
     } else
 #endif
-    if (P2_VECS == 16 && nc == 4 && nqh % 6 == 0)
-        pass2(A, table, h0, nh, nqh, s_begin, n_max, nc, 6, scores, sstride, acc, &pf, pf_per, vrow);
-    else
-        pass2(A, table, h0, nh, nqh, s_begin, n_max, nc, P2_VECS / nc > 0 ? P2_VECS / nc : 1, scores, sstride, acc,
-              &pf, pf_per, vrow);
+    {
+        /* p(vector j of head hh, key s): a row per key after pass1_qlanes, else a row per vector */
+        const int64_t sh = ql ? sstride * LD : nqh * sstride, sa = ql ? 1 : sstride, ss = ql ? LD : 1;
+        if (P2_VECS == 16 && nc == 4 && nqh % 6 == 0)
+            pass2(A, table, h0, nh, nqh, s_begin, n_max, nc, 6, scores, sh, sa, ss, acc, &pf, pf_per, vrow);
+        else
+            pass2(A, table, h0, nh, nqh, s_begin, n_max, nc, P2_VECS / nc > 0 ? P2_VECS / nc : 1, scores, sh, sa, ss,
+                  acc, &pf, pf_per, vrow);
+    }
     for (int64_t a = 0; a < nq; a++) {
         const int64_t hh = a / nqh, r = (a % nqh) / G, g = a % G;
         const int64_t dst = ((q0 + it->row0 + r) * A->Hq + (h0 + hh) * G + g) * D;
+        if (ql) /* pass1_qlanes left the weights unnormalised */
+            for (int64_t c = 0; c < nc; c++) acc[a * nc + c] *= inv[a];
         if (!A->bf16) {
             for (int64_t c = 0; c < nc; c++) *(v16 *)((float *)A->out + dst + 16 * c) = acc[a * nc + c];
         } else {
@@ -282,6 +308,12 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
 DEFINE_RUN_ITEM(run_item_4, 4)
 DEFINE_RUN_ITEM(run_item_8, 8)
 DEFINE_RUN_ITEM(run_item_any, A->D / 16)
+
+/* Floats of run_heads' workspace for nh heads of nqh query vectors each. */
+static int64_t ws_floats(int64_t nh, int64_t nqh, int64_t max_keys, int64_t D) {
+    const int64_t LD = 16 * ((nqh + 15) / 16);
+    return nh * (LD * (max_keys + 16 + D) + nqh * (2 * D + 1) + 16 * D);
+}
 
 /* How many bytes of the next item's K rows pf_t prefetches: 256 KB with 1 MB or more of L2 per
  * core (measured on the Intel and Zen 4 boxes). With 512 KB (Zen 3), which an item's own K/V
@@ -308,17 +340,26 @@ int llmsvc_paged_attention(int dtype /* 0 = f32, 1 = bf16 */, const void *q, int
     if (D <= 0 || D % 16 || D / 16 > MAX_NC || BS <= 0 || Hkv <= 0 || Hq % Hkv) return -1;
     const args_t A = {q, k_cache, v_cache, out, block_table, qsl, seq_lens,
                       q_stride, bt_stride, Hq, Hkv, D, BS, scale, soft_cap, window, dtype == 1, pf_bytes()};
+    /* query rows per prefill tile: ROWS, or with query vectors in lanes (attention_qlanes.h) up
+     * to 64 / G of them (at most 32): each K/V row a tile reads serves twice the vectors, and
+     * at G = 3 the 48 vectors fill three registers where 24 left a fourth of two empty */
+    const int64_t G = Hq / Hkv;
+    int64_t rows = ROWS;
+    if (HAVE_QLANES && !(HAVE_DP && dtype == 1) && soft_cap <= 0.f) {
+        const int64_t r = (16 * QL_MAX_Z / G) / 8 * 8;
+        rows = r > 32 ? 32 : r > ROWS ? r : ROWS;
+    }
     int64_t n_items = 0, max_keys = 1;
     for (int64_t i = 0; i < num_seqs; i++) {
         const int64_t q_len = qsl[i + 1] - qsl[i];
         if (q_len < 0 || q_len > seq_lens[i]) return -1;
-        n_items += (q_len + ROWS - 1) / ROWS;
+        n_items += (q_len + rows - 1) / rows;
         if (seq_lens[i] > max_keys) max_keys = seq_lens[i];
     }
     if (n_items == 0) return 0;
     /* per-head items: when there are too few items to keep every thread busy, or when an
      * all-heads workspace (scores for every head) would pass 16 MB per thread */
-    const int64_t all_heads_ws = ROWS * Hq * (max_keys + 16 + 2 * D);
+    const int64_t all_heads_ws = ws_floats(Hkv, rows * G, max_keys, D);
     const int per_head = Hkv > 1 && (n_items < 4 * (int64_t)num_threads || all_heads_ws > (4 << 20));
     if (per_head) n_items *= Hkv;
     item_t *items = (item_t *)malloc(sizeof(item_t) * n_items);
@@ -326,21 +367,20 @@ int llmsvc_paged_attention(int dtype /* 0 = f32, 1 = bf16 */, const void *q, int
     int64_t n = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
         const int64_t q_len = qsl[i + 1] - qsl[i];
-        for (int64_t r = 0; r < q_len; r += ROWS)
+        for (int64_t r = 0; r < q_len; r += rows)
             for (int64_t h = per_head ? 0 : -1; h < (per_head ? Hkv : 0); h++) {
-                item_t t = {(int32_t)i, (int32_t)r, (int32_t)(q_len - r < ROWS ? q_len - r : ROWS), (int32_t)h};
+                item_t t = {(int32_t)i, (int32_t)r, (int32_t)(q_len - r < rows ? q_len - r : rows), (int32_t)h};
                 items[n++] = t;
             }
     }
-    const size_t ws_floats = (size_t)(ROWS * Hq / (per_head ? Hkv : 1)) * (size_t)(max_keys + 16 + 2 * D) +
-                             (size_t)(16 * D * (per_head ? 1 : Hkv));
+    const size_t ws_size = (size_t)ws_floats(per_head ? 1 : Hkv, rows * G, max_keys, D);
     void (*fn)(const args_t *, const item_t *, const item_t *, float *, int64_t) =
         D == 64 ? run_item_4 : D == 128 ? run_item_8 : run_item_any;
     int rc = 0;
     int64_t claimed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *ws = (float *)aligned_alloc(64, ((ws_floats * sizeof(float)) + 63) & ~(size_t)63);
+        float *ws = (float *)aligned_alloc(64, ((ws_size * sizeof(float)) + 63) & ~(size_t)63);
         if (!ws) {
 #pragma omp atomic write
             rc = -1;
