@@ -22,9 +22,11 @@
  *   pass 1  scores[a, s] = scale * q_a . k_s, 16 keys at a time. Decodes (items of at most QC
  *           query vectors, pass1_direct; bf16 on AVX2, pass1_direct_avx2_bf16) read each K
  *           row where it is stored; prefill tiles
- *           copy the group's rows into a workspace first, widened (pass1_workspace) or, in
- *           bf16 on AVX512-BF16, transposed so 16 keys lie across a register for dot
- *           products (pass1_transposed, attention_dp.h). The next 16 K and V rows are
+ *           copy the group's rows into a workspace first, widened, and then on AVX-512 take
+ *           a head's query vectors across the lanes (pass1_qlanes, attention_qlanes.h; tiles
+ *           of up to 64 / G rows), without AVX-512 reduce partial sums (pass1_workspace); in
+ *           bf16 on AVX512-BF16 the rows are transposed so 16 keys lie across a register for
+ *           dot products (pass1_transposed, attention_dp.h). The next 16 K and V rows are
  *           prefetched, every cache line (block-table order defeats the hardware
  *           prefetcher), spread over this group's row loads: as one burst they stalled on
  *           full fill buffers;
@@ -35,7 +37,8 @@
  *           does, and take key pairs through dot products (pass2_dp, attention_dp.h).
  * Written with GCC/Clang vector extensions: 512-bit registers on AVX-512, split otherwise.
  * Files: this one (items, threads, softmax, the driver), attention_rows.h (row addresses,
- * prefetches), attention_pass1.h, attention_pass2.h, attention_dp.h (AVX512-BF16 tiles).
+ * prefetches), attention_pass1.h, attention_pass2.h, attention_dp.h (AVX512-BF16 tiles),
+ * attention_qlanes.h (AVX-512 prefill tiles, their softmax).
  */
 #include <math.h>
 #include <stdint.h>
