@@ -3,6 +3,14 @@
  * as the keys go by). */
 #pragma once
 
+/* Keys per pass-2 block: a group's accumulators are loaded and stored once a block, and the
+ * block's V rows of one head (64 x 256 B at head_dim 64, fp32) stay in L1 across its groups */
+#if !P2_HALVES
+#define P2_KEYS 64
+#else
+#define P2_KEYS 16
+#endif
+
 #if !P2_HALVES
 /* ac[g] += p(g, s) * v_s for keys s0 <= s < s1 (vr[s]: the row, off: the head's slice in it)
  * and the group's vectors g < ga (of GA); p(g, s) = ps[g sa + s ss]. */
@@ -23,9 +31,9 @@ static inline __attribute__((always_inline)) void p2_keys(
 }
 #endif
 
-/* Pass 2 of an item: acc[a] += sum_s p[a, s] * v_s, 16 keys at a time (their V rows stay in
- * L1 across heads), GA vectors of one head at a time with their accumulators in registers
- * across the 16 keys (GA * nc <= 24). p of the head's vector j (a = hh * nqh + j) and key s
+/* Pass 2 of an item: acc[a] += sum_s p[a, s] * v_s, P2_KEYS keys at a time (a head's V rows
+ * of the block stay in L1 across its groups), GA vectors of one head at a time with their
+ * accumulators in registers across the block (GA * nc <= 24). p of the head's vector j (a = hh * nqh + j) and key s
  * at scores[hh * sh + j * sa + s * ss]: a row per vector (sa = sstride, ss = 1) or, after
  * pass1_qlanes, a row per key (sa = 1, ss = LD). */
 static inline __attribute__((always_inline)) void pass2(
@@ -34,8 +42,8 @@ static inline __attribute__((always_inline)) void pass2(
     pf_t *pf, int64_t pf_per, const char **vrow) {
     const int64_t esz = A->bf16 ? 2 : 4, head_bytes = esz * 16 * nc, row_bytes = head_bytes * A->Hkv;
     const char *vbase = (const char *)A->v_cache;
-    for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
-        const int64_t s1 = n_max - s0 < 16 ? n_max : s0 + 16;
+    for (int64_t s0 = s_begin; s0 < n_max; s0 += P2_KEYS) {
+        const int64_t s1 = n_max - s0 < P2_KEYS ? n_max : s0 + P2_KEYS;
         row_ptrs(vbase, table, A->BS, row_bytes, s0, s1 - s0, vrow);
         for (int64_t hh = 0; hh < nh; hh++) {
             for (int64_t a0 = hh * nqh; a0 < (hh + 1) * nqh; a0 += GA) {

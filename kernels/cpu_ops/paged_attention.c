@@ -175,7 +175,7 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     }
     /* pass 1 */
     const int64_t row_bytes = esz * row_stride, head_bytes = esz * D;
-    const char *krow[16], *vrow[16], *knext[16], *vnext[16];
+    const char *krow[16], *vrow[P2_KEYS], *knext[16], *vnext[16]; /* vrow: pass 2's block */
 #if P2_HALVES
     if (nq <= QC && nc <= 4 && A->bf16) {
         pass1_direct_avx2_bf16(A, it, h0, nh, table, qv, scores, sstride, s_begin, n_max, nc, krow, knext, vnext);
