@@ -120,10 +120,28 @@ static inline __attribute__((always_inline)) void pass1_direct_avx2_bf16(
 }
 #endif
 
+/* The group of up to 16 keys at s0 into the workspace kb [nh][16][D] fp32 (widened from
+ * bf16; zeros past the item's last key), front to back, every head of a row in turn, so memory
+ * sees one sequential stream per block rather than nh strided ones; the next group's rows are
+ * prefetched as these are loaded. */
+static inline __attribute__((always_inline)) void copy_group(
+    const args_t *A, const int32_t *table, int64_t row_bytes, int64_t head_bytes, int64_t s0, int64_t n_max,
+    int64_t h0, int64_t nh, v16 *kb, const int64_t nc, const char **krow, const char **knext, const char **vnext) {
+    int64_t nn;
+    const int64_t kn = group_rows(A, table, row_bytes, s0, n_max, krow, knext, vnext, &nn);
+    for (int64_t j = 0; j < 16; j++) {
+        for (int64_t hh = 0; hh < nh; hh++) {
+            v16 *dst = kb + (hh * 16 + j) * nc;
+            if (j < kn) load_row(krow[j] + (h0 + hh) * head_bytes, A->bf16, nc, dst);
+            else for (int64_t c = 0; c < nc; c++) dst[c] = (v16){0};
+        }
+        if (j < nn) prefetch_next_row(knext, vnext, j, h0, nh, head_bytes); /* spread over the loads */
+    }
+}
+
 /* Pass 1 of a prefill item (more than QC query vectors), fp32 or bf16 without AVX512-BF16:
- * the group's 16 K rows are copied (widened) into the workspace kb front to back, every head
- * of a row in turn, so memory sees one sequential stream per block rather than nh strided
- * ones; each key then gives a vector of 16 partial sums per query vector, and reduce16 turns
+ * the group's 16 K rows are copied (widened) into the workspace kb (copy_group); each key
+ * then gives a vector of 16 partial sums per query vector, and reduce16 turns
  * 16 such vectors into the 16 scores. qv: q already scaled. */
 static inline __attribute__((always_inline)) void pass1_workspace(
     const args_t *A, int64_t h0, int64_t nh, int64_t nqh, const int32_t *table, const v16 *qv, v16 *kb,
@@ -132,16 +150,7 @@ static inline __attribute__((always_inline)) void pass1_workspace(
     const int64_t esz = A->bf16 ? 2 : 4, head_bytes = esz * 16 * nc, row_bytes = head_bytes * A->Hkv;
     for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
         v16 part[16];
-        int64_t nn;
-        const int64_t kn = group_rows(A, table, row_bytes, s0, n_max, krow, knext, vnext, &nn);
-        for (int64_t j = 0; j < 16; j++) {
-            for (int64_t hh = 0; hh < nh; hh++) {
-                v16 *dst = kb + (hh * 16 + j) * nc;
-                if (j < kn) load_row(krow[j] + (h0 + hh) * head_bytes, A->bf16, nc, dst);
-                else for (int64_t c = 0; c < nc; c++) dst[c] = (v16){0};
-            }
-            if (j < nn) prefetch_next_row(knext, vnext, j, h0, nh, head_bytes); /* spread over the loads */
-        }
+        copy_group(A, table, row_bytes, head_bytes, s0, n_max, h0, nh, kb, nc, krow, knext, vnext);
         for (int64_t hh = 0; hh < nh; hh++) {
             const v16 *k = kb + hh * 16 * nc;
             for (int64_t a = hh * nqh; a < (hh + 1) * nqh; a++) {

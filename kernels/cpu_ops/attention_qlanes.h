@@ -8,7 +8,7 @@
  *                     lanes, the lanes past nqh zero
  *   st [keys][LD]     scores, key s of vector j at st[s * LD + j]
  * per key block: st[s] = sum_d k_s[d] * qt[d], a broadcast of k_s[d] (from the group's rows,
- * copied to the workspace kb as pass1_workspace copies them, widened in bf16) against QZ
+ * copied to the workspace kb by attention_pass1.h's copy_group, widened in bf16) against QZ
  * loads, KB x QZ accumulators in registers. Per d: QZ + KB loads for KB x QZ FMAs.
  * The softmax then runs down the keys with every vector of the head in the lanes (a vector
  * max and sum, its causal limit a lane compare), leaving e^(s - max) unnormalised and
@@ -72,16 +72,7 @@ static inline __attribute__((always_inline)) void pass1_qlanes(
         }
     }
     for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
-        int64_t nn;
-        const int64_t kn = group_rows(A, table, row_bytes, s0, n_max, krow, knext, vnext, &nn);
-        for (int64_t j = 0; j < 16; j++) {
-            for (int64_t hh = 0; hh < nh; hh++) {
-                v16 *dst = kb + (hh * 16 + j) * nc;
-                if (j < kn) load_row(krow[j] + (h0 + hh) * head_bytes, A->bf16, nc, dst);
-                else for (int64_t c = 0; c < nc; c++) dst[c] = (v16){0};
-            }
-            if (j < nn) prefetch_next_row(knext, vnext, j, h0, nh, head_bytes); /* spread over the loads */
-        }
+        copy_group(A, table, row_bytes, head_bytes, s0, n_max, h0, nh, kb, nc, krow, knext, vnext);
         for (int64_t hh = 0; hh < nh; hh++) {
             const float *kp = (const float *)(kb + hh * 16 * nc), *t = qt + hh * D * LD;
             float *s = st + (hh * sstride + s0) * LD;
