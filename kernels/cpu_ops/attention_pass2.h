@@ -33,9 +33,9 @@ static inline __attribute__((always_inline)) void p2_keys(
 
 /* Pass 2 of an item: acc[a] += sum_s p[a, s] * v_s, P2_KEYS keys at a time (a head's V rows
  * of the block stay in L1 across its groups), GA vectors of one head at a time with their
- * accumulators in registers across the block (GA * nc <= 24). p of the head's vector j (a = hh * nqh + j) and key s
- * at scores[hh * sh + j * sa + s * ss]: a row per vector (sa = sstride, ss = 1) or, after
- * pass1_qlanes, a row per key (sa = 1, ss = LD). */
+ * accumulators in registers across the block (GA * nc <= 24). p of the head's vector j
+ * (a = hh * nqh + j) and key s at scores[hh * sh + j * sa + s * ss]: a row per vector
+ * (sa = sstride, ss = 1) or, after pass1_qlanes, a row per key (sa = 1, ss = LD). */
 static inline __attribute__((always_inline)) void pass2(
     const args_t *A, const int32_t *table, int64_t h0, int64_t nh, int64_t nqh, int64_t s_begin,
     int64_t n_max, const int64_t nc, const int64_t GA, const float *scores, int64_t sh, int64_t sa, int64_t ss, v16 *acc,
