@@ -96,7 +96,7 @@ def test_prefill_tiles_at_every_gqa_ratio(dtype, hq, hkv, threads):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [16, 8, 32])
+@pytest.mark.parametrize("block_size", [16, 8, 32, 4])
 def test_block_sizes(block_size, dtype):
     seqs = [(100, 20), (47, 1), (33, 16), (5, 5)]
     _check(PagedBatch(seqs, 6, 2, 64, block_size=block_size, dtype=dtype, seed=4), dtype)
