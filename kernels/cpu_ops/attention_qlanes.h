@@ -21,6 +21,11 @@
 #define HAVE_QLANES 1
 #define QL_MAX_Z 4 /* zmm of query vectors per head: nqh <= 64 (8-row tiles up to G = 8) */
 
+/* Whether a call's prefill tiles may take this path: bf16 on AVX512-BF16 keeps the dot-product
+ * tiles of attention_dp.h, and a logit soft cap the per-vector softmax. The call sizes its
+ * tiles by it (llmsvc_paged_attention), each item then checks its own vector count. */
+static inline int qlanes_allowed(int bf16, float soft_cap) { return !(HAVE_DP && bf16) && soft_cap <= 0.f; }
+
 /* st[s0 + k0 + kk] for kk < KB from the group's rows kp ([16][D] fp32) and qt; QZ, KB, D
  * constants after inlining: the KB x QZ accumulators stay in registers. */
 static inline __attribute__((always_inline)) void ql_block(const float *kp, const float *qt, float *st,
@@ -153,4 +158,5 @@ static inline void softmax_qlanes(const args_t *A, int64_t nh, int64_t nqh, floa
 #else
 #define HAVE_QLANES 0
 #define QL_MAX_Z 4
+static inline int qlanes_allowed(int bf16, float soft_cap) { return (void)bf16, (void)soft_cap, 0; }
 #endif

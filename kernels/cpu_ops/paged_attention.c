@@ -158,7 +158,7 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     const int dp = HAVE_DP && A->bf16 && nc % 2 == 0;
     /* prefill tiles on AVX-512, unless bf16 takes attention_dp.h's tiles: query vectors in
      * lanes (attention_qlanes.h) */
-    const int ql = HAVE_QLANES && !(HAVE_DP && A->bf16) && nq > QC && A->soft_cap <= 0.f && nqh <= 16 * QL_MAX_Z;
+    const int ql = qlanes_allowed(A->bf16, A->soft_cap) && nq > QC && nqh <= 16 * QL_MAX_Z;
     const int64_t LD = 16 * ((nqh + 15) / 16);
     float *scores = ws;                              /* ql: [nh, sstride, LD]; else [nq, sstride], a = hh * nqh + r * G + g */
     v16 *qv = (v16 *)(ws + (ql ? nh * LD : nq) * sstride); /* [nq, nc] */
@@ -348,7 +348,7 @@ int llmsvc_paged_attention(int dtype /* 0 = f32, 1 = bf16 */, const void *q, int
      * at G = 3 the 48 vectors fill three registers where 24 left a fourth of two empty */
     const int64_t G = Hq / Hkv;
     int64_t rows = ROWS;
-    if (HAVE_QLANES && !(HAVE_DP && dtype == 1) && soft_cap <= 0.f) {
+    if (qlanes_allowed(dtype == 1, soft_cap)) {
         const int64_t r = (16 * QL_MAX_Z / G) / 8 * 8;
         rows = r > 32 ? 32 : r > ROWS ? r : ROWS;
     }
