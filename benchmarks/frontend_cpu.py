@@ -6,7 +6,8 @@ process and each of its threads spent during the run: the engine-core process, t
 end (event loop = its main thread, the engine thread, gRPC's threads) and this client. On a
 loaded machine CPU-seconds move far less than wall times, which is why they are the measure.
 
-    .venv/bin/python -m benchmarks.frontend_cpu --workload W1 --dtype bfloat16 [--repeat 3]
+    .venv/bin/python -m benchmarks.frontend_cpu [MODEL] --workload W1 --dtype bfloat16 [--repeat 3] \
+        [-- SERVE_FLAGS]
 """
 from __future__ import annotations
 
@@ -92,8 +93,8 @@ def run_once(a, prompts, output_len: int) -> dict:
     from llmsvc.bench.server_proc import free_port, stop_server, wait_serving
 
     port = free_port()
-    cmd = [sys.executable, "-m", "llmsvc", "serve", "--dtype", a.dtype, "--engine-core", a.engine_core,
-           "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "llmsvc", "serve", *([a.model] if a.model else []), "--dtype", a.dtype,
+           "--engine-core", a.engine_core, "--host", "127.0.0.1", "--port", str(port), *a.serve_args]
     server = subprocess.Popen(cmd, env=dict(os.environ), stderr=subprocess.DEVNULL)
     target = f"127.0.0.1:{port}"
     try:
@@ -102,6 +103,8 @@ def run_once(a, prompts, output_len: int) -> dict:
         for kid in children(server.pid):
             if _comm(f"/proc/{kid}/comm").startswith("llmsvc-core"):
                 procs["engine core"] = kid
+                for i, worker in enumerate(children(kid)):  # multiproc / tp executors' workers
+                    procs[f"model worker {i}"] = worker
         procs["bench client"] = os.getpid()
         spies = [_py_spy(a.py_spy, name, pid) for name, pid in procs.items()
                  if a.py_spy and name != "engine core"]
@@ -120,13 +123,17 @@ def run_once(a, prompts, output_len: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model", nargs="?", default=None, help="model directory or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--workload", default="W1")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--engine-core", default="process", choices=["process", "inline"])
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--py-spy", default=None, metavar="DIR",
                    help="also sample the front end and the client with py-spy into DIR (collapsed stacks)")
-    a = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)  # after --: more `llmsvc serve` flags
+    a = p.parse_args(argv[:cut])
+    a.serve_args = argv[cut + 1:]
     from transformers import AutoTokenizer
 
     from llmsvc.bench.workloads import build_prompts, get_workload, ordinary_vocab
@@ -134,7 +141,7 @@ def main(argv=None) -> int:
     from llmsvc.models.resolve import resolve_model_config
 
     w = get_workload(a.workload)
-    mc = resolve_model_config(ModelConfig(model=None))
+    mc = resolve_model_config(ModelConfig(model=a.model))
     prompts = build_prompts(w, ordinary_vocab(AutoTokenizer.from_pretrained(mc.model_dir)))
     for _ in range(a.repeat):
         r = run_once(a, prompts, w.output_len)

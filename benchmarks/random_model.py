@@ -5,7 +5,7 @@ every step is the real model's, so it stands in for the model where its weights 
 
     .venv/bin/python -m benchmarks.random_model OUT_DIR [--model MODEL] [--dtype float32]
 
-MODEL is a Hugging Face directory or a .gguf file (default: SmolLM2-135M-Instruct's GGUF,
+MODEL is a Hugging Face directory (its weights may be missing) or a .gguf file (default: SmolLM2-135M-Instruct's GGUF,
 converted once as `llmsvc serve` does).
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ def write_random_model(model: str | None, out_dir: str, dtype: str = "float32", 
 
     from llmsvc.models.resolve import resolve_model_dir
 
-    src = resolve_model_dir(model)
+    # a directory with a config and no weights (a model's config and tokenizer files) will do
+    src = model if model and os.path.isfile(os.path.join(model, "config.json")) else resolve_model_dir(model)
     config = transformers.AutoConfig.from_pretrained(src)
     torch.manual_seed(seed)
     m = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))

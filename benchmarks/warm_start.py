@@ -32,7 +32,8 @@ def start_once(cwd: str, serve_args: list[str], timeout: float = 300.0) -> tuple
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": cwd}
+    # the checkout first; what PYTHONPATH held already (packages installed beside it) after it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH")) if p)}
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "llmsvc", "serve", *serve_args, "--port", str(port)],
                             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
