@@ -40,6 +40,22 @@ static inline __attribute__((always_inline)) void prefetch_next_row(
     }
 }
 
+/* How many bytes of the next item's K rows pf_t prefetches: 256 KB with 1 MB or more of L2 per
+ * core (measured on the Intel and Zen 4 boxes). With 512 KB (Zen 3), which an item's own K/V
+ * (~200 keys x 3 heads: 300 KB in fp32) mostly fills, that much evicted the item's V rows
+ * before pass 2 read them: 16 KB made 64-sequence decodes 5-14% faster there, fp32 and bf16,
+ * with 0 and 64 KB within 2% of 16 KB (benchmarks.attention_ab, docs/cpu-kernels.md). */
+static int64_t pf_bytes(void) {
+    static int64_t cached; /* 0: not asked yet; every thread computes the same value */
+    int64_t v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v == 0) {
+        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE); /* per core; 0 or -1 when unknown */
+        v = l2 > 0 && l2 < (1l << 20) ? 16 << 10 : 256 << 10;
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
 /* The item a thread runs next, prefetched into L2 while this item's softmax and pass 2 run
  * from cache: its K rows (up to pf_bytes() of them), then its first 16 V rows, a few lines per
  * pass-2 key, walking its block table incrementally (no division per line). Pass 1 then reads
@@ -81,4 +97,21 @@ static inline void pf_step(pf_t *pf, int64_t count) {
             pf->row = pf->base + (int64_t)pf->table[++pf->blk] * pf->bs * pf->row_bytes;
         }
     }
+}
+
+/* Sets pf up for item nx (the next this thread runs): its K rows first, at most A->pf_bytes of
+ * them, then its first 16 V rows. Returns the cache lines pf will touch. */
+static inline int64_t pf_plan(const args_t *A, const item_t *nx, int64_t row_bytes, int64_t head_bytes, pf_t *pf) {
+    const int64_t nfirst = item_first_key(A, nx), nkeys = item_keys(A, nx) - nfirst;
+    pf->table = A->block_table + (int64_t)nx->seq * A->bt_stride;
+    pf->bs = A->BS;
+    pf->row_bytes = row_bytes;
+    pf->off = nx->head >= 0 ? nx->head * head_bytes : 0;
+    pf->lines = ((nx->head >= 0 ? head_bytes : row_bytes) + 63) / 64;
+    const int64_t cap = A->pf_bytes / (64 * pf->lines), krows = nkeys < cap ? nkeys : cap;
+    pf->vbase = (const char *)A->v_cache;
+    pf->first = nfirst;
+    pf->vrows = nkeys < 16 ? nkeys : 16;
+    if (krows > 0) pf_seek(pf, (const char *)A->k_cache, nfirst, krows);
+    return (krows + pf->vrows) * pf->lines;
 }

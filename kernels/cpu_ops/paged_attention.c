@@ -36,9 +36,9 @@
  *           prefill tiles on AVX512-BF16 round p to bf16, as torch's CPU flash attention
  *           does, and take key pairs through dot products (pass2_dp, attention_dp.h).
  * Written with GCC/Clang vector extensions: 512-bit registers on AVX-512, split otherwise.
- * Files: this one (items, threads, softmax, the driver), attention_rows.h (row addresses,
- * prefetches), attention_pass1.h, attention_pass2.h, attention_dp.h (AVX512-BF16 tiles),
- * attention_qlanes.h (AVX-512 prefill tiles, their softmax).
+ * Files: this one (items, threads, the driver), attention_rows.h (row addresses,
+ * prefetches), attention_pass1.h, attention_softmax.h, attention_pass2.h, attention_dp.h
+ * (AVX512-BF16 tiles), attention_qlanes.h (AVX-512 prefill tiles, their softmax).
  */
 #include <math.h>
 #include <stdint.h>
@@ -136,6 +136,7 @@ static inline int64_t item_first_key(const args_t *A, const item_t *it) {
 #include "attention_pass2.h"
 #include "attention_dp.h"
 #include "attention_qlanes.h"
+#include "attention_softmax.h"
 
 /* Heads [h0, h0 + nh) of one item; nx: the item this thread runs next, or NULL. ws: per-thread
  * fp32 workspace of ws_floats(nh, ...): nh * LD * (max_keys + 16) scores, nq * D query vectors
@@ -166,7 +167,6 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     v16 *kb = acc + nq * nc;                         /* [nh, 16 nc]: a group's K rows (or V pairs) */
     float *qt = (float *)(kb + nh * 16 * nc);        /* ql: [nh, D, LD] */
     float *inv = qt + nh * D * LD;                   /* ql: [nq] */
-    const char *kbase = (const char *)A->k_cache, *vbase = (const char *)A->v_cache;
     for (int64_t a = 0; !dp && a < nq; a++) {
         const int64_t hh = a / nqh, r = (a % nqh) / G, g = a % G;
         const char *src = (const char *)A->q + esz * ((q0 + it->row0 + r) * A->q_stride + ((h0 + hh) * G + g) * D);
@@ -200,72 +200,20 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
         pass1_workspace(A, h0, nh, nqh, table, qv, kb, scores, sstride, s_begin, n_max, nc, krow, knext, vnext);
     }
     pf_t pf = {.left = 0, .vrows = 0};
-    int64_t pf_lines = 0;
-    if (nx && (nx->seq != it->seq || nx->head != it->head)) { /* else: rows this item just read */
-        const int64_t nfirst = item_first_key(A, nx), nkeys = item_keys(A, nx) - nfirst;
-        pf.table = A->block_table + (int64_t)nx->seq * A->bt_stride;
-        pf.bs = A->BS;
-        pf.row_bytes = row_bytes;
-        pf.off = nx->head >= 0 ? nx->head * head_bytes : 0;
-        pf.lines = ((nx->head >= 0 ? head_bytes : row_bytes) + 63) / 64;
-        const int64_t cap = A->pf_bytes / (64 * pf.lines), krows = nkeys < cap ? nkeys : cap;
-        pf.vbase = vbase;
-        pf.first = nfirst;
-        pf.vrows = nkeys < 16 ? nkeys : 16;
-        pf_lines = (krows + pf.vrows) * pf.lines;
-        if (krows > 0) pf_seek(&pf, kbase, nfirst, krows);
-    }
+    const int64_t pf_lines = nx && (nx->seq != it->seq || nx->head != it->head) /* else: rows this item just read */
+                                 ? pf_plan(A, nx, row_bytes, head_bytes, &pf) : 0;
     /* pf_step calls: one per (pass-2 key, head) */
     const int64_t pass2_iters = (n_max - s_begin) * nh > 0 ? (n_max - s_begin) * nh : 1;
     const int64_t pf_per = (pf_lines + pass2_iters - 1) / pass2_iters;
-    /* softmax over each vector's visible keys [lo, lim); the rest of [s_begin, n_max) get weight 0,
-     * in bf16 for the prefill tiles that take pass2_dp */
-#if HAVE_DP
-    const int p_bf16 = nq > QC && A->bf16;
-#endif
+    /* softmax over each vector's visible keys; in bf16 for the prefill tiles that take pass2_dp */
+    const int p_bf16 = HAVE_DP && nq > QC && A->bf16;
 #if HAVE_QLANES
-    if (ql) {
+    if (ql)
         softmax_qlanes(A, nh, nqh, scores, sstride, s_begin, n_max, first_lim, inv);
-        for (int64_t i = 0; i < nq * nc; i++) acc[i] = (v16){0};
-    }
+    else
 #endif
-    for (int64_t a = 0; !ql && a < nq; a++) {
-        const int64_t lim = first_lim + (a % nqh) / G;
-        const int64_t lo = A->window > 0 && lim - A->window > 0 ? lim - A->window : 0;
-        float *sc = scores + a * sstride;
-        if (A->soft_cap > 0.f) {
-            const float cap = A->soft_cap, inv_cap = 1.f / A->soft_cap;
-            for (int64_t s = lo; s < lim; s++) sc[s] = cap * tanhf(sc[s] * inv_cap);
-        }
-        float m = sc[lo], sum = 0.f;
-        for (int64_t s = lo + 1; s < lim; s++) m = sc[s] > m ? sc[s] : m;
-#ifdef __AVX512F__
-        {
-            const __m512 vm = _mm512_set1_ps(m);
-            __m512 vs = _mm512_setzero_ps();
-            for (int64_t s = lo; s < lim; s += 16) {
-                const __mmask16 k = lim - s >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (lim - s)) - 1);
-                const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + s), vm));
-                _mm512_mask_storeu_ps(sc + s, k, e);
-                vs = _mm512_mask_add_ps(vs, k, vs, e);
-            }
-            sum = _mm512_reduce_add_ps(vs);
-        }
-#else
-        for (int64_t s = lo; s < lim; s++) { sc[s] = expf(sc[s] - m); sum += sc[s]; }
-#endif
-        const float inv = 1.f / sum;
-        for (int64_t c = 0; c < nc; c++) acc[a * nc + c] = (v16){0};
-#if HAVE_DP
-        if (p_bf16) {
-            weights_to_bf16(sc, s_begin, lo, lim, n_max, inv);
-            continue;
-        }
-#endif
-        for (int64_t s = lo; s < lim; s++) sc[s] *= inv;
-        for (int64_t s = s_begin; s < lo; s++) sc[s] = 0.f;
-        for (int64_t s = lim; s < n_max; s++) sc[s] = 0.f;
-    }
+        softmax_rows(A, nq, nqh, G, scores, sstride, s_begin, n_max, first_lim, p_bf16);
+    for (int64_t i = 0; i < nq * nc; i++) acc[i] = (v16){0};
     /* pass 2: GA vectors of a head at a time, their accumulators in registers: 6 (24 zmm)
      * when a head's vectors come in sixes (prefill tiles of head_dim 64), else 16 / nc */
 #if HAVE_DP
@@ -316,22 +264,6 @@ DEFINE_RUN_ITEM(run_item_any, A->D / 16)
 static int64_t ws_floats(int64_t nh, int64_t nqh, int64_t max_keys, int64_t D) {
     const int64_t LD = 16 * ((nqh + 15) / 16);
     return nh * (LD * (max_keys + 16 + D) + nqh * (2 * D + 1) + 16 * D);
-}
-
-/* How many bytes of the next item's K rows pf_t prefetches: 256 KB with 1 MB or more of L2 per
- * core (measured on the Intel and Zen 4 boxes). With 512 KB (Zen 3), which an item's own K/V
- * (~200 keys x 3 heads: 300 KB in fp32) mostly fills, that much evicted the item's V rows
- * before pass 2 read them: 16 KB made 64-sequence decodes 5-14% faster there, fp32 and bf16,
- * with 0 and 64 KB within 2% of 16 KB (benchmarks.attention_ab, docs/cpu-kernels.md). */
-static int64_t pf_bytes(void) {
-    static int64_t cached; /* 0: not asked yet; every thread computes the same value */
-    int64_t v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
-    if (v == 0) {
-        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE); /* per core; 0 or -1 when unknown */
-        v = l2 > 0 && l2 < (1l << 20) ? 16 << 10 : 256 << 10;
-        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
-    }
-    return v;
 }
 
 /* Returns 0 on success, -1 on a bad argument or no memory (the wrapper checks shapes first). */
