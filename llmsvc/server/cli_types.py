@@ -1,0 +1,87 @@
+"""Argument types of `llmsvc serve`'s flags (argparse `type=` callables: a bad value is a usage
+error naming the flag) and the LLMSVC_<FLAG> environment twins' defaults."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from llmsvc.config import parse_memory
+
+
+def parse_bytes(text: str) -> int:
+    """llmsvc.config.parse_memory for argparse: '2G' and '2GiB' -> 2147483648; '512MB' -> 512000000."""
+    try:
+        return parse_memory(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def fraction(text: str) -> float:
+    v = float(text)
+    if not 0 < v <= 1:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return v
+
+
+def json_object(text: str) -> dict:
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text}")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def non_negative_float(text: str) -> float:
+    v = float(text)
+    if not v >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """NAME=PATH, or vLLM's JSON form {"name": NAME, "path": PATH}."""
+    if text.lstrip().startswith("{"):
+        v = json_object(text)
+        name, path = v.get("name"), v.get("path")
+    else:
+        name, _, path = text.partition("=")
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"a LoRA module is NAME=PATH, got {text!r}")
+    return name.strip(), path.strip()
+
+
+def lora_modules_env() -> list[tuple[str, str]] | None:
+    """LLMSVC_LORA_MODULES: NAME=PATH items separated by whitespace or commas."""
+    v = os.environ.get("LLMSVC_LORA_MODULES")
+    if not v:
+        return None
+    try:
+        return [lora_module(item) for item in v.replace(",", " ").split()]
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"LLMSVC_LORA_MODULES: {e}") from None
+
+
+def env_default(name: str, default, type_=str):
+    v = os.environ.get("LLMSVC_" + name.upper().replace("-", "_"))
+    if v is None:
+        return default
+    if type_ is bool:
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return type_(v)
