@@ -17,11 +17,19 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+def _int_at_least(lo: int, name: str):
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    parse.__name__ = name  # argparse names the type in "invalid <name> value"
+    return parse
+
+
+positive_int = _int_at_least(1, "positive_int")
+non_negative_int = _int_at_least(0, "non_negative_int")
 
 
 def fraction(text: str) -> float:
@@ -38,13 +46,6 @@ def json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
     if not isinstance(v, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text}")
-    return v
-
-
-def non_negative_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v
 
 
