@@ -121,7 +121,8 @@ def run_once(a, prompts, output_len: int) -> dict:
             "cpu": {name: _diff(after[name], before[name]) for name in procs}}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags before `--`; what follows it is `serve_args`, passed to `llmsvc serve`."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", nargs="?", default=None, help="model directory or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--workload", default="W1")
@@ -134,6 +135,11 @@ def main(argv=None) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)  # after --: more `llmsvc serve` flags
     a = p.parse_args(argv[:cut])
     a.serve_args = argv[cut + 1:]
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
     from transformers import AutoTokenizer
 
     from llmsvc.bench.workloads import build_prompts, get_workload, ordinary_vocab

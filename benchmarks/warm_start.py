@@ -26,14 +26,19 @@ PHASES = (("listening", "listening on"), ("kernels", "CPU kernels:"), ("model lo
           ("KV cache", "KV cache:"), ("core ready", "engine core ready"), ("ready", "ready: serving"))
 
 
+def server_env(cwd: str) -> dict[str, str]:
+    """This process' environment with the checkout first on PYTHONPATH, and what PYTHONPATH held
+    already (packages installed beside the interpreter's) after it."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH")) if p)}
+
+
 def start_once(cwd: str, serve_args: list[str], timeout: float = 300.0) -> tuple[float, dict[str, float]]:
     """(seconds to SERVING, {phase: seconds}) of one `llmsvc serve` started from `cwd`."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     port = free_port()
-    # the checkout first; what PYTHONPATH held already (packages installed beside it) after it
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH")) if p)}
+    env = server_env(cwd)
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "llmsvc", "serve", *serve_args, "--port", str(port)],
                             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

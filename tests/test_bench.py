@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -370,6 +372,22 @@ def test_warm_start_times_a_server_to_serving_and_reads_its_phases(tmp_path):
     assert phases["ready"] <= total
 
 
+def test_warm_start_puts_the_checkout_before_the_callers_pythonpath(monkeypatch):
+    from benchmarks import warm_start
+    monkeypatch.setenv("PYTHONPATH", "/opt/site")
+    assert warm_start.server_env("/co")["PYTHONPATH"] == os.pathsep.join(["/co", "/opt/site"])
+    monkeypatch.delenv("PYTHONPATH")
+    assert warm_start.server_env("/co")["PYTHONPATH"] == "/co"
+
+
+def test_frontend_cpu_passes_what_follows_the_double_dash_to_serve():
+    from benchmarks import frontend_cpu
+    a = frontend_cpu.parse_args(["/m", "--dtype", "float32", "--", "--executor", "multiproc", "--async-scheduling"])
+    assert (a.model, a.dtype, a.serve_args) == ("/m", "float32", ["--executor", "multiproc", "--async-scheduling"])
+    a = frontend_cpu.parse_args(["--workload", "W2"])
+    assert (a.model, a.workload, a.serve_args) == (None, "W2", [])
+
+
 def test_pipe_roundtrip_sends_a_decode_step_and_gets_its_output_back():
     import pickle
 
@@ -400,6 +418,13 @@ def test_random_model_copy_keeps_config_and_tokenizer(tmp_path):
     w_src, w_out = (load_file(str(next(Path(d).glob("*.safetensors")))) for d in (src, out))
     name = "model.layers.0.self_attn.q_proj.weight"
     assert w_src[name].shape == w_out[name].shape and not w_src[name].equal(w_out[name])
+    bare = tmp_path / "bare"  # a config and tokenizer without weights make the same copy
+    bare.mkdir()
+    for f in Path(src).iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, bare / f.name)
+    again = load_file(str(next(Path(write_random_model(str(bare), str(tmp_path / "again"))).glob("*.safetensors"))))
+    assert again[name].equal(w_out[name])  # seed 0 both times
     llm = LLM(model=out, block_size=4, num_kv_blocks_override=16)
     try:
         (res,) = llm.generate("hello", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
