@@ -116,7 +116,7 @@ static inline __m512 ql_exp_masked(float *col, int64_t LD, int64_t a, int64_t b,
 static inline void softmax_qlanes(const args_t *A, int64_t nh, int64_t nqh, float *st, int64_t sstride,
                                   int64_t s_begin, int64_t n_max, int64_t first_lim, float *inv) {
     const int64_t G = A->Hq / A->Hkv, QZ = (nqh + 15) / 16, LD = 16 * QZ;
-    const int64_t last_lo = A->window > 0 ? first_lim + (nqh - 1) / G - A->window : 0;
+    const int64_t last_lo = window_lo(A, first_lim + (nqh - 1) / G); /* the last row's */
     const int64_t all_lo = last_lo > s_begin ? last_lo : s_begin, all_hi = first_lim > all_lo ? first_lim : all_lo;
     for (int64_t hh = 0; hh < nh; hh++) {
         for (int64_t z = 0; z < QZ; z++) {
@@ -125,7 +125,7 @@ static inline void softmax_qlanes(const args_t *A, int64_t nh, int64_t nqh, floa
                 const int64_t j = 16 * z + l < nqh ? 16 * z + l : nqh - 1; /* padding lanes: a real row's */
                 const int64_t lim = first_lim + j / G;
                 limv[l] = (int32_t)lim;
-                lov[l] = (int32_t)(A->window > 0 && lim - A->window > 0 ? lim - A->window : 0);
+                lov[l] = (int32_t)window_lo(A, lim);
             }
             const __m512i lim = _mm512_loadu_si512(limv), lo = _mm512_loadu_si512(lov);
             float *col = st + hh * sstride * LD + 16 * z;

@@ -11,7 +11,7 @@ static inline void softmax_rows(const args_t *A, int64_t nq, int64_t nqh, int64_
                                 int64_t sstride, int64_t s_begin, int64_t n_max, int64_t first_lim, int p_bf16) {
     for (int64_t a = 0; a < nq; a++) {
         const int64_t lim = first_lim + (a % nqh) / G;
-        const int64_t lo = A->window > 0 && lim - A->window > 0 ? lim - A->window : 0;
+        const int64_t lo = window_lo(A, lim);
         float *sc = scores + a * sstride;
         if (A->soft_cap > 0.f) {
             const float cap = A->soft_cap, inv_cap = 1.f / A->soft_cap;

@@ -116,11 +116,14 @@ static inline int64_t item_keys(const args_t *A, const item_t *it) {
     return A->seq_lens[it->seq] - q_len + it->row0 + it->nrows;
 }
 
+/* First key a query row sees when it sees keys up to lim (exclusive): its window's start. */
+static inline int64_t window_lo(const args_t *A, int64_t lim) {
+    return A->window > 0 && lim - A->window > 0 ? lim - A->window : 0;
+}
+
 /* First key any row of the item sees: its first row's window start. */
 static inline int64_t item_first_key(const args_t *A, const item_t *it) {
-    if (A->window <= 0) return 0;
-    const int64_t lo = item_keys(A, it) - it->nrows + 1 - A->window;
-    return lo > 0 ? lo : 0;
+    return window_lo(A, item_keys(A, it) - it->nrows + 1);
 }
 
 #include "attention_rows.h"
