@@ -19,13 +19,14 @@ import signal
 
 from llmsvc.config import DTYPE_CHOICES, LOGPROBS_MODES, MEMORY_SIZE_HELP, QUANTIZATION_CHOICES
 from llmsvc.server import event_loop
-from llmsvc.server.cli_types import (env_default, fraction, json_object, lora_module, lora_modules_env,
+from llmsvc.server.cli_types import (env_default, env_name, fraction, json_object, lora_module, lora_modules_env,
                                      non_negative_float, non_negative_int, parse_bytes, positive_int)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     def opt(flag, type_=str, default=None, **kw):
         name = flag.lstrip("-").replace("-", "_")
-        env = "LLMSVC_" + name.upper()
+        env = env_name(name)
         if type_ is bool:
             p.add_argument(flag, action="store_true", default=env_default(name, False, bool), help=f"{kw.pop('help')} [{env}]")
         else:

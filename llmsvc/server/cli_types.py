@@ -79,8 +79,14 @@ def lora_modules_env() -> list[tuple[str, str]] | None:
         raise SystemExit(f"LLMSVC_LORA_MODULES: {e}") from None
 
 
+def env_name(name: str) -> str:
+    """The environment twin of flag `name` (dashes or underscores): LLMSVC_<NAME>."""
+    return "LLMSVC_" + name.upper().replace("-", "_")
+
+
 def env_default(name: str, default, type_=str):
-    v = os.environ.get("LLMSVC_" + name.upper().replace("-", "_"))
+    """A flag's default: its LLMSVC_ twin's value when set (converted by type_), else `default`."""
+    v = os.environ.get(env_name(name))
     if v is None:
         return default
     if type_ is bool:
