@@ -50,13 +50,15 @@
 
 /* A micro-kernel's k loop over its FMA_FOUR / FMA_ROWS (four k / one k, defined per ISA below,
  * expanded here at the use): with pf (a char pointer, advanced) q lines of the next panel
- * prefetched every 4 k; then the K % 4 tail. */
+ * prefetched every 4 k, into L2 (T1): a panel (K * 192 bytes, 110 KB at K = 576) outgrows L1
+ * and every row block reads it from L2 anyway; T1 was 1-4% faster than T0 at 1-16 rows
+ * (docs/cpu-kernels.md). Then the K % 4 tail. */
 #define K_LOOP(pf)                                                                        \
     do {                                                                                  \
         int64_t k = 0;                                                                    \
         if (pf) {                                                                         \
             for (; k + 4 <= K; k += 4) {                                                  \
-                for (int j = 0; j < q; j++) _mm_prefetch((pf) + j * 64, _MM_HINT_T0);     \
+                for (int j = 0; j < q; j++) _mm_prefetch((pf) + j * 64, _MM_HINT_T1);     \
                 (pf) += q * 64;                                                           \
                 FMA_FOUR(k);                                                              \
             }                                                                             \
