@@ -1,8 +1,9 @@
 """A REAL `python -m llmsvc serve` with the engine core in its own process (the default): bad input
-fails alone while other streams go on; a SIGKILLed engine core ends every stream UNAVAILABLE
-within 2 s, turns health NOT_SERVING and makes the server exit non-zero with no child left; a
-SIGKILLed front end takes the core and its workers with it. (A SIGKILLed worker under
---executor multiproc: tests/test_executors_server.py, which runs this same default layout.)"""
+(among it a constraint that does not compile, sent twice) fails alone while other streams go on;
+a SIGKILLed engine core ends every stream UNAVAILABLE within 2 s, turns health NOT_SERVING and
+makes the server exit non-zero with no child left; a SIGKILLed front end takes the core and its
+workers with it. (A SIGKILLed worker under --executor multiproc: tests/test_executors_server.py,
+which runs this same default layout.)"""
 from __future__ import annotations
 
 import os
@@ -56,10 +57,21 @@ def test_bad_input_fails_alone_then_core_sigkill_ends_streams_unavailable(tiny_d
         bad = [pb.GenerateRequest(text="x", sampling=pb.SamplingParams(temperature=-1.0)),
                pb.GenerateRequest(text="x", stopping=pb.StoppingCriteria(max_tokens=10_000)),
                pb.GenerateRequest(token_ids=pb.TokenIds(ids=[10**6]))]
+        bad_regex = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(regex="a(b"))
+        bad.append(bad_regex)
         for req in bad:
             with pytest.raises(grpc.RpcError) as ei:
                 list(stub.Generate(req, timeout=30))
             assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value
+        # the same bad constraint again once the core's own compile of it has failed (a constrained
+        # request served in between, then a pause): the core finds the failure in its cache
+        good = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(regex="[a-z]{3}"),
+                                  stopping=pb.StoppingCriteria(max_tokens=8))
+        assert list(stub.Generate(good, timeout=60))[-1].finish.reason == pb.FinishInfo.REASON_STOP
+        time.sleep(1.0)
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.Generate(bad_regex, timeout=30))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value
         seen = [len(s.msgs) for s in streams]
         ok = stub.Generate(_stream(max_tokens=5, text="short"), timeout=60)
         assert sum(len(m.token_ids) for m in ok) == 5  # a good request next to them is served

@@ -31,6 +31,7 @@ from llmsvc.core.burst import BurstWindow
 from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.core.errors import PromptTooLongError, QueueFullError
 from llmsvc.outputs import ABORT
+from llmsvc.structured.errors import ConstraintError
 
 logger = logging.getLogger("llmsvc.core")
 
@@ -174,7 +175,10 @@ class EngineCoreLoop:
                     core.add_request(request)
                     if self.burst is not None:
                         self.burst.add(request.num_prompt_tokens)
-                except (PromptTooLongError, QueueFullError) as e:  # the front end checked; a race at most
+                except (PromptTooLongError, QueueFullError, ConstraintError) as e:
+                    # the front end checked the first two (a race at most); a ConstraintError is this
+                    # core's cached failure to compile the constraint, which the front end reports
+                    # from its own compile of it
                     logger.warning("request %s refused by the engine core: %s", request.request_id, e)
                     refused.append(EngineCoreOutput(request.request_id, [], finish_reason=ABORT))
             elif kind == m.ABORT:
