@@ -1,9 +1,10 @@
-"""A REAL `python -m llmsvc serve` with the engine core in its own process (the default): bad input
-(among it a constraint that does not compile, sent twice) fails alone while other streams go on;
-a SIGKILLed engine core ends every stream UNAVAILABLE within 2 s, turns health NOT_SERVING and
-makes the server exit non-zero with no child left; a SIGKILLed front end takes the core and its
-workers with it. (A SIGKILLed worker under --executor multiproc: tests/test_executors_server.py,
-which runs this same default layout.)"""
+"""A REAL `python -m llmsvc serve` with the engine core in its own process (the default): a stream
+cancelled or past its deadline on an idle server leaves GetServerInfo showing nothing running and
+every block free; bad input (among it a constraint that does not compile, sent twice) fails alone
+while other streams go on; a SIGKILLed engine core ends every stream UNAVAILABLE within 2 s, turns
+health NOT_SERVING and makes the server exit non-zero with no child left; a SIGKILLed front end
+takes the core and its workers with it. (A SIGKILLed worker under --executor multiproc:
+tests/test_executors_server.py, which runs this same default layout.)"""
 from __future__ import annotations
 
 import os
@@ -52,6 +53,24 @@ def test_bad_input_fails_alone_then_core_sigkill_ends_streams_unavailable(tiny_d
         stub, health = pb_grpc.LlmServiceStub(channel), health_pb2_grpc.HealthStub(channel)
         (core,) = core_pids(srv.pid)
         assert worker_pids(srv.pid) == []  # --executor auto: the model runs in the core process
+        # a stream cancelled, then one past its deadline, while nothing else runs: the core's
+        # acknowledgement of the abort is read, so GetServerInfo shows the request gone, blocks free
+        for how in ("cancel", "deadline"):
+            call = stub.Generate(_stream(text=how), timeout=120 if how == "cancel" else 1.0)
+            next(call)
+            if how == "cancel":
+                call.cancel()
+            else:
+                with pytest.raises(grpc.RpcError) as ei:
+                    list(call)
+                assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            deadline = time.monotonic() + 10
+            while True:
+                info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
+                if info.num_running == 0 and info.num_free_kv_blocks == info.num_kv_blocks:
+                    break
+                assert time.monotonic() < deadline, (how, info)
+                time.sleep(0.05)
         streams = [Follower(stub.Generate(_stream(text=f"stream {i}"), timeout=120)) for i in range(2)]
         assert all(s.first.wait(60) and s.msgs for s in streams)
         bad = [pb.GenerateRequest(text="x", sampling=pb.SamplingParams(temperature=-1.0)),

@@ -187,14 +187,15 @@ class MPClient(EngineCoreClient):
         self._aborting.update(req_ids)
 
     def get_output(self) -> tuple[list[EngineCoreOutput], bool]:
-        """Wait for the next batch while requests are outstanding (or until wake()), then take
-        every batch already queued; outputs of several core steps come back merged."""
+        """Wait for the next batch while requests are outstanding or an abort is unacknowledged (or
+        until wake()), then take every batch already queued; outputs of several core steps come
+        back merged."""
         outputs, executed = [], False
         for outs, ran in self._held:
             outputs += outs
             executed |= ran
         self._held.clear()
-        timeout = None if self._outstanding and not outputs else 0
+        timeout = None if (self._outstanding or self._aborting) and not outputs else 0
         while True:
             msg = self._recv(timeout, "a step")
             if msg is None:
@@ -205,7 +206,9 @@ class MPClient(EngineCoreClient):
             timeout = 0
 
     def has_unfinished(self) -> bool:
-        return bool(self._outstanding) or bool(self._held)
+        # an unacknowledged abort counts: the caller steps on until the core's batch saying so
+        # (and carrying the stats with the request gone) has been read, even on an idle server
+        return bool(self._outstanding) or bool(self._held) or bool(self._aborting)
 
     def get_stats(self) -> EngineStats:
         return self._stats
