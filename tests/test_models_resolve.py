@@ -254,3 +254,35 @@ def test_tokenizer_from_another_directory(tmp_path):
         llm.shutdown()
     with pytest.raises(ValueError, match="not a directory"):
         resolve_model_config(ModelConfig(model=d, tokenizer=str(tmp_path / "missing")))
+
+
+@pytest.mark.parametrize("heads,kv,tp,fits", [
+    (9, 3, 2, "1, 3, 9"),       # the default model's attention
+    (4, 2, 3, "1, 2, 4"),
+    (12, 4, 8, "1, 2, 4, 12"),
+    (32, 8, 16, None),          # each KV head on 2 ranks
+    (32, 8, 4, None),
+    (32, 6, 4, "1, 2"),         # 6 KV heads: neither split into 4 nor repeated over 4
+])
+def test_tensor_parallel_size_must_fit_the_heads(heads, kv, tp, fits):
+    from types import SimpleNamespace
+
+    from llmsvc.models.tp_split import check_tensor_parallel
+    cfg = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv)
+    if fits is None:
+        check_tensor_parallel(cfg, tp)
+        return
+    with pytest.raises(ValueError, match="heads") as ei:
+        check_tensor_parallel(cfg, tp)
+    assert f"tensor parallel size {tp} does not fit" in str(ei.value) and f"(sizes that fit: {fits})" in str(ei.value)
+
+
+@pytest.mark.parametrize("engine_core", ["inline", "process"])
+def test_engine_refuses_a_tensor_parallel_size_that_does_not_fit(tmp_path, engine_core):
+    from llmsvc.config import EngineConfig
+    from llmsvc.engine.llm_engine import LLMEngine
+
+    d = make_tiny_model_dir(tmp_path, "llama")  # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match="4 attention heads do not divide into 3 equal parts"):
+        LLMEngine.from_config(EngineConfig.from_options(model=d, tensor_parallel_size=3, device="cpu",
+                                                        engine_core=engine_core))

@@ -212,10 +212,12 @@ def _resolved(config: EngineConfig) -> EngineConfig:
     """The model resolved; inline also the device "auto" stands for (a core process resolves
     its own, keeping torch out of this process)."""
     from llmsvc.models.resolve import resolve_model_config
+    from llmsvc.models.tp_split import check_tensor_parallel
 
     if config.engine_core not in ("inline", "process"):
         raise ValueError(f"engine_core must be 'inline' or 'process', got {config.engine_core!r}")
     config = config.replace(model_config=resolve_model_config(config.model_config, config.device))
+    check_tensor_parallel(config.model_config.hf_config, config.parallel_config.tensor_parallel_size)
     if config.engine_core == "inline":
         from llmsvc.worker.device import resolve_device_type
 

@@ -27,6 +27,7 @@ from llmsvc.models.layers.norm import RMSNorm
 from llmsvc.models.layers.rotary import get_rope
 from llmsvc.models.loader_names import ARCHITECTURES, layer_sliding_windows
 from llmsvc.models.parallel import get_tp_world_size
+from llmsvc.models.tp_split import check_tensor_parallel
 from llmsvc.models.weights import load_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -253,10 +254,7 @@ def kv_cache_spec(hf_config, tp_size: int | None = None) -> tuple[int, int, int]
     """(num_layers, num_kv_heads_per_rank, head_dim) for allocating the per-layer caches."""
     tp = tp_size or get_tp_world_size()
     total_kv = hf_config.num_key_value_heads or hf_config.num_attention_heads
-    if hf_config.num_attention_heads % tp:
-        raise ValueError(f"{hf_config.num_attention_heads} attention heads do not split over tp={tp}")
-    if total_kv % tp and tp % total_kv:
-        raise ValueError(f"{total_kv} KV heads do not split or replicate over tp={tp}")
+    check_tensor_parallel(hf_config, tp)
     return hf_config.num_hidden_layers, max(1, total_kv // tp), head_dim_of(hf_config)
 
 

@@ -1,0 +1,31 @@
+"""Whether a model's attention splits over a tensor-parallel group (torch-free).
+
+Checked where the model is resolved, before any worker starts, so `--tensor-parallel-size` that
+does not fit fails at once with a message naming the heads, rather than in every rank's layer
+construction. The layers' own rules (QKVParallelLinear, kv_cache_spec): each rank takes
+heads / tp query heads; KV heads are split when tp divides them, else each is replicated on
+tp / kv consecutive ranks (tp a multiple of them).
+"""
+from __future__ import annotations
+
+
+def tp_problem(num_heads: int, num_kv_heads: int, tp: int) -> str | None:
+    """Why tp ranks cannot share these heads; None when they can."""
+    if num_heads % tp:
+        return f"its {num_heads} attention heads do not divide into {tp} equal parts"
+    if num_kv_heads % tp and tp % num_kv_heads:
+        return (f"its {num_kv_heads} KV heads neither divide into {tp} equal parts nor repeat "
+                f"evenly over {tp} ranks")
+    return None
+
+
+def check_tensor_parallel(hf_config, tp: int) -> None:
+    """Raises ValueError when tp ranks cannot share the model's attention heads, listing the
+    sizes that can (up to 16)."""
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    why = tp_problem(heads, kv, tp)
+    if why is not None:
+        fits = [t for t in range(1, 17) if tp_problem(heads, kv, t) is None]
+        raise ValueError(f"tensor parallel size {tp} does not fit this model: {why} "
+                         f"(sizes that fit: {', '.join(map(str, fits))})")
