@@ -57,6 +57,30 @@ def test_stop_string_across_tokens_never_leaks(tok):
     assert sum((o.outputs[0].token_ids for o in outs), []) == ids[:stopped_at + 1]
 
 
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("min_tokens", [0, 4])
+def test_several_tokens_in_one_step_stop_where_one_at_a_time_would(tok, include, min_tokens):
+    # accepted drafts bring several tokens in one core output: none past the token that
+    # completes the stop string is kept, nor its logprob, just as when each comes in its own step
+    text = "The quick brown fox jumps over the lazy dog and runs away"
+    params = dict(stop=["fox jum"], include_stop_str_in_output=include, min_tokens=min_tokens, logprobs=0)
+    one_by_one, stopped_at, ids = drive(tok, text, SamplingParams(**params, output_kind=CUMULATIVE))
+    op = OutputProcessor(tok)
+    op.add_request(ParentRequest("r", "Tell me:", tok.encode("Tell me:"), SamplingParams(**params, output_kind=CUMULATIVE),
+                                 tok, 0.0))
+    lps = [SampleLogprobs(-0.5, 1, [], []) for _ in ids]
+    outs, stop_ids = [], []
+    for chunk in range(0, len(ids), 3):  # three tokens a step, the stop string inside one of them
+        ros, stop_ids = op.process_outputs([EngineCoreOutput("r", ids[chunk:chunk + 3], lps[chunk:chunk + 3])])
+        outs += ros
+        if stop_ids:
+            break
+    assert stop_ids == ["r"] and stopped_at % 3 != 2  # the match was not at a step's end
+    a, b = one_by_one[-1].outputs[0], outs[-1].outputs[0]
+    assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == (a.token_ids, a.text, "stop", "fox jum")
+    assert b.token_ids == ids[:stopped_at + 1] and len(b.logprobs) == len(b.token_ids)
+
+
 def test_include_stop_str_in_output(tok):
     params = SamplingParams(stop=["fox jum"], include_stop_str_in_output=True, output_kind=CUMULATIVE)
     outs, _, _ = drive(tok, "The quick brown fox jumps over", params)

@@ -76,7 +76,8 @@ def check_greedy(served, **engine) -> None:
 
 def test_sampling_features_give_the_tokens_of_decoding_without_drafts(served):
     """Seeded sampling (the seed is keyed by output position), penalties, logprobs, min_tokens,
-    bad words, a stop string, n=2 and a pool small enough to preempt: the same outputs."""
+    bad words, stop strings (some ending inside a step's accepted drafts), n=2 and a pool small
+    enough to preempt: the same outputs."""
     model_dir, refs = served
     prompts = _prompts()
     tok_text = None
@@ -90,11 +91,14 @@ def test_sampling_features_give_the_tokens_of_decoding_without_drafts(served):
     for name, extra in (("plain", {}), ("spec", {"speculative_config": SPEC})):
         llm = LLM(model=model_dir, **{**ENGINE, "num_kv_blocks_override": 20}, **extra)
         try:
-            if tok_text is None:  # a stop string the greedy output of prompt 0 holds
-                tok_text = llm.get_tokenizer().decode(refs[0])[6:9]
-            run = params + [SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop=[tok_text], ignore_eos=True,
+            if tok_text is None:  # stop strings the greedy output of prompt 0 holds, at several places
+                text0 = llm.get_tokenizer().decode(refs[0])
+                tok_text = [text0[k:k + 3] for k in range(6, 30, 4)]
+            run = params + [SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop=[tok_text[0]], ignore_eos=True,
                                            bad_words=[llm.get_tokenizer().decode(refs[1][4:5])])]
-            outs = _generate(llm, prompts + prompts[:1], run)
+            # drafts are accepted several at a time: some of these stop strings end inside a step's tokens
+            run += [SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop=[t], ignore_eos=True) for t in tok_text[1:]]
+            outs = _generate(llm, prompts + prompts[:1] * len(tok_text), run)
             results[name] = [[(list(c.token_ids), c.finish_reason, c.text,
                                None if c.logprobs is None else [sorted((t, round(l.logprob, 4)) for t, l in d.items())
                                                                 for d in c.logprobs])

@@ -64,27 +64,38 @@ class RequestState:
                 self.prompt_logprobs.append(None if lp is None else self._convert(
                     self.prompt_token_ids[pos], lp, self.params.prompt_logprobs))
         new_ids = out.new_token_ids
+        lps = out.new_logprobs or [None] * len(new_ids)
         if new_ids:
             self.first_token_time = self.first_token_time or now
             self.last_token_time = now
-            self.token_ids.extend(new_ids)
-            if self.logprobs is not None:
-                for tid, lp in zip(new_ids, out.new_logprobs or [None] * len(new_ids)):
-                    if lp is None:
-                        continue
-                    self.logprobs.append(self._convert(tid, lp, self.params.logprobs))
-                    self.cumulative_logprob += lp.logprob
-        text_ids = new_ids
+        num_text = len(new_ids)
         if (out.finish_reason == STOP and isinstance(out.stop_reason, int) and new_ids
                 and not self.params.include_stop_str_in_output):
-            text_ids = new_ids[:-1]  # the EOS / stop token is not part of the text
-        stopped = self._add_text(self.detokenizer.update(text_ids) if self.detokenizer else "",
-                                 self._may_stop())
-        if stopped:
-            return True
+            num_text -= 1  # the EOS / stop token is not part of the text
+        if len(new_ids) > 1 and self.stop_checker.stop and self.detokenizer is not None:
+            # several tokens in one step (accepted drafts): a stop string is looked for after each,
+            # so no token past the one completing it is kept, as when they come one step apiece
+            for i in range(len(new_ids)):
+                self._append(new_ids[i:i + 1], lps[i:i + 1])
+                if i < num_text and self._add_text(self.detokenizer.update(new_ids[i:i + 1]), self._may_stop()):
+                    return True
+        else:
+            self._append(new_ids, lps)
+            if self._add_text(self.detokenizer.update(new_ids[:num_text]) if self.detokenizer else "",
+                              self._may_stop()):
+                return True
         if out.finish_reason is not None:
             self.finish(out.finish_reason, out.stop_reason)
         return False
+
+    def _append(self, ids: list[int], lps: list) -> None:
+        self.token_ids.extend(ids)
+        if self.logprobs is not None:
+            for tid, lp in zip(ids, lps):
+                if lp is None:
+                    continue
+                self.logprobs.append(self._convert(tid, lp, self.params.logprobs))
+                self.cumulative_logprob += lp.logprob
 
     def _may_stop(self) -> bool:
         """min_tokens gates stop strings as it gates EOS and stop tokens (the scheduler's check)."""
