@@ -136,3 +136,19 @@ def test_reflection_only_client_streams_without_proto_file(server):
     assert "".join(m.get("text", "") for m in doc["msgs"]) == "reflected"
     assert doc["msgs"][-1]["finish"]["reason"] == "REASON_LENGTH"
     assert doc["info"]["api_version"] == "llmsvc.v1"
+
+
+def test_error_lines_state_each_violation_once(capsys):
+    from types import SimpleNamespace
+
+    from llmsvc.client.cli_common import print_error
+
+    class Err(Exception):
+        field_violations = [("sampling.temperature", "must be >= 0, got -1"), ("stopping.stop[0]", "must not be empty")]
+
+    print_error("llmsvc generate", Err("INVALID_ARGUMENT: sampling.temperature: must be >= 0, got -1"))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["llmsvc generate: INVALID_ARGUMENT: sampling.temperature: must be >= 0, got -1",
+                     "  stopping.stop[0]: must not be empty"]
+    print_error("llmsvc generate", SimpleNamespace())  # no violations: the one line
+    assert len(capsys.readouterr().err.splitlines()) == 1

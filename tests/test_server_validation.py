@@ -89,6 +89,9 @@ def test_each_rule_is_invalid_argument_with_field(r, field):
     assert field in err.message
     details = _details(err)
     assert [v.field for v in details["BadRequest"].field_violations] == [field]
+    # the description says what is wrong, the field it is about is named once, in `field`
+    description = details["BadRequest"].field_violations[0].description
+    assert description and not description.startswith(field) and description in err.message
     assert details["ErrorInfo"].domain == "llmsvc"
 
 

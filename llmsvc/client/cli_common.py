@@ -41,7 +41,9 @@ def credentials_from_args(args: argparse.Namespace):
 
 
 def print_error(prog: str, err) -> None:
-    """One line `prog: CODE: message`, then any field violations, on stderr."""
+    """One line `prog: CODE: message`, then any field violations the message does not already
+    state, on stderr."""
     print(f"{prog}: {err}", file=sys.stderr)
     for field, description in getattr(err, "field_violations", []):
-        print(f"  {field}: {description}", file=sys.stderr)
+        if f"{field}: {description}" not in str(err):
+            print(f"  {field}: {description}", file=sys.stderr)

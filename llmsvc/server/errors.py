@@ -39,8 +39,11 @@ class ServiceError(Exception):
     def to_status(self, request_id: str | None = None) -> grpc.Status:
         details: list = []
         if self.field is not None:
+            # the description says what is wrong with the field, without naming it again (the
+            # status message does: "sampling.top_p: must be in (0, 1], got 0")
+            description = self.message.removeprefix(f"{self.field}: ")
             details.append(error_details_pb2.BadRequest(field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=self.field, description=self.message)]))
+                error_details_pb2.BadRequest.FieldViolation(field=self.field, description=description)]))
         if self.reason or self.code == grpc.StatusCode.INTERNAL:
             md = dict(self.metadata)
             if request_id:
