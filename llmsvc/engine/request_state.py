@@ -72,17 +72,15 @@ class RequestState:
         if (out.finish_reason == STOP and isinstance(out.stop_reason, int) and new_ids
                 and not self.params.include_stop_str_in_output):
             num_text -= 1  # the EOS / stop token is not part of the text
-        if len(new_ids) > 1 and self.stop_checker.stop and self.detokenizer is not None:
-            # several tokens in one step (accepted drafts): a stop string is looked for after each,
-            # so no token past the one completing it is kept, as when they come one step apiece
-            for i in range(len(new_ids)):
-                self._append(new_ids[i:i + 1], lps[i:i + 1])
-                if i < num_text and self._add_text(self.detokenizer.update(new_ids[i:i + 1]), self._may_stop()):
-                    return True
-        else:
-            self._append(new_ids, lps)
-            if self._add_text(self.detokenizer.update(new_ids[:num_text]) if self.detokenizer else "",
-                              self._may_stop()):
+        # several tokens in one step (accepted drafts) with stop strings to look for: one at a
+        # time, so no token past the one completing a stop string is kept, as when they come one
+        # step apiece; otherwise all at once
+        each = 1 if self.stop_checker.stop and self.detokenizer is not None else max(1, len(new_ids))
+        for i in range(0, max(1, len(new_ids)), each):
+            ids = new_ids[i:i + each]
+            self._append(ids, lps[i:i + each])
+            text = self.detokenizer.update(ids[:max(0, num_text - i)]) if self.detokenizer else ""
+            if self._add_text(text, self._may_stop()):
                 return True
         if out.finish_reason is not None:
             self.finish(out.finish_reason, out.stop_reason)
