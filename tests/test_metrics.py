@@ -81,6 +81,19 @@ def test_endpoint_exposes_every_series(srv):
     assert {"llmsvc_request_success_total", "llmsvc_grpc_requests_total"} <= names
 
 
+def test_token_counters_count_the_clients_tokens_only(srv):
+    # the server's warm-up request (one prompt token, one generated) is not counted
+    port = srv.server.metrics_port
+    start = scrape(port)
+    for name in ("llmsvc_prompt_tokens_total", "llmsvc_generation_tokens_total", "llmsvc_prefix_cache_queries_total"):
+        assert val(start, name) == 0, name
+    prompt = "counters from zero"
+    n_prompt = len(srv.stub.Tokenize(pb.TokenizeRequest(text=prompt)).token_ids)
+    list(srv.stub.Generate(gen(prompt, 4)))
+    after = wait_for(port, lambda s: val(s, "llmsvc_generation_tokens_total") >= 4)
+    assert (val(after, "llmsvc_prompt_tokens_total"), val(after, "llmsvc_generation_tokens_total")) == (n_prompt, 4)
+
+
 def test_values_move_after_requests(srv):
     port = srv.server.metrics_port
     prompt = "metrics move when requests finish"

@@ -20,6 +20,7 @@ from typing import Callable
 import grpc
 
 from llmsvc.engine.async_engine import AsyncEngine
+from llmsvc.outputs import EngineStats
 from llmsvc.sampling_params import SamplingParams
 from llmsvc.server.admin import AdminService
 from llmsvc.server.auth import ADMIN_PREFIXES, BearerTokenInterceptor
@@ -71,6 +72,7 @@ class LlmServer:
         self.backlog = dict(max_backlog_bytes=max_backlog_bytes, max_backlog_age_s=max_backlog_age_s)
         self.max_waiting_requests = max_waiting_requests
         self.warmup = warmup
+        self._counters_from: EngineStats | None = None  # engine totals once warmed up (metrics start there)
         self.shutdown_grace = 30.0  # seconds in-flight requests get when serve() is stopped
         self.state = ServerState()
         self.health = Health()
@@ -107,7 +109,7 @@ class LlmServer:
         """Called on the metrics HTTP thread: plain attribute reads only."""
         ae = self.async_engine
         return EngineSnapshot(ae.get_stats() if ae is not None else None, self.state.ready, self.state.draining,
-                              ae.is_healthy if ae is not None else False)
+                              ae.is_healthy if ae is not None else False, self._counters_from)
 
     async def start(self) -> int:
         """Bind and serve health + reflection (+ LlmService answering UNAVAILABLE). Returns the port."""
@@ -153,6 +155,7 @@ class LlmServer:
         self.state.device = config.device  # resolved by the engine ("auto" never reaches here)
         if self.warmup:
             await self._warm_up(ae, config)
+            self._counters_from = ae.get_stats()  # the warm-up's tokens are not the clients'
         self.servicer.attach(ae, engine.tokenizer, config)
         self.state.ready = True
         await self.health.ready()

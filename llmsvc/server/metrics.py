@@ -179,12 +179,14 @@ class RequestTracker:
 
 
 class EngineSnapshot:
-    """What the engine collector reads at scrape time (plain values; no engine call)."""
+    """What the engine collector reads at scrape time (plain values; no engine call). The
+    counters count from `counters_from` (the engine's totals after the server's warm-up)."""
 
     def __init__(self, stats: EngineStats | None = None, ready: bool = False, draining: bool = False,
-                 healthy: bool = False) -> None:
+                 healthy: bool = False, counters_from: EngineStats | None = None) -> None:
         self.stats = stats if stats is not None else EngineStats()
         self.ready, self.draining, self.healthy = ready, draining, healthy
+        self.counters_from = counters_from if counters_from is not None else EngineStats()
 
 
 class EngineCollector(Collector):
@@ -219,13 +221,14 @@ class EngineCollector(Collector):
                   ("engine_healthy", "1 while the engine loop runs", int(snap.healthy)))
         for name, doc, value in gauges:
             yield GaugeMetricFamily("llmsvc_" + name, doc, value=float(value))
-        counters = (("prompt_tokens", "Prompt tokens processed", s.prompt_tokens_total),
-                    ("generation_tokens", "Tokens generated", s.generation_tokens_total),
-                    ("num_preemptions", "Requests preempted (KV cache full)", s.num_preemptions),
+        b = snap.counters_from
+        counters = (("prompt_tokens", "Prompt tokens processed", s.prompt_tokens_total - b.prompt_tokens_total),
+                    ("generation_tokens", "Tokens generated", s.generation_tokens_total - b.generation_tokens_total),
+                    ("num_preemptions", "Requests preempted (KV cache full)", s.num_preemptions - b.num_preemptions),
                     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                     s.extra.get("prefix_cache_queries", 0)),
+                     s.extra.get("prefix_cache_queries", 0) - b.extra.get("prefix_cache_queries", 0)),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                     s.extra.get("prefix_cache_hits", 0)))
+                     s.extra.get("prefix_cache_hits", 0) - b.extra.get("prefix_cache_hits", 0)))
         for name, doc, value in counters:
             yield CounterMetricFamily("llmsvc_" + name, doc, value=float(value))
         spec = s.spec_decode
