@@ -210,17 +210,19 @@ def test_duplicate_id_and_add_errors():
     run(main())
 
 
-def test_queue_full():
-    fe = FakeEngine(max_running=1)
+@pytest.mark.parametrize("max_running,cap", [(1, 2), (3, 2), (2, 0)])
+def test_queue_full(max_running, cap):
+    # a burst before any step: max_running of it can run at once, cap more may wait, the next is refused
+    fe = FakeEngine(max_running=max_running)
 
     async def main():
-        ae = await _started(fe, max_waiting_requests=2)
+        ae = await _started(fe, max_waiting_requests=cap)
         fe.gate.clear()
-        gens = [ae.generate(f"q{i}", [1], SamplingParams(max_tokens=2)) for i in range(2)]
+        gens = [ae.generate(f"q{i}", [1], SamplingParams(max_tokens=2)) for i in range(max_running + cap)]
         tasks = [asyncio.create_task(g.__anext__()) for g in gens]
-        await _wait_for(lambda: len(ae._streams) == 2)
+        await _wait_for(lambda: len(ae._streams) == max_running + cap)
         with pytest.raises(QueueFullError):
-            await ae.generate("q2", [1], SamplingParams()).__anext__()
+            await ae.generate("over", [1], SamplingParams()).__anext__()
         fe.gate.set()
         await asyncio.gather(*tasks)
         for g in gens:

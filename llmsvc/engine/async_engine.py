@@ -44,6 +44,7 @@ class AsyncEngine(EngineThreadMixin):
         # the one admission cap (the engine has none: offline generate queues any number of
         # prompts); checked here, so a full queue is refused at once, even during a long step
         self.max_waiting_requests = max_waiting_requests
+        self.max_num_seqs = engine.config.scheduler_config.max_num_seqs
         self.max_backlog_bytes = max_backlog_bytes
         self.max_backlog_age_s = max_backlog_age_s
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -258,7 +259,12 @@ class AsyncEngine(EngineThreadMixin):
             raise EngineStoppedError("engine is not accepting requests")
         if request_id in self._streams:
             raise DuplicateRequestError(request_id)  # in flight, or its abort is not confirmed yet
-        waiting = len(self._streams) - self._stats.num_running
+        # Waiting: in flight, but beyond what runs. The engine's last stats may predate a burst
+        # still arriving: while its queue was empty, the first max_num_seqs requests are counted
+        # as running (their slots were free), so a burst is not refused while slots are idle.
+        st = self._stats
+        runnable = st.num_running if st.num_waiting else max(st.num_running, self.max_num_seqs)
+        waiting = len(self._streams) - runnable
         if waiting >= self.max_waiting_requests:
             raise QueueFullError(f"{waiting} requests are waiting (max_waiting_requests="
                                  f"{self.max_waiting_requests})")

@@ -91,7 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "graphs")
     opt("--block-size", int, 16, help="tokens per KV block")
     opt("--no-prefix-caching", bool, help="disable prefix caching")
-    opt("--max-waiting-requests", int, 4096, help="admission cap; past it RESOURCE_EXHAUSTED")
+    opt("--max-waiting-requests", non_negative_int, 4096,
+        help="admission cap: requests in flight beyond those that can run; past it RESOURCE_EXHAUSTED "
+             "(0: none wait)")
     opt("--scheduling-policy", str, "fcfs", choices=["fcfs", "priority"],
         help="fcfs: first come, first served; priority: waiting requests by (GenerateRequest.priority, "
              "arrival), lower first, and a more urgent arrival may preempt a running less urgent request")
