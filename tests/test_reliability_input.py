@@ -97,7 +97,9 @@ BAD = [  # (request, field the status must name, ErrorInfo.reason or None)
     (pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="c" * 1000)])),
      "prompt", "PROMPT_TOO_LONG"),
     (text_req(request_id="x" * 1000), "request_id", None),
+    (text_req(request_id="x" * 10_000), "request_id", None),  # echoed, it would pass 8 KiB of trailers
     (text_req(request_id="bad\nid"), "request_id", None),
+    (text_req(request_id="ünïcødé"), "request_id", None),  # not allowed in the x-request-id header
 ]
 
 
@@ -115,6 +117,8 @@ def test_bad_input_is_invalid_argument_naming_the_field(srv, request_, field, re
     d = rpc_details(e)
     assert [v.field for v in d["BadRequest"].field_violations] == [field]
     assert d["ErrorInfo"].domain == "llmsvc"
+    if field == "request_id":  # a refused id is not sent back
+        assert "request_id" not in d["ErrorInfo"].metadata
     if reason is not None:
         assert d["ErrorInfo"].reason == reason
         assert int(d["ErrorInfo"].metadata["max_model_len"]) == MAX_MODEL_LEN

@@ -109,13 +109,15 @@ class LlmService(pb_grpc.LlmServiceServicer):
     async def Generate(self, request, context):
         start_ns = time.time_ns()
         rid = self._request_id(request, context)
-        request_id_var.set(rid)  # this RPC's task only
-        request_labels_var.set(dict(request.labels) or None)
         tracker = params = ids = None
         code, message = grpc.StatusCode.OK, ""
+        rid_ok = False  # a refused id is not echoed (logs, error details): it may be huge or hold control characters
         try:
             self._check_serving()
             check_request_id(rid)
+            rid_ok = True
+            request_id_var.set(rid)  # this RPC's task only
+            request_labels_var.set(dict(request.labels) or None)
             remaining = context.time_remaining()
             if remaining is not None and remaining <= 0:
                 raise errors.ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline expired before admission")
@@ -179,10 +181,10 @@ class LlmService(pb_grpc.LlmServiceServicer):
             if self.tracer is not None:  # the span's status; abort() maps it again for the call
                 err = errors.to_service_error(e)
                 code, message = err.code, err.message
-            await errors.abort(context, e, rid)
+            await errors.abort(context, e, rid if rid_ok else None)
         finally:
             if self.tracer is not None:
-                self._trace(rid, context, start_ns, code, message, params, ids, tracker)
+                self._trace(rid if rid_ok else "", context, start_ns, code, message, params, ids, tracker)
 
     def _trace(self, rid, context, start_ns, code, message, params, ids, tracker) -> None:
         remaining = context.time_remaining()

@@ -62,10 +62,12 @@ class ModelLimits:
 
 
 def check_request_id(rid: str) -> None:
+    """The id goes back in the x-request-id response header: gRPC takes printable ASCII there."""
     if len(rid) > MAX_REQUEST_ID_CHARS:
         raise invalid("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}")
-    if any(not c.isprintable() for c in rid):
-        raise invalid("request_id", "must contain printable characters only")
+    if any(not " " <= c <= "~" for c in rid):
+        raise invalid("request_id", "must contain printable ASCII characters only (it is echoed in the "
+                                    "x-request-id response header)")
 
 
 def check_labels(labels) -> None:
