@@ -100,6 +100,8 @@ BAD = [  # (request, field the status must name, ErrorInfo.reason or None)
     (text_req(request_id="x" * 10_000), "request_id", None),  # echoed, it would pass 8 KiB of trailers
     (text_req(request_id="bad\nid"), "request_id", None),
     (text_req(request_id="ünïcødé"), "request_id", None),  # not allowed in the x-request-id header
+    (text_req(labels={"tenant": "x" * 100_000}), "labels", None),  # in every log line of the request
+    (text_req(labels={"k" * 100_000: "v"}), "labels", None),
 ]
 
 

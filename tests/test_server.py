@@ -146,6 +146,12 @@ def test_cancel_mid_stream_frees_blocks(srv):
 def test_abort_rpc_ends_ok_with_partial_output(srv):
     call = srv.stub.Generate(gen(max_tokens=200, stream=True, request_id="to-abort"))
     first = next(call)
+    # a reason every aborted stream would carry back is bounded: refused, nothing aborted
+    for bad in ("x" * 5_000_000, "two\nlines"):
+        with pytest.raises(grpc.RpcError) as ei:
+            srv.stub.Abort(pb.AbortRequest(request_ids=["to-abort"], reason=bad))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "reason" in ei.value.details()
+        assert len(ei.value.details()) < 200
     resp = srv.stub.Abort(pb.AbortRequest(request_ids=["to-abort", "unknown"], reason="user stop"))
     assert list(resp.aborted) == ["to-abort"] and list(resp.not_found) == ["unknown"]
     rest = list(call)  # ends with status OK

@@ -26,8 +26,8 @@ from llmsvc.server.prompt import encode, has_chat_template, render_chat
 from llmsvc.server.prompt import resolve_prompt
 from llmsvc.server.responses import ResponseBuilder
 from llmsvc.server.rpc_wrap import final_code
-from llmsvc.server.validation import (ModelLimits, build_sampling_params, check_labels, check_prompt_fits,
-                                      check_request_id, check_token_ids)
+from llmsvc.server.validation import (ModelLimits, build_sampling_params, check_abort_reason, check_labels,
+                                      check_prompt_fits, check_request_id, check_token_ids)
 from llmsvc.v1 import llmsvc_pb2 as pb
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
 
@@ -207,6 +207,10 @@ class LlmService(pb_grpc.LlmServiceServicer):
 
     # ---- small RPCs ---------------------------------------------------------------------
     async def Abort(self, request, context):
+        try:
+            check_abort_reason(request.reason)  # every aborted stream gets it back
+        except Exception as e:  # noqa: BLE001
+            await errors.abort(context, e)
         if self.engine is None:
             return pb.AbortResponse(not_found=list(request.request_ids))
         not_found = set(self.engine.abort(list(request.request_ids), reason=request.reason or "aborted by client"))

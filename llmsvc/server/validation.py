@@ -24,6 +24,8 @@ SAMPLING_FIELDS = {
 }
 MAX_REQUEST_ID_CHARS = 256
 MAX_LABELS = 64
+MAX_LABEL_CHARS = 256  # a label's key or value: each goes into every log line of the request and a metric series
+MAX_ABORT_REASON_CHARS = 256  # sent back in each aborted stream's FinishInfo.abort_reason
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -73,6 +75,18 @@ def check_request_id(rid: str) -> None:
 def check_labels(labels) -> None:
     if len(labels) > MAX_LABELS:
         raise invalid("labels", f"at most {MAX_LABELS} labels, got {len(labels)}")
+    for key, value in labels.items():
+        if len(key) > MAX_LABEL_CHARS or len(value) > MAX_LABEL_CHARS:
+            name = key if len(key) <= 32 else key[:32] + "..."  # a refused key is not echoed whole
+            raise invalid("labels", f"label {name!r}: keys and values must be at most {MAX_LABEL_CHARS} "
+                                    f"characters, got {len(key)} and {len(value)}")
+
+
+def check_abort_reason(reason: str) -> None:
+    if len(reason) > MAX_ABORT_REASON_CHARS:
+        raise invalid("reason", f"must be at most {MAX_ABORT_REASON_CHARS} characters, got {len(reason)}")
+    if not reason.isprintable():
+        raise invalid("reason", "must contain printable characters only")
 
 
 MAX_TOOLS = 128
