@@ -102,6 +102,8 @@ BAD = [  # (request, field the status must name, ErrorInfo.reason or None)
     (text_req(request_id="ünïcødé"), "request_id", None),  # not allowed in the x-request-id header
     (text_req(labels={"tenant": "x" * 100_000}), "labels", None),  # in every log line of the request
     (text_req(labels={"k" * 100_000: "v"}), "labels", None),
+    (pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="r" * 100_000, content="hi")])),
+     "chat.messages[0].role", None),  # the message quotes the role: clipped
 ]
 
 
@@ -125,6 +127,16 @@ def test_bad_input_is_invalid_argument_naming_the_field(srv, request_, field, re
         assert d["ErrorInfo"].reason == reason
         assert int(d["ErrorInfo"].metadata["max_model_len"]) == MAX_MODEL_LEN
         assert int(d["ErrorInfo"].metadata["prompt_tokens"]) >= MAX_MODEL_LEN - 1
+
+
+def test_an_unknown_adapter_name_of_any_length_is_not_found(srv):
+    # the message names the adapter asked for: clipped, the status stays NOT_FOUND (unclipped, the
+    # trailers passed what a client accepts and it saw RESOURCE_EXHAUSTED)
+    for name in ("nope", "L" * 100_000):
+        with pytest.raises(grpc.RpcError) as ei:
+            list(srv.stub.Generate(text_req(lora_name=name), timeout=30))
+        assert ei.value.code() == grpc.StatusCode.NOT_FOUND, (ei.value.code(), ei.value.details()[:100])
+        assert name[:100] in ei.value.details() and len(ei.value.details()) <= 1024
 
 
 def test_negative_token_ids_cannot_be_encoded():

@@ -37,15 +37,19 @@ class ServiceError(Exception):
         self.retry_delay_s = retry_delay_s
 
     def to_status(self, request_id: str | None = None) -> grpc.Status:
+        # Messages may quote what the client sent (an unknown adapter name, a bad role): clipped,
+        # so that the status and its details stay well inside the 8 KiB of trailers a gRPC
+        # client accepts; past that it would see RESOURCE_EXHAUSTED instead of this status.
+        message = _clip(self.message, MAX_MESSAGE_CHARS)
         details: list = []
         if self.field is not None:
             # the description says what is wrong with the field, without naming it again (the
             # status message does: "sampling.top_p: must be in (0, 1], got 0")
-            description = self.message.removeprefix(f"{self.field}: ")
+            description = message.removeprefix(f"{self.field}: ")
             details.append(error_details_pb2.BadRequest(field_violations=[
                 error_details_pb2.BadRequest.FieldViolation(field=self.field, description=description)]))
         if self.reason or self.code == grpc.StatusCode.INTERNAL:
-            md = dict(self.metadata)
+            md = {k: _clip(v, MAX_METADATA_CHARS) for k, v in self.metadata.items()}
             if request_id:
                 md["request_id"] = request_id
             details.append(error_details_pb2.ErrorInfo(reason=self.reason or "INTERNAL", domain=DOMAIN, metadata=md))
@@ -58,12 +62,20 @@ class ServiceError(Exception):
             a = any_pb2.Any()
             a.Pack(d)
             packed.append(a)
-        status = rpc_status.to_status(status_pb2.Status(code=self.code.value[0], message=self.message, details=packed))
+        status = rpc_status.to_status(status_pb2.Status(code=self.code.value[0], message=message, details=packed))
         if self.retry_delay_s is None:
             return status
         # the same delay where gRPC's own retry policy reads it (gRFC A6 server pushback)
         pushback = (("grpc-retry-pushback-ms", str(round(self.retry_delay_s * 1000))),)
         return status._replace(trailing_metadata=(*status.trailing_metadata, *pushback))
+
+
+MAX_MESSAGE_CHARS = 1024
+MAX_METADATA_CHARS = 256
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def invalid(field: str, message: str, reason: str = "INVALID_ARGUMENT", **metadata) -> ServiceError:
@@ -155,8 +167,7 @@ def _first_line(exc: BaseException) -> str:
     worker's failure text carries its traceback (the server log has it whole); sent as is, it
     would reach clients and could pass the 8 KiB of trailers a gRPC client accepts, which then
     reports RESOURCE_EXHAUSTED instead of this status."""
-    line = str(exc).strip().split("\n", 1)[0]
-    return line if len(line) <= _MAX_CAUSE_CHARS else line[:_MAX_CAUSE_CHARS - 3] + "..."
+    return _clip(str(exc).strip().split("\n", 1)[0], _MAX_CAUSE_CHARS)
 
 
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException, request_id: str | None = None):
