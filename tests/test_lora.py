@@ -202,6 +202,8 @@ def test_grpc_load_and_unload_adapters_while_serving(served):
         assert code(c.unload_lora_adapter, "some") == (grpc.StatusCode.NOT_FOUND, "LORA_NOT_FOUND")
         bad = code(c.load_lora_adapter, "broken", "/no/such/adapter")
         assert bad == (grpc.StatusCode.INVALID_ARGUMENT, "LORA_LOAD_FAILED")
+        for name in ("n" * 100_000, "two\nlines"):  # a name goes into logs, metrics and messages
+            assert code(c.load_lora_adapter, name, adapters["some"])[0] == grpc.StatusCode.INVALID_ARGUMENT
         # the name "all" now means other weights: nothing cached under the old load is reused
         c.unload_lora_adapter("all")
         c.load_lora_adapter("all", adapters["some"])

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from llmsvc.core.errors import InvalidRequestError, LoRAAdminError, LoRANotFoundError
 
+MAX_NAME_CHARS = 256  # an adapter loaded while serving
+
 
 @dataclass(frozen=True)
 class LoRAEntry:
@@ -61,6 +63,8 @@ class LoRARegistry:
                                  "--max-loras for the adapters to hold at once), or LLM(enable_lora=True)")
         if not name or not path:
             raise InvalidRequestError("lora_name" if not name else "lora_path", "must not be empty")
+        if len(name) > MAX_NAME_CHARS or not name.isprintable():  # it goes into logs, metrics and messages
+            raise InvalidRequestError("lora_name", f"must be at most {MAX_NAME_CHARS} printable characters")
         if name in self._entries:
             raise LoRAAdminError("LORA_EXISTS", f"a LoRA adapter named {name!r} is loaded already "
                                  f"(from {self._entries[name].path}); unload it first")
