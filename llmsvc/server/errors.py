@@ -40,7 +40,7 @@ class ServiceError(Exception):
         # Messages may quote what the client sent (an unknown adapter name, a bad role): clipped,
         # so that the status and its details stay well inside the 8 KiB of trailers a gRPC
         # client accepts; past that it would see RESOURCE_EXHAUSTED instead of this status.
-        message = _clip(self.message, MAX_MESSAGE_CHARS)
+        message = clip(self.message, MAX_MESSAGE_CHARS)
         details: list = []
         if self.field is not None:
             # the description says what is wrong with the field, without naming it again (the
@@ -49,7 +49,7 @@ class ServiceError(Exception):
             details.append(error_details_pb2.BadRequest(field_violations=[
                 error_details_pb2.BadRequest.FieldViolation(field=self.field, description=description)]))
         if self.reason or self.code == grpc.StatusCode.INTERNAL:
-            md = {k: _clip(v, MAX_METADATA_CHARS) for k, v in self.metadata.items()}
+            md = {k: clip(v, MAX_METADATA_CHARS) for k, v in self.metadata.items()}
             if request_id:
                 md["request_id"] = request_id
             details.append(error_details_pb2.ErrorInfo(reason=self.reason or "INTERNAL", domain=DOMAIN, metadata=md))
@@ -74,7 +74,8 @@ MAX_MESSAGE_CHARS = 1024
 MAX_METADATA_CHARS = 256
 
 
-def _clip(text: str, limit: int) -> str:
+def clip(text: str, limit: int) -> str:
+    """text, or its first limit - 3 characters and "..." when longer (what a reply quotes of a request)."""
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
@@ -167,7 +168,7 @@ def _first_line(exc: BaseException) -> str:
     worker's failure text carries its traceback (the server log has it whole); sent as is, it
     would reach clients and could pass the 8 KiB of trailers a gRPC client accepts, which then
     reports RESOURCE_EXHAUSTED instead of this status."""
-    return _clip(str(exc).strip().split("\n", 1)[0], _MAX_CAUSE_CHARS)
+    return clip(str(exc).strip().split("\n", 1)[0], _MAX_CAUSE_CHARS)
 
 
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException, request_id: str | None = None):

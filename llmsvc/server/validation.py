@@ -15,7 +15,7 @@ from llmsvc.engine import validation as rules
 from llmsvc.core.errors import InvalidRequestError
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
 from llmsvc.server.constraints import served_constraints, structured_outputs_from_proto
-from llmsvc.server.errors import invalid, to_service_error
+from llmsvc.server.errors import clip, invalid, to_service_error
 
 # proto field -> (SamplingParams field, neutral value); generation_config uses the same names
 SAMPLING_FIELDS = {
@@ -77,8 +77,7 @@ def check_labels(labels) -> None:
         raise invalid("labels", f"at most {MAX_LABELS} labels, got {len(labels)}")
     for key, value in labels.items():
         if len(key) > MAX_LABEL_CHARS or len(value) > MAX_LABEL_CHARS:
-            name = key if len(key) <= 32 else key[:32] + "..."  # a refused key is not echoed whole
-            raise invalid("labels", f"label {name!r}: keys and values must be at most {MAX_LABEL_CHARS} "
+            raise invalid("labels", f"label {clip(key, 35)!r}: keys and values must be at most {MAX_LABEL_CHARS} "
                                     f"characters, got {len(key)} and {len(value)}")
 
 
