@@ -25,7 +25,9 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    s = live_server(tiny_model_dir(tmp_path_factory))
+    model_dir = tiny_model_dir(tmp_path_factory)
+    s = live_server(model_dir)
+    s.model_dir = model_dir
     witness = Witness(s, 0, max_tokens=200, read_delay=0.02).start()  # streams alongside the bad input
     yield s
     try:
@@ -169,6 +171,30 @@ def test_prompt_logprobs_survive_preemption(srv):
         [(lp.token_id, round(lp.logprob, 4)) for lp in alone.prompt.logprobs]
     finals = [m for m in msgs if m.HasField("finish")]
     assert sorted(m.finish.reason for m in finals) == [pb.FinishInfo.REASON_CONTEXT] * 2
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_prompt_logprobs_of_a_prompt_longer_than_one_step(srv, stream):
+    # 200 prompt tokens under a 128-token budget: two prefill chunks. Only the first chunk's
+    # positions used to reach the client (its PromptInfo went out before the second chunk ran)
+    import torch
+
+    from tests.model_utils import load_hf_model
+    prompt = [(7 * i + 3) % TINY_VOCAB for i in range(200)]
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), stream=stream, sampling=GREEDY,
+                             stopping=ST(max_tokens=3, ignore_eos=True), output=O(prompt_logprobs=2))
+    msgs = list(srv.stub.Generate(req, timeout=60))
+    (info,) = [m.prompt for m in msgs if m.HasField("prompt")]
+    assert msgs[0].HasField("prompt") and msgs[0].token_ids  # sent once, with the first token
+    assert info.num_prompt_tokens == 200 and [lp.token_id for lp in info.logprobs] == prompt
+    assert not info.logprobs[0].HasField("logprob") and all(lp.HasField("logprob") for lp in info.logprobs[1:])
+    with torch.no_grad():
+        ref = torch.log_softmax(load_hf_model(srv.model_dir)(torch.tensor([prompt])).logits[0].float(), -1)
+    got = torch.tensor([lp.logprob for lp in info.logprobs[1:]])
+    assert torch.allclose(got, ref[torch.arange(199), torch.tensor(prompt[1:])], atol=1e-4)
+    for pos in (1, 128, 199):  # either side of the chunk border
+        top = info.logprobs[pos].top_logprobs
+        assert [t.token_id for t in top] == ref[pos - 1].topk(2).indices.tolist()
 
 
 def test_oversized_message_is_resource_exhausted(srv):

@@ -52,7 +52,9 @@ def merge_delta(pending: RequestOutput, new: RequestOutput) -> None:
         old.num_output_tokens = c.num_output_tokens
     pending.finished = new.finished
     pending.num_cached_tokens = new.num_cached_tokens
-    if pending.prompt_logprobs is None:
+    if new.prompt_logprobs:  # DELTA: positions not sent before
+        pending.prompt_logprobs = [*(pending.prompt_logprobs or ()), *new.prompt_logprobs]
+    elif pending.prompt_logprobs is None:
         pending.prompt_logprobs = new.prompt_logprobs
     pending.metrics = new.metrics or pending.metrics
     pending.abort_reason = new.abort_reason or pending.abort_reason

@@ -54,16 +54,14 @@ class RequestState:
         if self.finished:
             return False
         now = time.time() if now is None else now
-        self.changed = True
+        new_ids = out.new_token_ids
+        # a prefill chunk that only brings prompt logprobs is no output of its own: they go out
+        # whole, with the first token (as vLLM's), so PromptInfo is sent once and complete
+        prompt_done = self._add_prompt_logprobs(out.new_prompt_logprobs)
+        self.changed = self.changed or bool(new_ids) or out.finish_reason is not None or prompt_done
         self.num_cached_tokens = out.num_cached_tokens
         self.first_scheduled_time = self.first_scheduled_time or out.first_scheduled_time
         self.num_preemptions = out.num_preemptions
-        if out.new_prompt_logprobs and self.prompt_logprobs is not None:
-            for lp in out.new_prompt_logprobs:
-                pos = len(self.prompt_logprobs)
-                self.prompt_logprobs.append(None if lp is None else self._convert(
-                    self.prompt_token_ids[pos], lp, self.params.prompt_logprobs))
-        new_ids = out.new_token_ids
         lps = out.new_logprobs or [None] * len(new_ids)
         if new_ids:
             self.first_token_time = self.first_token_time or now
@@ -85,6 +83,19 @@ class RequestState:
         if out.finish_reason is not None:
             self.finish(out.finish_reason, out.stop_reason)
         return False
+
+    def _add_prompt_logprobs(self, entries) -> bool:
+        """Append one chunk's prompt-logprob entries; True once every prompt position has one."""
+        if not entries or self.prompt_logprobs is None:
+            return False
+        for lp in entries:
+            pos = len(self.prompt_logprobs)
+            self.prompt_logprobs.append(None if lp is None else self._convert(
+                self.prompt_token_ids[pos], lp, self.params.prompt_logprobs))
+        return self._prompt_logprobs_complete()
+
+    def _prompt_logprobs_complete(self) -> bool:
+        return len(self.prompt_logprobs) >= len(self.prompt_token_ids)
 
     def _append(self, ids: list[int], lps: list) -> None:
         self.token_ids.extend(ids)
@@ -158,6 +169,8 @@ class RequestState:
     def take_prompt_logprobs(self, kind: RequestOutputKind):
         if self.prompt_logprobs is None:
             return None
+        if not self.finished and not self._prompt_logprobs_complete():
+            return None  # still prefilling: nothing until the whole prompt is in
         start = self.sent_prompt_logprobs if kind == RequestOutputKind.DELTA else 0
         self.sent_prompt_logprobs = len(self.prompt_logprobs)
         return self.prompt_logprobs[start:]
