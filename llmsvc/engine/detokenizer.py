@@ -40,31 +40,19 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(tail)
         self.output_start = len(tail)
-        self._special = set(getattr(tokenizer, "all_special_ids", ()) or ())
         self._prefix_text: str | None = None  # decode(ids[prefix_offset:read_offset]), cached
         self.output_text = ""  # confirmed text so far
         self._backend_decode = _backend_decode(tokenizer)
 
     def decode(self, ids: list[int]) -> str:
-        if self.skip_special_tokens or not self.spaces_between_special_tokens or not self._special:
-            if self._backend_decode is not None:
-                return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
-            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                         clean_up_tokenization_spaces=False)
-        # special tokens stand alone, separated by single spaces from neighbouring text (vLLM)
-        pieces: list[str] = []
-        run: list[int] = []
-        for t in ids:
-            if t in self._special:
-                if run:
-                    pieces.append(self.tokenizer.decode(run, clean_up_tokenization_spaces=False))
-                    run = []
-                pieces.append(self.tokenizer.convert_ids_to_tokens(t))
-            else:
-                run.append(t)
-        if run:
-            pieces.append(self.tokenizer.decode(run, clean_up_tokenization_spaces=False))
-        return " ".join(pieces)
+        """What `tokenizer.decode(ids)` gives. spaces_between_special_tokens reaches only
+        tokenizers without a `tokenizers` backend, as in transformers and vLLM: a fast tokenizer
+        writes special tokens as they are, with no spaces added."""
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
+        kw = {} if self.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False, **kw)
 
     def _window_text(self) -> tuple[str, str]:
         if self._prefix_text is None:
