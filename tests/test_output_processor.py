@@ -175,19 +175,31 @@ def test_abort_gives_final_output_next_step(tok):
 
 
 def test_min_tokens_gates_stop_strings(tok):
-    # a stop string that ends within the first min_tokens tokens does not finish the request
+    # a stop string must end in the text of a token after the first min_tokens (vLLM's rule):
+    # one ending within them, or at token min_tokens itself, stays in the text
     text = "a, b, c, d, e, f, g, h, i, j, k"
     params = SamplingParams(stop=[","], min_tokens=8, output_kind=CUMULATIVE)
     outs, stopped_at, ids = drive(tok, text, params)
     assert stopped_at is not None
-    assert stopped_at + 1 >= 8  # number of tokens generated when the stop string matched
+    assert stopped_at + 1 > 8  # number of tokens generated when the stop string matched
     pieces = [tok.decode(ids[:k + 1]) for k in range(len(ids))]
-    first_allowed = next(k for k in range(7, len(ids)) if pieces[k].count(",") > pieces[6].count(","))
+    first_allowed = next(k for k in range(8, len(ids)) if pieces[k].count(",") > pieces[7].count(","))
     assert stopped_at == first_allowed
     final = outs[-1].outputs[0]
     assert final.finish_reason == "stop" and final.stop_reason == ","
     assert final.text == pieces[first_allowed][:pieces[first_allowed].rfind(",")]
     assert final.text.count(",") >= 2  # the commas before min_tokens stayed in the text
+
+
+def test_stop_string_completed_by_token_min_tokens_does_not_stop(tok):
+    text = "one two, three four, five"
+    ids = tok.encode(text)
+    comma = next(k for k in range(len(ids)) if "," in tok.decode(ids[:k + 1]))  # 0-based
+    _, stopped_at, _ = drive(tok, text, SamplingParams(stop=[","], min_tokens=comma, output_kind=CUMULATIVE))
+    assert stopped_at == comma  # the comma is token min_tokens + 1: it stops
+    outs, stopped_at, _ = drive(tok, text, SamplingParams(stop=[","], min_tokens=comma + 1, output_kind=CUMULATIVE))
+    assert stopped_at > comma  # the comma is token min_tokens: it does not
+    assert outs[-1].outputs[0].text == "one two, three four"
 
 
 @pytest.mark.parametrize("engine_interval,request_interval,expect", [(3, None, 3), (1, 4, 4), (4, 2, 4)])

@@ -107,8 +107,9 @@ class RequestState:
                 self.cumulative_logprob += lp.logprob
 
     def _may_stop(self) -> bool:
-        """min_tokens gates stop strings as it gates EOS and stop tokens (the scheduler's check)."""
-        return len(self.token_ids) >= self.params.min_tokens
+        """A stop string counts only in the text of a token after the first min_tokens, as EOS and
+        stop tokens can only be token min_tokens + 1 or later (vLLM's rule)."""
+        return len(self.token_ids) > self.params.min_tokens
 
     def _add_text(self, delta: str, may_stop: bool) -> bool:
         if not delta:
