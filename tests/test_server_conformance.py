@@ -42,6 +42,16 @@ def test_seed_echoed_per_index(srv):
     assert [out[i].finish.seed for i in range(3)] == [40, 41, 42]  # index i samples with seed + i
 
 
+def test_index_seeds_wrap_below_the_largest_seed_a_request_may_send(srv):
+    top = 2 ** 63 - 1
+    req = pb.GenerateRequest(text="hi", sampling=SP(n=3, seed=top, temperature=0.7), stopping=ST(max_tokens=3))
+    out = finals(srv, req)
+    assert [out[i].finish.seed for i in range(3)] == [top, 0, 1]  # (seed + i) mod 2^63
+    again = finals(srv, pb.GenerateRequest(text="hi", sampling=SP(n=1, seed=out[1].finish.seed, temperature=0.7),
+                                           stopping=ST(max_tokens=3)))
+    assert list(again[0].token_ids) == list(out[1].token_ids)  # index 1's seed sent back reproduces it
+
+
 def test_unseeded_sampling_echoes_the_seed_it_used(srv):
     req = pb.GenerateRequest(text="hi", sampling=SP(n=2, temperature=0.7), stopping=ST(max_tokens=3))
     out = finals(srv, req)

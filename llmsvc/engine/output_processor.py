@@ -17,6 +17,7 @@ import time
 
 from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.engine.request_state import RequestState
+from llmsvc.engine.validation import MAX_SEED
 from llmsvc.outputs import ABORT, RequestMetrics, RequestOutput
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
 
@@ -26,10 +27,11 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 
 def child_sampling_params(params: SamplingParams, index: int) -> SamplingParams:
-    """n=1 copy of the parent's params; seeded children get distinct seeds (seed + index)."""
+    """n=1 copy of the parent's params; seeded children get distinct seeds, (seed + index) mod
+    MAX_SEED: each reported seed is one a request may send back."""
     if params.n == 1:
         return params
-    seed = None if params.seed is None else params.seed + index
+    seed = None if params.seed is None else (params.seed + index) % MAX_SEED
     return dataclasses.replace(params, n=1, seed=seed)
 
 
