@@ -27,10 +27,11 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # one dict per token: sampled + top-k
     finish_reason: str | None = None  # None while running
-    # what matched: int = EOS or stop token id, str = stop string, None otherwise
+    # what matched: int = stop token id, str = stop string, None otherwise (an EOS too, as vLLM)
     stop_reason: int | str | None = None
     num_output_tokens: int = 0  # cumulative, also in DELTA mode
     seed: int | None = None  # the seed this index sampled with (the request's seed + index)
+    eos_token_id: int | None = None  # the EOS token that ended it (finish "stop", stop_reason None)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -10,7 +10,7 @@ import pytest
 from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmsvc.server.app import default_engine_factory
 from llmsvc.v1 import llmsvc_pb2 as pb
-from tests.server_harness import ServerThread, make_tiny_served_model_dir
+from tests.server_harness import EOS, ServerThread, make_tiny_served_model_dir
 from tests.test_server import free_blocks_back
 
 ST = pb.StoppingCriteria
@@ -136,3 +136,18 @@ def test_default_model_chat_and_stop(tmp_path):
         assert m.finish.reason == pb.FinishInfo.REASON_STOP and m.finish.stop_string == "Paris"
         assert "Paris" not in m.text and text.startswith(m.text)
         free_blocks_back(s)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_finish_names_the_eos_or_the_stop_token(tiny, stream):
+    # FinishInfo.matched: an EOS is eos_token_id, a requested stop token stop_token_id (the engine
+    # reports an EOS with stop_reason None, as vLLM; the server must still name it)
+    def finish(**sampling):
+        req = pb.GenerateRequest(text="hello", stream=stream, sampling=pb.SamplingParams(temperature=0.0, **sampling),
+                                 stopping=ST(max_tokens=8, stop_token_ids=[7]))
+        (f,) = [m.finish for m in tiny.stub.Generate(req, timeout=60) if m.HasField("finish")]
+        return f
+    f = finish(logit_bias={EOS: 100.0})
+    assert f.reason == pb.FinishInfo.REASON_STOP and f.WhichOneof("matched") == "eos_token_id" and f.eos_token_id == EOS
+    f = finish(logit_bias={7: 100.0})
+    assert f.reason == pb.FinishInfo.REASON_STOP and f.WhichOneof("matched") == "stop_token_id" and f.stop_token_id == 7

@@ -49,6 +49,7 @@ def merge_delta(pending: RequestOutput, new: RequestOutput) -> None:
         old.cumulative_logprob = c.cumulative_logprob
         old.finish_reason = c.finish_reason
         old.stop_reason = c.stop_reason
+        old.eos_token_id = c.eos_token_id
         old.num_output_tokens = c.num_output_tokens
     pending.finished = new.finished
     pending.num_cached_tokens = new.num_cached_tokens

@@ -31,6 +31,7 @@ class RequestState:
         self.text = ""  # detokenized output, cut at a matched stop string
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.eos_token_id: int | None = None
         self.num_cached_tokens = 0
         self.first_scheduled_time: float | None = None
         self.num_preemptions = 0
@@ -132,6 +133,8 @@ class RequestState:
         self.changed = True
         if self.detokenizer is not None and self._add_text(self.detokenizer.flush(), self._may_stop()):
             return  # the flushed text completed a stop string
+        if reason == STOP and isinstance(stop_reason, int) and stop_reason not in self.params.stop_token_ids:
+            self.eos_token_id, stop_reason = stop_reason, None  # the core's stop token was an EOS
         self.finish_reason, self.stop_reason = reason, stop_reason
 
     def _convert(self, token_id: int, lp: SampleLogprobs, k: int | None) -> dict[int, Logprob]:
@@ -165,7 +168,7 @@ class RequestState:
         return CompletionOutput(
             index=self.index, text=text, token_ids=ids, cumulative_logprob=self.cumulative_logprob,
             logprobs=lps, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-            num_output_tokens=len(self.token_ids), seed=self.params.seed)
+            num_output_tokens=len(self.token_ids), seed=self.params.seed, eos_token_id=self.eos_token_id)
 
     def take_prompt_logprobs(self, kind: RequestOutputKind):
         if self.prompt_logprobs is None:

@@ -78,11 +78,10 @@ def token_logprobs(comp: CompletionOutput, k: int, token_text: TokenText | None)
 class ResponseBuilder:
     """Per-request state for turning engine outputs into GenerateResponse messages."""
 
-    def __init__(self, request_id: str, req, params, eos_token_ids, tokenizer) -> None:
+    def __init__(self, request_id: str, req, params, tokenizer) -> None:
         self.request_id = request_id
         self.opts = req.output
         self.params = params
-        self.eos = set(eos_token_ids or [])
         self.want_text = self.opts.text if self.opts.HasField("text") else True
         self.want_ids = self.opts.token_ids if self.opts.HasField("token_ids") else True
         self.token_text = TokenText(tokenizer) if self.opts.token_text and tokenizer is not None else None
@@ -110,10 +109,9 @@ class ResponseBuilder:
         if isinstance(sr, str):
             f.stop_string = sr
         elif isinstance(sr, int) and not isinstance(sr, bool):
-            if sr in self.eos and sr not in self.params.stop_token_ids:
-                f.eos_token_id = sr
-            else:
-                f.stop_token_id = sr
+            f.stop_token_id = sr
+        elif comp.eos_token_id is not None:
+            f.eos_token_id = comp.eos_token_id
         f.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=comp.num_output_tokens,
                                   cached_tokens=out.num_cached_tokens))
         if comp.seed is not None:

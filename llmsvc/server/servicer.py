@@ -129,7 +129,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
             params = build_sampling_params(request, self.limits)
             prompt, ids = await off_loop_if_large(request, resolve_prompt, request, self.tokenizer, self.limits)
             check_prompt_fits(params, len(ids), self.limits)
-            builder = ResponseBuilder(rid, request, params, self.config.model_config.eos_token_ids, self.tokenizer)
+            builder = ResponseBuilder(rid, request, params, self.tokenizer)
             logger.debug("request %s admitted: %d prompt tokens, traceparent=%s", rid, len(ids),
                          dict(context.invocation_metadata() or ()).get("traceparent"))
             # headers (the id, before prefill) once the engine took it: a refusal before then
