@@ -7,6 +7,7 @@ model once (`llmsvc.models.resolve.resolve_model_config`, which fills the fields
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +19,8 @@ for _i, _p in enumerate("kmgt", start=1):
 DTYPES = ("float32", "bfloat16", "float16")  # ModelConfig.dtype names; torch's via models.llama.to_torch_dtype
 # what --dtype accepts: "auto" is the checkpoint's own dtype, resolved by resolve_model_config
 DTYPE_CHOICES = ("auto", *DTYPES)
-# none: every weight dequantized to the compute dtype at load; gguf: a GGUF's Q4_0 / Q4_1 / Q8_0
-# linear weights multiplied as blocks on the CPU, in float32 (llmsvc/models/gguf_blocks.py)
+# none: every weight dequantized to the compute dtype at load; gguf: a GGUF's Q4_0 ... Q8_0, Q4_K,
+# Q5_K and Q6_K linear weights multiplied as blocks on the CPU, in float32 (models/gguf_blocks.py)
 QUANTIZATION_CHOICES = ("none", "gguf")
 MEMORY_SIZE_HELP = "K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000"
 
@@ -259,4 +260,28 @@ class EngineConfig:
         if config.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
                              f"got {config.logprobs_mode!r}")
+        _check_sizes(config)
         return config
+
+
+def _check_sizes(config: EngineConfig) -> None:
+    """ValueError for a size that can never work (a zero token budget would leave every
+    request waiting forever; a zero block size divides by zero later)."""
+    sc, cc, pc, mc = config.scheduler_config, config.cache_config, config.parallel_config, config.model_config
+    for name, value, lo in (
+            ("max_num_seqs", sc.max_num_seqs, 1), ("max_num_batched_tokens", sc.max_num_batched_tokens, 1),
+            ("stream_interval", sc.stream_interval, 1), ("max_waiting_requests", sc.max_waiting_requests, 0),
+            ("block_size", cc.block_size, 1), ("kv_cache_memory_bytes", cc.kv_cache_memory_bytes, 1),
+            ("tensor_parallel_size", pc.tensor_parallel_size, 1), ("nnodes", pc.nnodes, 1),
+            ("node_rank", pc.node_rank, 0), ("seed", mc.seed, 0), ("grammar_cache_size", config.grammar_cache_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+    if mc.max_model_len is not None and (not isinstance(mc.max_model_len, int) or mc.max_model_len < 1):
+        raise ValueError(f"max_model_len must be an integer >= 1, got {mc.max_model_len!r}")
+    if not 0 <= pc.master_port <= 65535:
+        raise ValueError(f"master_port must be in [0, 65535], got {pc.master_port}")
+    t = config.grammar_compile_timeout_s
+    if not (isinstance(t, (int, float)) and 0 < t < math.inf):
+        raise ValueError(f"grammar_compile_timeout_s must be a positive number of seconds, got {t!r}")
+    if not 0 <= sc.burst_wait_ms < math.inf:
+        raise ValueError(f"burst_wait_ms must be >= 0, got {sc.burst_wait_ms!r}")

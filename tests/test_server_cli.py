@@ -228,3 +228,68 @@ def test_dtype_names_have_one_source():
         parse(["--dtype", "half"])
     with pytest.raises(ValueError, match="float32, bfloat16, float16"):
         to_torch_dtype("half")
+
+
+def run_serve(args, env=None, timeout=120):
+    import os
+    e = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "llmsvc", "serve", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env=e)
+
+
+@pytest.mark.parametrize("args,env,says", [
+    (["--port", "70000"], None, "argument --port: must be a port in [0, 65535], got 70000"),  # the OS wraps it
+    (["--port", "-1"], None, "argument --port: must be a port in [0, 65535]"),
+    ([], {"LLMSVC_PORT": "abc"}, "LLMSVC_PORT='abc'"),
+    (["--max-num-seqs", "0"], None, "argument --max-num-seqs: must be >= 1"),  # warm-up waited forever
+    ([], {"LLMSVC_MAX_NUM_BATCHED_TOKENS": "0"}, "LLMSVC_MAX_NUM_BATCHED_TOKENS='0': must be >= 1"),
+    (["--tensor-parallel-size", "0"], None, "argument --tensor-parallel-size: must be >= 1"),  # ZeroDivisionError
+    (["--nnodes", "0"], None, "argument --nnodes: must be >= 1"),  # served as if 1
+    (["--block-size", "0"], None, "argument --block-size: must be >= 1"),
+    (["--shutdown-grace", "nan"], None, "argument --shutdown-grace: must be a finite number >= 0"),
+    (["--log-level", "bogus"], None, "argument --log-level: must be one of DEBUG"),  # fell back to INFO
+    ([], {"LLMSVC_LOG_FORMAT": "xml"}, "LLMSVC_LOG_FORMAT='xml': must be one of text, json"),  # choices skipped
+    ([], {"LLMSVC_ENABLE_LORA": "maybe"}, "LLMSVC_ENABLE_LORA='maybe': must be one of 1, true"),  # meant false
+    ([], {"LLMSVC_MAX_LORAS": "0"}, "LLMSVC_MAX_LORAS='0': must be >= 1"),  # a traceback at parser construction
+])
+def test_bad_flag_or_env_value_is_a_usage_error(args, env, says):
+    proc = run_serve(args, env)
+    assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--tensor-parallel-size", "2"], "bad configuration: tensor parallel size 2 does not fit this model"),
+    (["--tokenizer", "/nonexistent"], "bad configuration: tokenizer '/nonexistent' is not a directory"),
+    (["--override-generation-config", '{"temperature": -1}'], "bad configuration: override generation config"),
+    (["--device", "cuda"], "bad configuration: device cuda: torch sees no CUDA GPU here"),
+])
+def test_configuration_that_does_not_fit_is_one_line_and_exit_2(tmp_path, args, says):
+    # found once the model is resolved, in this process and in the engine core's: no traceback
+    import torch
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("a GPU is visible: --device cuda is a valid configuration here")
+    from tests.server_harness import make_tiny_served_model_dir
+    model_dir = make_tiny_served_model_dir(tmp_path, num_attention_heads=3, num_key_value_heads=3, hidden_size=48)
+    proc = run_serve([model_dir, "--port", "0", *args])
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_busy_metrics_port_is_one_line(tmp_path):
+    from tests.server_harness import make_tiny_served_model_dir
+    model_dir = make_tiny_served_model_dir(tmp_path)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = run_serve([model_dir, "--port", "0", "--metrics-port", str(port)])
+    assert proc.returncode == 1 and f"cannot listen for metrics on 127.0.0.1:{port}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_engine_config_refuses_sizes_that_cannot_work():
+    from llmsvc.config import EngineConfig
+    for bad in ({"max_num_seqs": 0}, {"max_num_batched_tokens": -1}, {"block_size": 0}, {"tensor_parallel_size": 0},
+                {"grammar_compile_timeout_s": float("nan")}, {"max_model_len": 0}, {"master_port": 70000}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineConfig.from_options(**bad)

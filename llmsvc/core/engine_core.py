@@ -49,6 +49,10 @@ class EngineCore:
         executor.initialize_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, cache.block_size,
                     num_blocks * cache.block_size)
+        if config.model_config.max_model_len and num_blocks * cache.block_size < config.model_config.max_model_len:
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len (%d): a request longer than "
+                           "the cache is refused (PROMPT_TOO_LONG); raise the KV cache memory or lower "
+                           "max_model_len", num_blocks * cache.block_size, config.model_config.max_model_len)
         self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                                kv_release_window(config.model_config.hf_config))
         max_model_len = config.model_config.max_model_len or _UNBOUNDED_LEN

@@ -21,6 +21,9 @@ from llmsvc.outputs import EngineStats
 
 ADD, ABORT, UTILITY, SHUTDOWN = "add", "abort", "utility", "shutdown"
 READY, OUTPUTS, FAILED, DEAD = "ready", "outputs", "failed", "dead"
+# FAILED carries (kind, text): a configuration that does not fit (the message) or any other error
+# (its traceback)
+FAILED_CONFIG, FAILED_ERROR = "config", "error"
 
 
 @dataclass

@@ -109,7 +109,10 @@ class MPClient(EngineCoreClient):
             raise EngineCoreDeadError(f"engine core did not start in {self.startup_timeout_s:.0f}s")
         if msg[0] != m.READY:
             self.shutdown()
-            raise EngineCoreDeadError(f"engine core failed to start:\n{msg[1]}")
+            kind, text = msg[1]
+            if kind == m.FAILED_CONFIG:  # e.g. --device cuda on a machine without a GPU
+                raise ValueError(text)
+            raise EngineCoreDeadError(f"engine core failed to start:\n{text}")
         info: m.ReadyInfo = msg[1]
         self._max_len, self._stats, self._ready = info.max_len, info.stats, True
         self.device = info.device

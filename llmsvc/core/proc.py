@@ -65,17 +65,24 @@ def run_engine_core(config, in_addr: str, out_addr: str, death_reader, log_level
             from llmsvc.models.resolve import resolve_model_config
 
             config = config.replace(model_config=resolve_model_config(config.model_config, config.device))
-        config = config.replace(device=resolve_device_type(config.device))
+        from llmsvc.models.tp_split import check_tensor_parallel
+        check_tensor_parallel(config.model_config.hf_config, config.parallel_config.tensor_parallel_size)
+        config = config.replace(device=resolve_device_type(config.device))  # before any worker starts
         executor = create_executor(config)
         try:
             core = EngineCore(config, executor, _structured_output_manager(config))
         except BaseException:
             executor.shutdown()
             raise
+    except ValueError as e:  # the configuration does not fit the model or this machine: one line
+        logger.error("engine core failed to start: %s", e)
+        logger.debug("engine core failed to start", exc_info=True)
+        out.send(m.encode((m.FAILED, (m.FAILED_CONFIG, str(e)))))
+        _flush_and_exit(ctx, 1)
     except BaseException:
         msg = traceback.format_exc()
         logger.error("engine core failed to start:\n%s", msg)
-        out.send(m.encode((m.FAILED, msg)))
+        out.send(m.encode((m.FAILED, (m.FAILED_ERROR, msg))))
         _flush_and_exit(ctx, 1)
     out.send(m.encode((m.READY, m.ReadyInfo(os.getpid(), core.max_len, core.stats, config.device))))
     code = EngineCoreLoop(core, inp, out, config.scheduler_config).run()

@@ -44,7 +44,7 @@ SERVER_OPTIONS = (
 
 
 class BindError(OSError):
-    """The gRPC port could not be bound (in use, or not an address of this machine)."""
+    """The gRPC or metrics port could not be bound (in use, or not an address of this machine)."""
 
 
 def default_engine_factory(config, core_start: Future | None = None) -> Callable[[], object]:
@@ -138,7 +138,13 @@ class LlmServer:
         await self.server.start()
         await self.health.starting()
         if self.metrics_http is not None:
-            self.metrics_http.start()
+            try:
+                self.metrics_http.start()
+            except OSError as e:  # in use, or not an address of this machine
+                await self.server.stop(None)
+                self.server = None
+                raise BindError(f"cannot listen for metrics on {self.metrics_http.host}:{self.metrics_http.port}: "
+                                f"{e.strerror or e}") from None
             logger.info("metrics on http://%s:%d/metrics", self.metrics_http.host, self.metrics_http.port)
         mode = "mTLS" if self.tls and self.tls.mutual else "TLS" if self.tls else "plaintext"
         logger.info("listening on %s (%s%s%s)", self.address, mode, ", bearer-token auth" if self.auth else "",

@@ -19,8 +19,9 @@ import signal
 
 from llmsvc.config import DTYPE_CHOICES, LOGPROBS_MODES, MEMORY_SIZE_HELP, QUANTIZATION_CHOICES
 from llmsvc.server import event_loop
-from llmsvc.server.cli_types import (env_default, env_name, fraction, json_object, lora_module, lora_modules_env,
-                                     non_negative_float, non_negative_int, parse_bytes, positive_int)
+from llmsvc.server.cli_types import (LOG_LEVELS, env_default, env_name, fraction, json_object, log_level, lora_module,
+                                     lora_modules_env, non_negative_float, non_negative_int, parse_bytes, port,
+                                     positive_float, positive_int)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action="store_true", default=env_default(name, False, bool), help=f"{kw.pop('help')} [{env}]")
         else:
             shown = f" (default: {default})" if default is not None else ""
-            p.add_argument(flag, type=type_, default=env_default(name, default, type_),
+            p.add_argument(flag, type=type_, default=env_default(name, default, type_, kw.get("choices")),
                            help=f"{kw.pop('help')}{shown} [{env}]", **kw)
 
     p.add_argument("model", nargs="?", default=env_default("model", None),
@@ -39,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--served-model-name", str, None,
         help="the model's name in GetModelInfo and the logs (default: the model argument as given)")
     opt("--host", str, "127.0.0.1", help="address to bind (0.0.0.0: every interface, as in the container image)")
-    opt("--port", int, 50051, help="port to bind (0 = any free port)")
+    opt("--port", port, 50051, help="port to bind (0 = any free port)")
     opt("--engine-core", str, "process", choices=["process", "inline"],
         help="where the scheduler and executor run: process (their own process behind ZeroMQ; this one "
              "keeps gRPC, tokenizing and detokenizing) or inline (a thread of this process)")
@@ -47,17 +48,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="where the model runs: uniproc (the engine core's process), multiproc (a worker process of its "
              "own) or tp (--tensor-parallel-size ranks); auto: uniproc with --engine-core process, multiproc "
              "with inline (either way the gRPC threads and the model never share a GIL)")
-    opt("--tensor-parallel-size", int, 1, help="ranks for --executor tp")
-    opt("--nnodes", int, 1, help="machines sharing the --tensor-parallel-size ranks (multi-node TP)")
-    opt("--node-rank", int, 0, help="this machine's index; 0 serves gRPC, the others run headless workers")
+    opt("--tensor-parallel-size", positive_int, 1, help="ranks for --executor tp")
+    opt("--nnodes", positive_int, 1, help="machines sharing the --tensor-parallel-size ranks (multi-node TP)")
+    opt("--node-rank", non_negative_int, 0, help="this machine's index; 0 serves gRPC, the others run headless workers")
     opt("--master-addr", str, "127.0.0.1", help="address of node 0, where ranks rendezvous (multi-node)")
-    opt("--master-port", int, 0, help="rendezvous port on node 0; required when --nnodes > 1")
+    opt("--master-port", port, 0, help="rendezvous port on node 0; required when --nnodes > 1")
     opt("--dtype", str, "auto", choices=list(DTYPE_CHOICES),
         help="compute and KV-cache dtype; auto: the checkpoint's own (float16 runs as bfloat16 off CUDA)")
     opt("--quantization", str, "none", choices=list(QUANTIZATION_CHOICES),
-        help="gguf: multiply a .gguf model's Q4_0 / Q4_1 / Q8_0 linear weights as blocks (CPU, float32: "
-             "the same logits from a quarter of the weight bytes); none: dequantize every weight at load")
-    opt("--max-model-len", int, None, help="context length (default: the model's)")
+        help="gguf: multiply a .gguf model's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K linear weights "
+             "as stored (CPU, float32: the logits of none, from a fraction of the weight bytes); none: "
+             "dequantize every weight at load")
+    opt("--max-model-len", positive_int, None, help="context length (default: the model's)")
     opt("--chat-template", str, None,
         help="Jinja chat template (a file, or the text itself) replacing the model's own, for chat prompts "
              "(default: the model's tokenizer_config.json)")
@@ -75,21 +77,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--max-lora-rank", positive_int, 16, help="largest LoRA rank accepted; adapter weights are padded to it")
     opt("--max-loras", positive_int, None, help="LoRA adapters loaded at once (every worker keeps a slot for "
         "each; default: the number of --lora-modules, at least 1)")
-    opt("--seed", int, 0, help="seed of the model's random initialisation and of the seeds given to sampled "
+    opt("--seed", non_negative_int, 0, help="seed of the model's random initialisation and of the seeds given to sampled "
         "requests that set none (SamplingParams.seed)")
-    opt("--max-num-seqs", int, 128, help="max requests running at once")
+    opt("--max-num-seqs", positive_int, 128, help="max requests running at once")
     opt("--logprobs-mode", str, "raw_logprobs", choices=list(LOGPROBS_MODES),
         help="sampled tokens' logprobs: the model's distribution, or the one sampled from (after penalties, "
              "temperature, top-k/p, min-p)")
     opt("--max-logprobs", non_negative_int, 20, help="largest logprobs / prompt_logprobs a request may ask for")
-    opt("--max-num-batched-tokens", int, 1024, help="token budget per step")
+    opt("--max-num-batched-tokens", positive_int, 1024, help="token budget per step")
     opt("--kv-cache-memory", parse_bytes, "2GiB", help=f"KV cache budget, e.g. 2GiB or 2G ({MEMORY_SIZE_HELP})")
     opt("--gpu-memory-utilization", fraction, 0.9,
         help="CUDA: the share of the GPU's memory this server may fill; the KV cache gets what the weights "
              "and a profiled step leave of it")
     opt("--enforce-eager", bool, help="CUDA: run every step eagerly, without capturing decode steps in CUDA "
         "graphs")
-    opt("--block-size", int, 16, help="tokens per KV block")
+    opt("--block-size", positive_int, 16, help="tokens per KV block")
     opt("--no-prefix-caching", bool, help="disable prefix caching")
     opt("--max-waiting-requests", non_negative_int, 4096,
         help="admission cap: requests in flight beyond those that can run; past it RESOURCE_EXHAUSTED "
@@ -117,16 +119,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--event-loop", str, "auto", choices=["auto", "uvloop", "asyncio"],
         help="the server's asyncio event loop: uvloop (less CPU per streamed message) or asyncio's own; auto: "
              "uvloop where installed")
-    opt("--grammar-compile-timeout", float, 10.0,
+    opt("--grammar-compile-timeout", positive_float, 10.0,
         help="seconds a structured-output constraint may take to compile; longer fails with INVALID_ARGUMENT")
-    opt("--grammar-cache-size", int, 256, help="compiled structured-output grammars kept (LRU)")
-    opt("--shutdown-grace", float, 30.0,
+    opt("--grammar-cache-size", positive_int, 256, help="compiled structured-output grammars kept (LRU)")
+    opt("--shutdown-grace", non_negative_float, 30.0,
         help="seconds in-flight requests get on SIGTERM (a second SIGTERM/SIGINT ends it)")
-    opt("--log-level", str, "INFO", help="logging level")
+    opt("--log-level", log_level, "INFO", help=f"logging level: {', '.join(LOG_LEVELS)}")
     opt("--log-format", str, "text", choices=["text", "json"], help="log lines as text or one JSON object each")
     opt("--disable-log-requests", bool, help="no INFO line per finished or cancelled request (the periodic "
         "throughput line and the request metrics stay)")
-    opt("--metrics-port", int, 0, help="Prometheus /metrics HTTP port (0 = off)")
+    opt("--metrics-port", port, 0, help="Prometheus /metrics HTTP port (0 = off)")
     opt("--metrics-host", str, None, help="address for the metrics port (default: --host)")
     opt("--metrics-label-keys", str, "",
         help="comma-separated GenerateRequest.labels keys (e.g. tenant) that become Prometheus labels of the "
@@ -141,7 +143,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="file of accepted bearer tokens, one per line; tokens may also come comma-separated from "
              "LLMSVC_AUTH_TOKENS. Health and reflection need no token")
     opt("--admin-token-file", str, None,
-        help="file of the bearer tokens AdminService (Drain, FlushCache) accepts, one per line; also "
+        help="file of the bearer tokens AdminService (Drain, FlushCache, Load/UnloadLoraAdapter) accepts, one per line; also "
              "comma-separated from LLMSVC_ADMIN_TOKENS. Without any, admin calls get PERMISSION_DENIED")
 
 
@@ -199,7 +201,7 @@ def _multi_node(args) -> dict:
     return dict(nnodes=nnodes, node_rank=node_rank, master_addr=addr, master_port=port)
 
 
-def run_headless(args) -> int:
+def run_headless(args, config=None) -> int:
     """Node k > 0 of a multi-node TP group: this machine's ranks, no gRPC server. SIGTERM stops them."""
     import threading
 
@@ -207,7 +209,7 @@ def run_headless(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    return run(build_config(args), stop)
+    return run(build_config(args) if config is None else config, stop)
 
 
 def security_options(args) -> dict:
@@ -234,8 +236,8 @@ def tracing_options(args) -> dict:
         raise ValueError(str(e)) from None
 
 
-async def serve(args, security: dict | None = None) -> int:
-    config = build_config(args)
+async def serve(args, security: dict | None = None, config=None) -> int:
+    config = build_config(args) if config is None else config
     core_start = None
     if config.engine_core == "process":  # the core's interpreter, torch import and model load overlap ours
         import concurrent.futures
@@ -275,26 +277,31 @@ def main(args) -> int:
     from llmsvc.server.logging_setup import setup_logging
     from llmsvc.server.metrics import parse_label_keys
     setup_logging(args.log_level, args.log_format)
-    try:
-        _multi_node(args)
+    log = logging.getLogger("llmsvc.server")
+    try:  # what can be checked before anything starts: one line, exit 2, no traceback
+        config = build_config(args)  # sizes, multi-node flags, speculative config, LoRA names
         parse_label_keys(args.metrics_label_keys)
         security = {**security_options(args), **tracing_options(args)}
         loop = event_loop.resolve(args.event_loop)
     except (ValueError, OSError) as e:  # TLS files, token file, multi-node flags: no traceback
-        logging.getLogger("llmsvc.server").error("bad configuration: %s", e)
+        log.error("bad configuration: %s", e)
         return 2
     if args.node_rank > 0:
         try:
-            return run_headless(args)
+            return run_headless(args, config)
         except Exception:
-            logging.getLogger("llmsvc.server").exception("headless node failed")
+            log.exception("headless node failed")
             return 1
     from llmsvc.server.app import BindError
     try:
-        return event_loop.run(serve(args, security), loop)
+        return event_loop.run(serve(args, security, config), loop)
     except BindError as e:
-        logging.getLogger("llmsvc.server").error("%s", e)
+        log.error("%s", e)
         return 1
+    except ValueError as e:  # found on resolving the model: a path, the tokenizer, the TP size, the device
+        log.error("bad configuration: %s", e)
+        log.debug("bad configuration", exc_info=True)
+        return 2
     except Exception:
-        logging.getLogger("llmsvc.server").exception("server failed")
+        log.exception("server failed")
         return 1

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import sys
 
 from llmsvc.config import parse_memory
 
@@ -32,6 +34,20 @@ positive_int = _int_at_least(1, "positive_int")
 non_negative_int = _int_at_least(0, "non_negative_int")
 
 
+def port(text: str) -> int:
+    v = int(text)
+    if not 0 <= v <= 65535:  # the OS would take a value past it modulo 65536
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {v}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    v = float(text)
+    if not 0 < v < math.inf:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return v
+
+
 def fraction(text: str) -> float:
     v = float(text)
     if not 0 < v <= 1:  # NaN too
@@ -51,8 +67,18 @@ def json_object(text: str) -> dict:
 
 def non_negative_float(text: str) -> float:
     v = float(text)
-    if not v >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not 0 <= v < math.inf:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    v = text.strip().upper()
+    if v not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)}, got {text!r}")
     return v
 
 
@@ -84,11 +110,26 @@ def env_name(name: str) -> str:
     return "LLMSVC_" + name.upper().replace("-", "_")
 
 
-def env_default(name: str, default, type_=str):
-    """A flag's default: its LLMSVC_ twin's value when set (converted by type_), else `default`."""
-    v = os.environ.get(env_name(name))
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def env_default(name: str, default, type_=str, choices=None):
+    """A flag's default: its LLMSVC_ twin's value when set (converted by type_ and checked
+    against choices, as the flag's own value would be), else `default`. A bad value is a usage
+    error naming the variable (exit 2)."""
+    env = env_name(name)
+    v = os.environ.get(env)
     if v is None:
         return default
-    if type_ is bool:
-        return v.strip().lower() in ("1", "true", "yes", "on")
-    return type_(v)
+    try:
+        if type_ is bool:
+            if v.strip().lower() not in _TRUE + _FALSE:
+                raise ValueError(f"must be one of {', '.join(_TRUE + _FALSE[:-1])}")
+            return v.strip().lower() in _TRUE
+        value = type_(v)
+        if choices is not None and value not in choices:
+            raise ValueError(f"must be one of {', '.join(map(str, choices))}")
+        return value
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+        sys.stderr.write(f"llmsvc serve: error: {env}={v!r}: {e}\n")
+        raise SystemExit(2) from None
