@@ -14,7 +14,8 @@ COMMANDS = {
     "serve": ("llmsvc.server.cli", "start the gRPC server (default model when MODEL is omitted)"),
     "generate": ("llmsvc.client.cli", "send one prompt to a running server and print the completion"),
     "health": ("llmsvc.client.health_cli", "grpc.health.v1 probe (exit 0 when SERVING): for container healthchecks"),
-    "admin": ("llmsvc.client.admin_cli", "AdminService calls with an admin token: drain, flush-cache"),
+    "admin": ("llmsvc.client.admin_cli",
+              "AdminService calls with an admin token: drain, flush-cache, load-lora, unload-lora"),
     "bench": ("llmsvc.bench.cli", "benchmark offline or over gRPC; the packaged standard workloads or custom ones"),
 }
 SERVER_COMMANDS = ("serve", "bench")

@@ -44,6 +44,50 @@ def test_unknown_workload_is_refused_before_the_model_loads():
         assert "unknown workload 'W9'" in r.stderr and "W1" in r.stderr
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--num-requests", "0"], "error: argument --num-requests: must be >= 1, got 0"),
+    (["--num-requests", "-3"], "error: argument --num-requests: must be >= 1, got -3"),
+    (["--input-len", "0"], "error: argument --input-len: must be >= 1, got 0"),
+    (["--output-len", "-1"], "error: argument --output-len: must be >= 1, got -1"),
+    (["--rate", "-1"], "error: argument --rate: must be a finite number > 0, got -1"),
+    (["--concurrency", "0"], "error: argument --concurrency: must be >= 1, got 0"),
+    (["--shared-prefix-len", "-1"], "error: argument --shared-prefix-len: must be >= 0, got -1"),
+    (["--json-schema", "/nonexistent/schema.json"],
+     "error: argument --json-schema: cannot read /nonexistent/schema.json: No such file or directory"),
+    (["--sweep-rate", "a,b"], "error: argument --sweep-rate: invalid number: 'a'"),
+    (["--sweep-rate", "1,0"], "error: argument --sweep-rate: must be a finite number > 0, got 0"),
+    (["--sweep-concurrency", "2,x"], "error: argument --sweep-concurrency: invalid integer: 'x'"),
+])
+def test_bad_workload_flags_are_refused_before_the_model_loads(capsys, argv, message):
+    from llmsvc.__main__ import main as llmsvc_main
+
+    with pytest.raises(SystemExit) as exc:
+        llmsvc_main(["bench", "/nonexistent", *argv])
+    assert exc.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == f"llmsvc bench: {message}"
+
+
+def test_a_shared_prefix_longer_than_the_prompts_is_refused(capsys):
+    from llmsvc.__main__ import main as llmsvc_main
+
+    assert llmsvc_main(["bench", "/nonexistent", "--workload", "P1", "--input-len", "100"]) == 2
+    assert capsys.readouterr().err == ("llmsvc bench: P1: the shared prefix (448 tokens) is longer than the "
+                                       "prompts (100 tokens)\n")
+
+
+def test_a_run_with_failed_requests_exits_1_and_counts_them(tmp_path):
+    """Throughput over requests the server refused measures nothing: the run says so in its exit
+    status. Here the tiny model's context (256) cannot hold the output length the run asks for."""
+    from tests.server_harness import make_tiny_served_model_dir
+
+    d = make_tiny_served_model_dir(tmp_path / "m")
+    r = subprocess.run([sys.executable, "-m", "llmsvc", "bench", str(d), "--num-requests", "2", "--input-len", "8",
+                        "--output-len", "1000", "--kv-cache-memory", "16MiB"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "FAILED 2: ['INVALID_ARGUMENT: stopping.max_tokens" in r.stdout
+    assert r.stderr.splitlines()[-1] == "llmsvc bench: 2 of 2 requests failed (the FAILED lines above say why)"
+
+
 def test_workloads_are_read_only_from_the_package(tmp_path, monkeypatch):
     # A decoy where an environment variable, the working directory or a folder beside the
     # checkout could have pointed: none of them may change what a standard workload means.

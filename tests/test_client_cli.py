@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -152,3 +153,78 @@ def test_error_lines_state_each_violation_once(capsys):
                      "  stopping.stop[0]: must not be empty"]
     print_error("llmsvc generate", SimpleNamespace())  # no violations: the one line
     assert len(capsys.readouterr().err.splitlines()) == 1
+
+
+def refused(capsys, *argv: str) -> str:
+    """The last stderr line of a command argparse refuses (exit 2, before any call)."""
+    with pytest.raises(SystemExit) as exc:
+        llmsvc_main(list(argv))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    return err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("command", ["generate", "health", "admin"])
+def test_missing_tls_ca_names_the_flag_and_path(capsys, tmp_path, command):
+    missing = tmp_path / "ca.pem"
+    operands = {"generate": ["hi"], "admin": ["drain"]}.get(command, [])
+    line = refused(capsys, command, "--tls-ca", str(missing), *operands)
+    assert line == f"llmsvc {command}: error: argument --tls-ca: cannot read {missing}: No such file or directory"
+
+
+def test_missing_mtls_and_tools_files_name_the_flag_and_path(capsys, tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("unused\n")
+    cert, key = tmp_path / "client.pem", tmp_path / "client.key"
+    line = refused(capsys, "generate", "hi", "--tls-ca", str(ca), "--tls-cert", str(cert), "--tls-key", str(key))
+    assert line == f"llmsvc generate: error: argument --tls-cert: cannot read {cert}: No such file or directory"
+    cert.write_text("present\n")
+    line = refused(capsys, "generate", "hi", "--tls-ca", str(ca), "--tls-cert", str(cert), "--tls-key", str(key))
+    assert line == f"llmsvc generate: error: argument --tls-key: cannot read {key}: No such file or directory"
+    line = refused(capsys, "generate", "hi", "--chat", "--tools", str(tmp_path))
+    assert line == f"llmsvc generate: error: argument --tools: cannot read {tmp_path}: Is a directory"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["--seed", str(2**64)], f"argument --seed: must be <= {2**64 - 1}, got {2**64}"),
+    (["--logprobs", "-1"], "argument --logprobs: must be >= 0, got -1"),
+    (["--max-tokens", "-3"], "argument --max-tokens: must be >= 0, got -3"),
+    (["--max-tokens", str(2**32)], f"argument --max-tokens: must be <= {2**32 - 1}, got {2**32}"),
+    (["--time-limit-ms", "-1"], "argument --time-limit-ms: must be >= 0, got -1"),
+    (["--top-k", str(2**31)], f"argument --top-k: must be <= {2**31 - 1}, got {2**31}"),
+    (["--stop-token-id", "-1"], "argument --stop-token-id: must be >= 0, got -1"),
+    (["--n", "two"], "argument --n: invalid integer: 'two'"),
+    (["--stream", "--stream-interval", "0"], "argument --stream-interval: must be >= 1, got 0"),
+    (["--timeout", "-1"], "argument --timeout: must be a finite number > 0, got -1"),
+    (["--timeout", "nan"], "argument --timeout: must be a finite number > 0, got nan"),
+    (["--timeout", "0"], "argument --timeout: must be a finite number > 0, got 0"),
+    (["--max-retries", "5"], "argument --max-retries: must be <= 4, got 5"),
+])
+def test_generate_refuses_number_flags_that_can_never_be_valid(server, capsys, argv, message):
+    line = refused(capsys, "generate", "hi", "--server", server.target, *argv)
+    assert line == f"llmsvc generate: error: {message}"
+
+
+def test_number_flags_pass_the_whole_range_of_their_proto_field(server, capsys):
+    """Only what the wire cannot carry is refused: limits that depend on the model (a negative
+    top_k, a large logprobs) are the server's to judge."""
+    rc, _, err = run(capsys, "generate", "hi", "--server", server.target, "--seed", str(2**64 - 1),
+                     "--top-k", "-1", "--logprobs", "0", "--time-limit-ms", "0", "--timeout", "30")
+    req = server.service.requests[-1]
+    assert rc == 0, err
+    assert req.sampling.seed == 2**64 - 1 and req.sampling.top_k == -1 and req.output.logprobs == 0
+    assert refused(capsys, "health", "--timeout", "inf") == \
+        "llmsvc health: error: argument --timeout: must be a finite number > 0, got inf"
+
+
+def test_top_level_help_names_every_admin_action(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # narrower, argparse may break a line inside "flush-cache"
+    with pytest.raises(SystemExit):
+        llmsvc_main(["admin", "--help"])
+    actions = re.search(r"\{([a-z,-]+)\}", capsys.readouterr().out).group(1).split(",")
+    assert {"drain", "flush-cache", "load-lora", "unload-lora"} <= set(actions)
+    with pytest.raises(SystemExit):
+        llmsvc_main(["--help"])
+    (line,) = [l for l in capsys.readouterr().out.splitlines() if l.split()[:1] == ["admin"]]
+    assert all(a in line for a in actions), line

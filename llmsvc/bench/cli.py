@@ -18,7 +18,18 @@ from llmsvc.bench.report import result_line
 from llmsvc.bench.repeat import System, alternate
 from llmsvc.bench.vllm_peer import PeerError
 from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, get_workload, load_workloads, ordinary_vocab
+from llmsvc.client.cli_common import int_in, positive_float, readable_file
 from llmsvc.config import DTYPES
+
+
+def comma_list(item):
+    """An argparse type: a comma list whose every item `item` accepts. The text itself is kept:
+    the sweep parses it, and the results record it as given."""
+    def parse(text: str) -> str:
+        for x in text.split(","):
+            item(x.strip())
+        return text
+    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,8 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", action="append",
                    help=f"one of the packaged workloads ({', '.join(load_workloads())}; repeatable); default W2")
     g = p.add_argument_group("custom workload (overrides fields of --workload, or defines one)")
-    for name, typ in (("num-requests", int), ("input-len", int), ("output-len", int), ("rate", float),
-                      ("concurrency", int), ("shared-prefix-len", int), ("seed", int)):
+    for name, typ in (("num-requests", int_in(1)), ("input-len", int_in(1)), ("output-len", int_in(1)),
+                      ("rate", positive_float), ("concurrency", int_in(1)), ("shared-prefix-len", int_in(0)),
+                      ("seed", int)):
         g.add_argument(f"--{name}", type=typ, default=None)
     p.add_argument("--mode", choices=["serve", "offline", "both"], default="serve",
                    help="serve: over gRPC; offline: in-process engine; both: and print the gRPC cost")
@@ -41,14 +53,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--ceiling", action="store_true", help="measure GEMM FLOP/s and print the tokens/s ceiling")
     p.add_argument("--compare-prefix-caching", action="store_true", help="run again with prefix caching off")
-    p.add_argument("--sweep-rate", default=None, help="comma list of Poisson rates (req/s) to sweep")
-    p.add_argument("--sweep-concurrency", default=None, help="comma list of concurrency caps to sweep")
+    p.add_argument("--sweep-rate", type=comma_list(positive_float), default=None,
+                   help="comma list of Poisson rates (req/s) to sweep")
+    p.add_argument("--sweep-concurrency", type=comma_list(int_in(1)), default=None,
+                   help="comma list of concurrency caps to sweep")
     p.add_argument("--json", default=None, help="write all results to this file")
     p.add_argument("--executors", default=None,
                    help="comma list (uniproc,multiproc,tp): compare executors offline on one workload "
                         "(llmsvc.bench.executors); --tensor-parallel-size > 1 sets tp's ranks")
     p.add_argument("--plot", default=None, help="write a PNG of the sweep (or throughput bars)")
-    p.add_argument("--json-schema", default=None, metavar="FILE",
+    p.add_argument("--json-schema", type=readable_file, default=None, metavar="FILE",
                    help="run each workload again with this JSON Schema constraint on every request, then "
                         "unconstrained once more (same mode): print its output tok/s against the mean "
                         "of the unconstrained runs, and the schema's compile time")
@@ -92,7 +106,11 @@ def _workloads(a) -> list[Workload]:
                                             "shared_prefix_len", "seed") if getattr(a, k) is not None}
         if over.get("rate"):
             over["arrival"] = "poisson"
-        out.append(dataclasses.replace(w, **over))
+        w = dataclasses.replace(w, **over)
+        if w.shared_prefix_len > w.input_len:
+            raise ValueError(f"{w.name}: the shared prefix ({w.shared_prefix_len} tokens) is longer than "
+                             f"the prompts ({w.input_len} tokens)")
+        out.append(w)
     return out
 
 
@@ -111,7 +129,21 @@ def _offline_engine(a, prefix_caching: bool = True):
         speculative_config=getattr(a, "speculative_config", None)))
 
 
-def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict, vllm=None) -> None:
+@dataclasses.dataclass
+class Tally:
+    """Requests sent and failed over every run of a bench, for its exit code."""
+    requests: int = 0
+    failed: int = 0
+
+    def report(self, label: str, summary: dict) -> None:
+        """Print a run's result line, counting its requests."""
+        self.requests += summary["completed"] + summary["failed"]
+        self.failed += summary["failed"]
+        print(result_line(label, summary))
+
+
+def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict, tally: Tally,
+                 vllm=None) -> None:
     from llmsvc.bench.runners import run_offline, run_serving
     from llmsvc.bench.server_proc import running_server, wait_serving
 
@@ -154,8 +186,8 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
     if a.mode in ("serve", "both"):
         systems.append(System("serve", "llmsvc gRPC", lambda: serve(probe=True)[1]))
     systems += peer_systems(a, w, prompts, offsets, model_dir, vllm)
-    runs = alternate(systems, a.repeat, lambda s, i, summary: print(
-        result_line(s.label + (f" [{i + 1}/{a.repeat}]" if a.repeat > 1 else ""), summary)))
+    runs = alternate(systems, a.repeat, lambda s, i, summary: tally.report(
+        s.label + (f" [{i + 1}/{a.repeat}]" if a.repeat > 1 else ""), summary))
     record_runs(res, systems, runs)
     print_spreads(res, systems)
     if len(probes) > 1:
@@ -168,14 +200,14 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
                   f"(gRPC streaming cost vs offline: {100 * res['grpc_cost']:.1f}%)")
     ours = res.get("serve") or res["offline"]
     if a.json_schema:
-        _structured_run(a, res, model_dir, offline, serve)
+        _structured_run(a, res, model_dir, offline, serve, tally)
     if a.compare_prefix_caching:  # the same mode again, prefix caching off
         kind, run = ("offline", offline) if a.mode == "offline" else ("serve", serve)
         _, off = run(prefix_caching=False)
         res[f"{kind}_no_prefix_caching"] = off
         on = ours["prefill_tok_s"]
         res["prefix_caching_prefill_speedup"] = on / off["prefill_tok_s"] if off["prefill_tok_s"] else float("nan")
-        print(result_line(f"llmsvc {'offline' if kind == 'offline' else 'gRPC'}, no prefix cache", off))
+        tally.report(f"llmsvc {'offline' if kind == 'offline' else 'gRPC'}, no prefix cache", off)
         print(f"  prefill throughput with / without prefix caching: {on:.0f} / {off['prefill_tok_s']:.0f} "
               f"tok/s = {res['prefix_caching_prefill_speedup']:.2f}x")
     print_ratios(w, res, a.baseline)
@@ -208,10 +240,10 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
             for v in [float(x) for x in values.split(",")]:
                 _, s = serve(**{kind: v if kind == "rate" else int(v)})
                 sweep[str(v)] = s
-                print(result_line(f"{kind}={v:g}", s))
+                tally.report(f"{kind}={v:g}", s)
 
 
-def _structured_run(a, res: dict, model_dir: str, offline, serve) -> None:
+def _structured_run(a, res: dict, model_dir: str, offline, serve, tally: Tally) -> None:
     """The same workload with a JSON Schema on every request, and the schema's compile time.
 
     The constrained run is bracketed by the unconstrained one before it and another after it,
@@ -230,10 +262,10 @@ def _structured_run(a, res: dict, model_dir: str, offline, serve) -> None:
         tag = "offline" if kind == "offline" else "gRPC"
         _, s = run(json_schema=schema)
         res[f"{kind}_json_schema"] = s
-        print(result_line(f"llmsvc {tag}, JSON Schema", s))
+        tally.report(f"llmsvc {tag}, JSON Schema", s)
         _, after = run()
         res[f"{kind}_after_json_schema"] = after
-        print(result_line(f"llmsvc {tag}, again", after))
+        tally.report(f"llmsvc {tag}, again", after)
         base = (res[kind]["output_tok_s"] + after["output_tok_s"]) / 2
         ratio = s["output_tok_s"] / base if base else float("nan")
         res["json_schema"][f"{kind}_ratio"] = ratio
@@ -286,11 +318,12 @@ def main(a) -> int:
         results["vllm_version"] = a._vllm_version
     # SIGTERM unwinds like Ctrl-C, so that the servers and peers this run started are stopped
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    tally = Tally()
     with contextlib.ExitStack() as stack:  # the peers' children stop on any exit, Ctrl-C included
         vllm = stack.enter_context(vllm_peer(a, mc.model_dir))
         try:
             for w in workloads:
-                run_workload(a, w, mc.model_dir, vocab, results, vllm)
+                run_workload(a, w, mc.model_dir, vocab, results, tally, vllm)
         except PeerError as e:  # vLLM failed to start or died: its log's tail says why
             print(f"llmsvc bench: {e}", file=sys.stderr)
             return 1
@@ -303,4 +336,8 @@ def main(a) -> int:
 
         plot_results(results, a.plot)
         print(f"wrote {a.plot}")
+    if tally.failed:  # figures measured over failed requests are not the workload's
+        print(f"llmsvc bench: {tally.failed} of {tally.requests} requests failed (the FAILED lines above "
+              "say why)", file=sys.stderr)
+        return 1
     return 0

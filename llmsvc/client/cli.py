@@ -9,29 +9,34 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
-from llmsvc.client.cli_common import credentials_from_args, add_connection_arguments, print_error
+from llmsvc.client.channel import MAX_RETRIES
+from llmsvc.client.cli_common import (INT32, UINT32, UINT64, add_connection_arguments, credentials_from_args,
+                                      int_in, print_error, read_file, readable_file)
 
-# flag dest == proto field name; passed to Client.generate only when given
-_FIELD_FLAGS: tuple[tuple[str, type, str], ...] = (
-    ("max_tokens", int, "maximum generated tokens (default: fill the context)"),
-    ("min_tokens", int, "minimum generated tokens before a stop may end the output"),
+# flag dest == proto field name; passed to Client.generate only when given. Integer types are
+# the proto field's range: limits that depend on the model or server are the server's to check.
+_FIELD_FLAGS: tuple[tuple[str, Callable[[str], object], str], ...] = (
+    ("max_tokens", UINT32, "maximum generated tokens (default: fill the context)"),
+    ("min_tokens", UINT32, "minimum generated tokens before a stop may end the output"),
     ("temperature", float, "0 = greedy"),
     ("top_p", float, "nucleus mass in (0, 1]"),
-    ("top_k", int, "keep the k most likely tokens (0/-1: off)"),
+    ("top_k", INT32, "keep the k most likely tokens (0/-1: off)"),
     ("min_p", float, "minimum probability relative to the top token"),
     ("presence_penalty", float, "[-2, 2]"),
     ("frequency_penalty", float, "[-2, 2]"),
     ("repetition_penalty", float, "> 0, 1 = off"),
-    ("seed", int, "sampling seed"),
-    ("n", int, "number of parallel samples"),
-    ("logprobs", int, "return logprobs of sampled tokens plus the top N"),
-    ("priority", int, "lower runs sooner"),
-    ("truncate_prompt_tokens", int, "keep only the last N prompt tokens"),
+    ("seed", UINT64, "sampling seed"),
+    ("n", UINT32, "number of parallel samples"),
+    ("logprobs", UINT32, "return logprobs of sampled tokens plus the top N"),
+    ("priority", INT32, "lower runs sooner"),
+    ("truncate_prompt_tokens", UINT32, "keep only the last N prompt tokens"),
     ("cache_salt", str, "share cached prompt blocks only with requests of this salt"),
     ("lora_name", str, "run with this served LoRA adapter (the server's --lora-modules)"),
-    ("time_limit_ms", int, "graceful time limit (finish reason time_limit)"),
-    ("stream_interval", int, "with --stream: new tokens per message (at least the server's --stream-interval)"),
+    ("time_limit_ms", UINT32, "graceful time limit (finish reason time_limit)"),
+    ("stream_interval", int_in(1, 2**32 - 1),
+     "with --stream: new tokens per message (at least the server's --stream-interval)"),
 )
 
 
@@ -42,22 +47,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user chat message (the model's chat template applies)")
     parser.add_argument("--system", default=None, help="system message (with --chat)")
-    parser.add_argument("--tools", default=None, metavar="FILE",
+    parser.add_argument("--tools", type=readable_file, default=None, metavar="FILE",
                         help="with --chat: a JSON file holding a list of OpenAI function tools for the template")
     parser.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                         help='with --chat: extra chat-template variables, e.g. \'{"enable_thinking": false}\'')
     parser.add_argument("--json", action="store_true", help="machine-readable JSON output")
     parser.add_argument("--request-id", default=None, help="request id (default: made by the server)")
-    parser.add_argument("--max-retries", type=int, default=0, metavar="N",
-                        help="retry up to N (0-4) times, after the server's delay, when it refuses the call "
-                             "before starting it: queue full, loading, draining (default: 0)")
+    parser.add_argument("--max-retries", type=int_in(0, MAX_RETRIES), default=0, metavar="N",
+                        help=f"retry up to N (0-{MAX_RETRIES}) times, after the server's delay, when it refuses "
+                             "the call before starting it: queue full, loading, draining (default: 0)")
     for name, typ, help_ in _FIELD_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
     parser.add_argument("--stop", action="append", default=None, metavar="S",
                         help="stop string (repeatable)")
-    parser.add_argument("--stop-token-id", dest="stop_token_ids", action="append", type=int,
+    parser.add_argument("--stop-token-id", dest="stop_token_ids", action="append", type=UINT32,
                         default=None, metavar="ID", help="stop token id (repeatable)")
-    parser.add_argument("--allowed-token-id", dest="allowed_token_ids", action="append", type=int,
+    parser.add_argument("--allowed-token-id", dest="allowed_token_ids", action="append", type=UINT32,
                         default=None, metavar="ID", help="sample only among these token ids (repeatable)")
     parser.add_argument("--bad-word", dest="bad_words", action="append", default=None, metavar="W",
                         help="a word never to generate (repeatable)")
@@ -75,7 +80,7 @@ def request_kwargs(args: argparse.Namespace) -> dict:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         kwargs["messages"] = messages + [{"role": "user", "content": args.prompt}]
         if args.tools:
-            kwargs["tools"] = _json_arg("--tools", open(args.tools).read(), list)
+            kwargs["tools"] = _json_arg("--tools", read_file(args.tools), list)
         if args.chat_template_kwargs:
             kwargs["chat_template_kwargs"] = _json_arg("--chat-template-kwargs", args.chat_template_kwargs, dict)
     else:
@@ -87,7 +92,7 @@ def request_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
-def _json_arg(flag: str, text: str, kind: type):
+def _json_arg(flag: str, text: str | bytes, kind: type):
     try:
         value = json.loads(text)
     except ValueError as e:
@@ -160,7 +165,7 @@ def main(args: argparse.Namespace) -> int:
     except LlmsvcError as err:
         print_error("llmsvc generate", err)
         return 1
-    except (TypeError, ValueError) as err:  # a flag value protobuf rejects (e.g. negative uint)
+    except (TypeError, ValueError) as err:  # a value the client library refuses that the flag types let through
         print(f"llmsvc generate: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,24 +1,75 @@
-"""Connection flags shared by the client CLIs (`llmsvc generate`, `llmsvc health`)."""
+"""Flags shared by the client CLIs (`llmsvc generate`, `llmsvc health`, `llmsvc admin`), and the
+argparse value types that refuse what can never be valid before anything is sent."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
 DEFAULT_SERVER = "localhost:50051"
 
 
+def int_in(lo: int, hi: int | None = None):
+    """An argparse type: an integer in [lo, hi] (hi None: no upper bound)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer: {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        if hi is not None and value > hi:
+            raise argparse.ArgumentTypeError(f"must be <= {hi}, got {value}")
+        return value
+    return parse
+
+
+# the proto field types the flags fill: a value outside them can only fail in protobuf, unnamed
+UINT32 = int_in(0, 2**32 - 1)
+UINT64 = int_in(0, 2**64 - 1)
+INT32 = int_in(-2**31, 2**31 - 1)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (a duration or a rate)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def readable_file(path: str) -> str:
+    """An argparse type: the path of a file this process can read, so that a missing one is
+    reported with its flag before any work starts (it is read again where it is used)."""
+    try:
+        with open(os.path.expanduser(path), "rb"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {e.strerror or e}") from None
+    return path
+
+
+def read_file(path: str) -> bytes:
+    with open(os.path.expanduser(path), "rb") as f:
+        return f.read()
+
+
 def add_connection_arguments(parser: argparse.ArgumentParser, *, token: bool = True,
                              timeout: float | None = None) -> None:
     parser.add_argument("--server", default=os.environ.get("LLMSVC_SERVER", DEFAULT_SERVER),
                         help="HOST:PORT of the llmsvc server (env LLMSVC_SERVER; default %(default)s)")
-    parser.add_argument("--timeout", type=float, default=timeout, metavar="S",
+    parser.add_argument("--timeout", type=positive_float, default=timeout, metavar="S",
                         help="deadline for the call, seconds (default: %(default)s)")
-    parser.add_argument("--tls-ca", default=None, metavar="FILE",
+    parser.add_argument("--tls-ca", type=readable_file, default=None, metavar="FILE",
                         help="use TLS, trusting the PEM root certificates in FILE")
-    parser.add_argument("--tls-cert", default=None, metavar="FILE",
+    parser.add_argument("--tls-cert", type=readable_file, default=None, metavar="FILE",
                         help="PEM client certificate for mTLS (with --tls-key and --tls-ca)")
-    parser.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-key", type=readable_file, default=None, metavar="FILE",
+                        help="PEM private key of --tls-cert")
     if token:
         parser.add_argument("--token", default=os.environ.get("LLMSVC_TOKEN"),
                             help="bearer token sent as `authorization` metadata (env LLMSVC_TOKEN)")
@@ -33,11 +84,7 @@ def credentials_from_args(args: argparse.Namespace):
         raise SystemExit("--tls-cert and --tls-key go together, and need --tls-ca")
     import grpc
 
-    def read(path: str) -> bytes:
-        with open(os.path.expanduser(path), "rb") as f:
-            return f.read()
-
-    return grpc.ssl_channel_credentials(read(args.tls_ca), read(key), read(cert))
+    return grpc.ssl_channel_credentials(read_file(args.tls_ca), read_file(key), read_file(cert))
 
 
 def print_error(prog: str, err) -> None:
