@@ -263,6 +263,14 @@ def test_health_reflection_names(srv):
         assert h.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_health_check_of_an_unknown_service_names_the_known_ones(srv):
+    h = health_pb2_grpc.HealthStub(srv.channel)
+    with pytest.raises(grpc.RpcError) as ei:
+        h.Check(health_pb2.HealthCheckRequest(service="nope"))
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+    assert ei.value.details() == f"unknown service 'nope'; known: '', {SERVICE!r}"
+
+
 def _list_services(channel, version: str) -> list[str]:
     from grpc_reflection.v1alpha import reflection_pb2
     call = channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",

@@ -16,11 +16,23 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+class _HealthServicer(health_async.HealthServicer):
+    """grpcio-health-checking's servicer; Check of an unknown service says which are known
+    (the library's NOT_FOUND carries no message)."""
+
+    async def Check(self, request, context):
+        known = self._server_status  # service name -> status, kept by set()
+        if request.service not in known:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service[:256]!r}; "
+                                f"known: {', '.join(repr(n) for n in sorted(known))}")
+        return await super().Check(request, context)
+
+
 class Health:
     """Health states: "" SERVING once the process is up; the service only when ready."""
 
     def __init__(self) -> None:
-        self.servicer = health_async.HealthServicer()
+        self.servicer = _HealthServicer()
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
