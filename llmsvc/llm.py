@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 
 from llmsvc.config import EngineConfig, parse_memory  # noqa: F401 - parse_memory: public here too
-from llmsvc.outputs import RequestOutput
+from llmsvc.outputs import CONTEXT, LENGTH, RequestOutput
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
 
 _GEN_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -49,13 +49,15 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | dict | Sequence[str | list[int] | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 use_tqdm=True, priority: int | Sequence[int] | None = None,
                  lora_request=None) -> list[RequestOutput]:
         """Generate for every prompt (a str, a list of token ids, or vLLM's prompt dicts
         {"prompt": str} / {"prompt_token_ids": [int, ...]}, either with an optional "cache_salt");
         outputs in input order. lora_request: the adapter (of LLM(lora_modules={name: path}))
         every prompt runs with, by name or as a LoRARequest, or a list of those (None: the base
-        model), one per prompt."""
+        model), one per prompt. priority: one for all prompts or one each. use_tqdm: a bool, or
+        a tqdm-like class to build the progress bar with. An output that reached max_model_len
+        finishes "length", as in vLLM (the engine's own reason is "context")."""
         if (isinstance(prompts, (str, dict))
                 or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))):
             prompts = [prompts]
@@ -66,6 +68,8 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        if isinstance(priority, int):
+            priority = [priority] * len(prompts)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
@@ -141,17 +145,23 @@ class LLM:
         for so in specs.values():
             manager.wait(so)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm) -> list[RequestOutput]:
         engine = self.llm_engine
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(ids) > 1:
-            from tqdm.auto import tqdm
+            if callable(use_tqdm):
+                tqdm = use_tqdm
+            else:
+                from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
+                        for c in out.outputs:
+                            if c.finish_reason == CONTEXT:  # vLLM has no reason of its own for it
+                                c.finish_reason = LENGTH
                         done[out.request_id] = out
                         if bar is not None:
                             n_out = sum(len(o.token_ids) for o in out.outputs)
@@ -181,11 +191,12 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in convs:
-            conv = [_parsed_tool_calls(m) for m in conv]
+            conv = [_parsed_tool_calls(_text_content(m)) for m in conv]
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_gen, tokenize=False, **extra)
             ids = tok.apply_chat_template(conv, add_generation_prompt=add_gen, tokenize=True, **extra)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
-            prompts.append(list(ids))
+            prompts.append({"prompt": text, "prompt_token_ids": list(ids)})  # RequestOutput.prompt: the text
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def shutdown(self) -> None:
@@ -205,6 +216,21 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int = 0
     lora_path: str = ""
+
+
+def _text_content(message: dict) -> dict:
+    """OpenAI's content parts ([{"type": "text", "text": ...}, ...]) as one string, the parts
+    joined by newlines (vLLM's "string" content format); only text parts are supported."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"chat content parts must be text parts ({{'type': 'text', 'text': ...}}), got {kind!r}")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _parsed_tool_calls(message: dict) -> dict:

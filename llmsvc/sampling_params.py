@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,15 +130,43 @@ class SamplingParams:
             self.bad_words = [self.bad_words]
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
+        self._normalize_numbers()
         if self.top_k == -1:
             self.top_k = 0
         self.verify()
+
+    _INTS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "time_limit_ms",
+             "stream_interval")
+    _FLOATS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
+
+    def _normalize_numbers(self) -> None:
+        """Integer fields hold ints (numpy and torch integers become ints; a float, a string or a
+        bool-as-count is refused, so that nothing fails later inside the sampler), as vLLM reads
+        them: logprobs=True is 1, seed=-1 is no seed, logit_bias keys may be JSON's strings."""
+        for name in ("logprobs", "prompt_logprobs"):
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, int(getattr(self, name)))
+        for name in self._INTS:
+            setattr(self, name, _integer(name, getattr(self, name)))
+        for name in self._FLOATS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{name} must be a number, got {v!r}")
+        if self.seed == -1:
+            self.seed = None
+        self.stop_token_ids = [_integer("stop_token_ids", t) for t in self.stop_token_ids]
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [_integer("allowed_token_ids", t) for t in self.allowed_token_ids]
+        if self.logit_bias is not None:  # keys may be JSON's strings ("5")
+            self.logit_bias = {_integer("logit_bias", int(k) if isinstance(k, str) and k.isdigit() else k): v
+                               for k, v in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def verify(self, max_logprobs: int = 20) -> None:
+    def verify(self, max_logprobs: int | None = None) -> None:
+        """Ranges; logprobs and prompt_logprobs up to max_logprobs (the engine's; None: any)."""
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name} {why}")
 
@@ -174,7 +203,9 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and not 0 <= v <= max_logprobs:
+            if v is not None and v < 0:
+                bad(name, f"must be >= 0, got {v}")
+            if v is not None and max_logprobs is not None and v > max_logprobs:
                 bad(name, f"must be in [0, {max_logprobs}], got {v}")
         if self.seed is not None and self.seed < 0:
             bad("seed", f"must be >= 0, got {self.seed}")
@@ -199,3 +230,15 @@ class SamplingParams:
                     bad("logit_bias", f"token id must be >= 0, got {tok}")
                 if not math.isfinite(b) or not -100.0 <= b <= 100.0:
                     bad(f"logit_bias[{tok}]", f"must be in [-100, 100], got {b}")
+
+
+def _integer(name: str, v):
+    """v as an int (None stays None); ValueError naming the field for anything else."""
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {v!r}") from None

@@ -93,3 +93,57 @@ def test_vllm_prompt_dicts(fake_llm):
         llm.generate([{"prompt_token_ids": "not ids"}], p)
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.llm_engine.get_stats().num_free_kv_blocks == 256
+
+
+def test_vllm_argument_forms(fake_llm):
+    """What scripts written for vLLM's LLM pass: one priority for all, a tqdm-like class,
+    OpenAI content parts in chat; chat outputs carry the rendered prompt text."""
+    llm = LLM()
+    p = SamplingParams(max_tokens=2)
+    assert len(llm.generate(["a", "b"], p, priority=1, use_tqdm=False)) == 2  # was len() of an int
+    made = []
+
+    class Bar:
+        def __init__(self, **kw):
+            made.append(kw["total"])
+
+        def update(self, n):
+            made.append(n)
+
+        def set_postfix_str(self, *a, **kw):
+            pass
+
+        def close(self):
+            made.append("closed")
+    llm.generate(["a", "b"], p, use_tqdm=Bar)
+    assert made == [2, 1, 1, "closed"]
+    plain = llm.chat([{"role": "user", "content": "Hi!\nThere"}], p, use_tqdm=False)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hi!"},
+                                                   {"type": "text", "text": "There"}]}], p, use_tqdm=False)[0]
+    assert parts.prompt_token_ids == plain.prompt_token_ids
+    assert parts.prompt == llm.get_tokenizer().decode(parts.prompt_token_ids) and "<|im_start|>user" in parts.prompt
+    with pytest.raises(ValueError, match="text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], p)
+
+
+def test_reaching_max_model_len_finishes_length_as_in_vllm(fake_llm):
+    llm = LLM(max_model_len=32)
+    (out,) = llm.generate([[5] * 28], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+
+
+def test_sampling_params_read_numbers_as_vllm_does(fake_llm):
+    import numpy as np
+    assert SamplingParams(logprobs=True).logprobs == 1 and SamplingParams(prompt_logprobs=True).prompt_logprobs == 1
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(logit_bias={"5": 2.0}).logit_bias == {5: 2.0}  # JSON's keys
+    assert SamplingParams(stop_token_ids=[np.int64(7)], top_k=np.int32(3)).stop_token_ids == [7]
+    for bad in (dict(top_k=2.5), dict(n="2"), dict(max_tokens=True), dict(temperature="hot")):
+        with pytest.raises(ValueError, match=next(iter(bad))):  # used to fail inside the sampler, batch and all
+            SamplingParams(**bad)
+    # logprobs are bounded by the engine's max_logprobs, not by a constant at construction
+    llm = LLM(max_logprobs=30)
+    (out,) = llm.generate([[5, 6]], SamplingParams(max_tokens=1, logprobs=25), use_tqdm=False)
+    assert out.outputs[0].logprobs is not None
+    with pytest.raises(ValueError, match=r"logprobs.*\[0, 30\]"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=1, logprobs=31), use_tqdm=False)
