@@ -96,3 +96,16 @@ def test_backend_decode_equals_the_transformers_wrapper(ids, skip):
     assert d.decode(ids) == tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
     _, deltas = stream(tok, ids, prompt=(), skip_special_tokens=skip, spaces_between_special_tokens=False)
     assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decoded_token_of_split_characters(tok, text):
+    # a logprob entry's text (vLLM's decoded_token): a byte token reads "" until the token that
+    # completes its character, which reads the whole character; so the entries of an output
+    # concatenate to its text, and none shows U+FFFD
+    from llmsvc.engine.detokenizer import decoded_token
+    ids = tok.encode(text)
+    entries = [decoded_token(tok, t, ids[:k]) for k, t in enumerate(ids)]
+    assert "".join(entries) == text and not any("\ufffd" in e for e in entries)
+    assert any(e == "" for e in entries)  # the split characters really were split
+    assert all(e == tok.decode([t]) for e, t in zip(entries, ids) if "\ufffd" not in tok.decode([t]))

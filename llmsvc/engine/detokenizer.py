@@ -89,3 +89,31 @@ class IncrementalDetokenizer:
     @property
     def output_token_ids(self) -> list[int]:
         return self.ids[self.output_start:]
+
+
+_CONTEXT_TOKENS = 4  # a UTF-8 character is at most 4 bytes, so at most 4 byte tokens
+
+
+def decoded_token(tokenizer, token_id: int, context: list[int]) -> str:
+    """A logprob entry's text: `decode([token_id])`, except for a byte of a character split over
+    several tokens (its own decode ends in U+FFFD). Such a token's text is what it adds after
+    `context` (the ids before its position): the character it completes, together with the byte
+    tokens before it (which read ""), or "" while the character is still incomplete, as vLLM
+    reports them."""
+    text = tokenizer.decode([token_id])
+    if not text.endswith(_REPLACEMENT):
+        return text
+    for n in range(1, min(len(context), _CONTEXT_TOKENS) + 1):
+        ctx = context[-n:]
+        full = tokenizer.decode(ctx + [token_id])
+        if full.endswith(_REPLACEMENT):
+            continue
+        clean = len(ctx)  # the context before the byte tokens this one completes
+        while clean and tokenizer.decode([ctx[clean - 1]]).endswith(_REPLACEMENT):
+            clean -= 1
+        prefix = tokenizer.decode(ctx[:clean]) if clean else ""
+        common = 0
+        while common < min(len(prefix), len(full)) and prefix[common] == full[common]:
+            common += 1
+        return full[common:]
+    return ""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 from llmsvc.core.core_output import EngineCoreOutput
-from llmsvc.engine.detokenizer import IncrementalDetokenizer
+from llmsvc.engine.detokenizer import IncrementalDetokenizer, decoded_token
 from llmsvc.engine.stop_strings import StopStringChecker
 from llmsvc.outputs import STOP, CompletionOutput, Logprob
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
@@ -92,19 +92,20 @@ class RequestState:
         for lp in entries:
             pos = len(self.prompt_logprobs)
             self.prompt_logprobs.append(None if lp is None else self._convert(
-                self.prompt_token_ids[pos], lp, self.params.prompt_logprobs))
+                self.prompt_token_ids[pos], lp, self.params.prompt_logprobs, self.prompt_token_ids[:pos]))
         return self._prompt_logprobs_complete()
 
     def _prompt_logprobs_complete(self) -> bool:
         return len(self.prompt_logprobs) >= len(self.prompt_token_ids)
 
     def _append(self, ids: list[int], lps: list) -> None:
+        start = len(self.token_ids)
         self.token_ids.extend(ids)
         if self.logprobs is not None:
-            for tid, lp in zip(ids, lps):
+            for i, (tid, lp) in enumerate(zip(ids, lps), start):
                 if lp is None:
                     continue
-                self.logprobs.append(self._convert(tid, lp, self.params.logprobs))
+                self.logprobs.append(self._convert(tid, lp, self.params.logprobs, self.token_ids[:i]))
                 self.cumulative_logprob += lp.logprob
 
     def _may_stop(self) -> bool:
@@ -137,15 +138,17 @@ class RequestState:
             self.eos_token_id, stop_reason = stop_reason, None  # the core's stop token was an EOS
         self.finish_reason, self.stop_reason = reason, stop_reason
 
-    def _convert(self, token_id: int, lp: SampleLogprobs, k: int | None) -> dict[int, Logprob]:
-        d = {token_id: Logprob(lp.logprob, lp.rank, self._decode_one(token_id))}
+    def _convert(self, token_id: int, lp: SampleLogprobs, k: int | None, context: list[int]) -> dict[int, Logprob]:
+        """The position's entries; `context`: the ids before it, for tokens that are bytes of a
+        character split over several tokens (see decoded_token)."""
+        d = {token_id: Logprob(lp.logprob, lp.rank, self._decode_one(token_id, context))}
         for rank, (tid, v) in enumerate(zip(lp.top_token_ids[:k or 0], lp.top_logprobs), start=1):
             if tid not in d:
-                d[tid] = Logprob(v, rank, self._decode_one(tid))
+                d[tid] = Logprob(v, rank, self._decode_one(tid, context))
         return d
 
-    def _decode_one(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+    def _decode_one(self, token_id: int, context: list[int]) -> str | None:
+        return None if self.tokenizer is None else decoded_token(self.tokenizer, token_id, context)
 
     # ---- outputs ---------------------------------------------------------------------------
     def emittable_text_len(self) -> int:
