@@ -42,6 +42,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (vLLM's name); False while requests hold KV blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config defaults, as vLLM does."""
         defaults = self.llm_engine.config.model_config.generation_defaults or {}

@@ -147,3 +147,15 @@ def test_sampling_params_read_numbers_as_vllm_does(fake_llm):
     assert out.outputs[0].logprobs is not None
     with pytest.raises(ValueError, match=r"logprobs.*\[0, 30\]"):
         llm.generate([[5, 6]], SamplingParams(max_tokens=1, logprobs=31), use_tqdm=False)
+
+
+def test_vllm_engine_accessors(fake_llm):
+    llm = LLM(max_model_len=64)
+    assert llm.llm_engine.model_config.max_model_len == 64
+    assert llm.llm_engine.get_tokenizer() is llm.get_tokenizer()
+    def cached():
+        return llm.generate([[5, 6, 7] * 8], SamplingParams(max_tokens=2), use_tqdm=False)[0].num_cached_tokens
+    cached()
+    assert cached() > 0
+    assert llm.reset_prefix_cache() is True
+    assert cached() == 0

@@ -97,6 +97,14 @@ class LLMEngine:
         """Thread-safe: make a step() blocked on the engine-core process return early."""
         self.core_client.wake()
 
+    # vLLM's names, which scripts reach through LLM.llm_engine
+    @property
+    def model_config(self):
+        return self.config.model_config
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
     # ---- requests --------------------------------------------------------------------------
     @property
     def max_model_len(self) -> int:
