@@ -91,7 +91,7 @@ class IncrementalDetokenizer:
         return self.ids[self.output_start:]
 
 
-_CONTEXT_TOKENS = 4  # a UTF-8 character is at most 4 bytes, so at most 4 byte tokens
+DECODE_CONTEXT = 4  # a UTF-8 character is at most 4 bytes, so at most 4 byte tokens
 
 
 def decoded_token(tokenizer, token_id: int, context: list[int]) -> str:
@@ -103,7 +103,7 @@ def decoded_token(tokenizer, token_id: int, context: list[int]) -> str:
     text = tokenizer.decode([token_id])
     if not text.endswith(_REPLACEMENT):
         return text
-    for n in range(1, min(len(context), _CONTEXT_TOKENS) + 1):
+    for n in range(1, min(len(context), DECODE_CONTEXT) + 1):
         ctx = context[-n:]
         full = tokenizer.decode(ctx + [token_id])
         if full.endswith(_REPLACEMENT):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 from llmsvc.core.core_output import EngineCoreOutput
-from llmsvc.engine.detokenizer import IncrementalDetokenizer, decoded_token
+from llmsvc.engine.detokenizer import DECODE_CONTEXT, IncrementalDetokenizer, decoded_token
 from llmsvc.engine.stop_strings import StopStringChecker
 from llmsvc.outputs import STOP, CompletionOutput, Logprob
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
@@ -92,7 +92,8 @@ class RequestState:
         for lp in entries:
             pos = len(self.prompt_logprobs)
             self.prompt_logprobs.append(None if lp is None else self._convert(
-                self.prompt_token_ids[pos], lp, self.params.prompt_logprobs, self.prompt_token_ids[:pos]))
+                self.prompt_token_ids[pos], lp, self.params.prompt_logprobs,
+                self.prompt_token_ids[max(0, pos - DECODE_CONTEXT):pos]))
         return self._prompt_logprobs_complete()
 
     def _prompt_logprobs_complete(self) -> bool:
@@ -105,7 +106,8 @@ class RequestState:
             for i, (tid, lp) in enumerate(zip(ids, lps), start):
                 if lp is None:
                     continue
-                self.logprobs.append(self._convert(tid, lp, self.params.logprobs, self.token_ids[:i]))
+                context = self.token_ids[max(0, i - DECODE_CONTEXT):i]
+                self.logprobs.append(self._convert(tid, lp, self.params.logprobs, context))
                 self.cumulative_logprob += lp.logprob
 
     def _may_stop(self) -> bool:
@@ -139,8 +141,8 @@ class RequestState:
         self.finish_reason, self.stop_reason = reason, stop_reason
 
     def _convert(self, token_id: int, lp: SampleLogprobs, k: int | None, context: list[int]) -> dict[int, Logprob]:
-        """The position's entries; `context`: the ids before it, for tokens that are bytes of a
-        character split over several tokens (see decoded_token)."""
+        """The position's entries; `context`: the (up to DECODE_CONTEXT) ids before it, for
+        tokens that are bytes of a character split over several tokens (see decoded_token)."""
         d = {token_id: Logprob(lp.logprob, lp.rank, self._decode_one(token_id, context))}
         for rank, (tid, v) in enumerate(zip(lp.top_token_ids[:k or 0], lp.top_logprobs), start=1):
             if tid not in d:
