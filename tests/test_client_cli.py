@@ -81,10 +81,16 @@ def test_generate_chat_tools_and_template_kwargs(server, capsys, tmp_path):
     assert rc == 0 and chat.tools[0]["function"]["name"] == "weather"
     assert chat.chat_template_kwargs["enable_thinking"] is False
     for argv, why in ((["--tools", str(tools)], "--tools needs --chat"),
-                      (["--chat", "--chat-template-kwargs", "[1]"], "must be a JSON object"),
-                      (["--chat", "--chat-template-kwargs", "{oops"], "not JSON")):
-        with pytest.raises(SystemExit, match=why):
-            run(capsys, "generate", "x", "--server", server.target, *argv)
+                      (["--chat", "--chat-template-kwargs", "[1]"], "--chat-template-kwargs: must be a JSON object"),
+                      (["--chat", "--chat-template-kwargs", "{oops"], "--chat-template-kwargs: not JSON")):
+        assert refused(capsys, "generate", "x", "--server", server.target, *argv).startswith(
+            f"llmsvc generate: error: {why}")  # a usage error: exit 2, as argparse's own
+    ca = tmp_path / "ca.pem"
+    ca.write_text("unused\n")
+    for command, operands in (("generate", ["x"]), ("health", []), ("admin", ["drain"])):
+        line = refused(capsys, command, "--server", server.target, "--tls-ca", str(ca), "--tls-cert", str(ca),
+                       *operands)
+        assert line == f"llmsvc {command}: error: --tls-cert and --tls-key go together, and need --tls-ca"
 
 
 def test_generate_error_exit_code_and_message(server, capsys):

@@ -37,7 +37,7 @@ def main(args: argparse.Namespace) -> int:
     from llmsvc.client.errors import DeadlineExceeded, LlmsvcError, Unavailable
 
     try:
-        with Client(args.server, timeout=args.timeout, credentials=credentials_from_args(args),
+        with Client(args.server, timeout=args.timeout, credentials=credentials_from_args(args, "llmsvc admin"),
                     token=args.token) as client:
             if args.action == "drain":
                 r = client.drain(args.grace)

@@ -13,7 +13,9 @@ from collections.abc import Callable
 
 from llmsvc.client.channel import MAX_RETRIES
 from llmsvc.client.cli_common import (INT32, UINT32, UINT64, add_connection_arguments, credentials_from_args,
-                                      int_in, print_error, read_file, readable_file)
+                                      int_in, print_error, read_file, readable_file, usage_error)
+
+PROG = "llmsvc generate"
 
 # flag dest == proto field name; passed to Client.generate only when given. Integer types are
 # the proto field's range: limits that depend on the model or server are the server's to check.
@@ -87,7 +89,7 @@ def request_kwargs(args: argparse.Namespace) -> dict:
         for flag, value in (("--system", args.system), ("--tools", args.tools),
                             ("--chat-template-kwargs", args.chat_template_kwargs)):
             if value:
-                raise SystemExit(f"llmsvc generate: {flag} needs --chat")
+                usage_error(PROG, f"{flag} needs --chat")
         kwargs["prompt"] = args.prompt
     return kwargs
 
@@ -96,9 +98,9 @@ def _json_arg(flag: str, text: str | bytes, kind: type):
     try:
         value = json.loads(text)
     except ValueError as e:
-        raise SystemExit(f"llmsvc generate: {flag}: not JSON: {e}") from None
+        usage_error(PROG, f"{flag}: not JSON: {e}")
     if not isinstance(value, kind):
-        raise SystemExit(f"llmsvc generate: {flag}: must be a JSON {'list' if kind is list else 'object'}")
+        usage_error(PROG, f"{flag}: must be a JSON {'list' if kind is list else 'object'}")
     return value
 
 
@@ -159,14 +161,14 @@ def main(args: argparse.Namespace) -> int:
         args.prompt = sys.stdin.read()
     try:
         kwargs = request_kwargs(args)
-        with Client(args.server, timeout=args.timeout, credentials=credentials_from_args(args), token=args.token,
+        with Client(args.server, timeout=args.timeout, credentials=credentials_from_args(args, PROG), token=args.token,
                     max_retries=args.max_retries) as client:
             _run(client, args, kwargs, sys.stdout)
     except LlmsvcError as err:
-        print_error("llmsvc generate", err)
+        print_error(PROG, err)
         return 1
     except (TypeError, ValueError) as err:  # a value the client library refuses that the flag types let through
-        print(f"llmsvc generate: {err}", file=sys.stderr)
+        print(f"{PROG}: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

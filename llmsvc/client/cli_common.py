@@ -75,13 +75,19 @@ def add_connection_arguments(parser: argparse.ArgumentParser, *, token: bool = T
                             help="bearer token sent as `authorization` metadata (env LLMSVC_TOKEN)")
 
 
-def credentials_from_args(args: argparse.Namespace):
+def usage_error(prog: str, message: str):
+    """Flags that parse but do not go together: argparse's form of a usage error, exit code 2."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def credentials_from_args(args: argparse.Namespace, prog: str = "llmsvc"):
     """None (plaintext), the CA file path (TLS), or mTLS channel credentials."""
     cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
     if not (cert or key):
         return args.tls_ca
     if not (cert and key and args.tls_ca):
-        raise SystemExit("--tls-cert and --tls-key go together, and need --tls-ca")
+        usage_error(prog, "--tls-cert and --tls-key go together, and need --tls-ca")
     import grpc
 
     return grpc.ssl_channel_credentials(read_file(args.tls_ca), read_file(key), read_file(cert))

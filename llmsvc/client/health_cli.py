@@ -21,7 +21,7 @@ def main(args: argparse.Namespace) -> int:
     from llmsvc.client.errors import LlmsvcError
 
     try:
-        with Client(args.server, timeout=args.timeout, credentials=credentials_from_args(args)) as client:
+        with Client(args.server, timeout=args.timeout, credentials=credentials_from_args(args, "llmsvc health")) as client:
             status = client.health(args.service)
     except LlmsvcError as err:
         print_error("llmsvc health", err)
