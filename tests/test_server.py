@@ -181,6 +181,23 @@ def test_duplicate_in_flight_id(srv):
     free_blocks_back(srv)
 
 
+@pytest.mark.parametrize("first,second", [(("foo", 2), ("0_foo", 1)), (("1_bar", 1), ("bar", 2))])
+def test_id_of_another_requests_sample_is_taken(srv, first, second):
+    # a request with n=2 runs as samples "0_<id>" and "1_<id>" in the engine core: a second
+    # request with such an id (or whose samples would take one) used to end the core, server and all
+    (id1, n1), (id2, n2) = first, second
+    call = srv.stub.Generate(gen(max_tokens=60, stream=True, request_id=id1, sampling=pb.SamplingParams(n=n1)))
+    next(call)
+    with pytest.raises(grpc.RpcError) as ei:
+        list(srv.stub.Generate(gen(request_id=id2, sampling=pb.SamplingParams(n=n2))))
+    assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    finals = [m for m in call if m.HasField("finish")]
+    assert [m.finish.reason for m in finals] == [pb.FinishInfo.REASON_LENGTH] * n1  # the first one unharmed
+    assert [m.finish.reason for m in srv.stub.Generate(gen(request_id=id2, sampling=pb.SamplingParams(n=n2)))
+            if m.HasField("finish")] == [pb.FinishInfo.REASON_LENGTH] * n2  # and the id is free afterwards
+    free_blocks_back(srv)
+
+
 @pytest.mark.parametrize("request_,code,field", [
     (gen(sampling=pb.SamplingParams(top_p=0.0)), grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 5000])), grpc.StatusCode.INVALID_ARGUMENT,

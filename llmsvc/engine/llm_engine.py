@@ -18,7 +18,7 @@ from llmsvc.config import EngineConfig
 from llmsvc.core.client import EngineCoreClient, InprocClient
 from llmsvc.core.engine_core import EngineCore
 from llmsvc.core.errors import DuplicateRequestError, InvalidRequestError, LoRAAdminError
-from llmsvc.engine.output_processor import OutputProcessor, ParentRequest
+from llmsvc.engine.output_processor import OutputProcessor, ParentRequest, child_request_id
 from llmsvc.core.request import Request
 from llmsvc.engine.stats import StatsLogger
 from llmsvc.engine.bad_words import bad_words_token_ids
@@ -128,10 +128,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, priority: int = 0, arrival_time: float | None = None,
                     cache_salt: str | None = None, lora_name: str | None = None) -> None:
-        if request_id in self.output_processor:
-            raise DuplicateRequestError(request_id)
         prompt_token_ids = list(prompt_token_ids)
-        self.validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params)  # first: it bounds n
+        taken = self.output_processor.child_to_parent  # every id the engine core holds
+        if request_id in self.output_processor or any(
+                child_request_id(request_id, i, params.n) in taken for i in range(params.n)):
+            # also the id of another request's sample ("0_foo" of foo, n=2) and the other way
+            # round: two requests with one id in the core would end its process
+            raise DuplicateRequestError(request_id)
         check_cache_salt(cache_salt)
         lora = self.loras.lookup(lora_name)
         arrival_time = time.time() if arrival_time is None else arrival_time
