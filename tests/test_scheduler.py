@@ -324,3 +324,32 @@ def test_block_content_reused_at_another_position_is_recomputed():
         res = run(core)
         assert res[rid]["tokens"] == reference_tokens(prompt, 4)
         assert res[rid]["cached"] == {"b": 4, "c": 0, "d": 12}[rid]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_prompt_that_cannot_be_held_whole_waits_instead_of_thrashing(policy):
+    # 20 blocks of 4 tokens. "a" grows to 70 tokens (18 blocks); "b" needs 11 blocks for its 42
+    # tokens. Admitted on its first chunk's blocks alone, "b" computed chunks that a's growth took
+    # back by preemption, step after step (with nothing cached to resume from), until "a" ended.
+    cfg = make_config(num_blocks=20, block_size=4, max_num_batched_tokens=16, policy=policy,
+                      enable_prefix_caching=False)
+    core = EngineCore(cfg, FakeExecutor(cfg, num_blocks=20))
+    pa, pb = list(range(40)), list(range(100, 142))
+    core.add_request(req("a", pa, max_tokens=30, arrival=1.0))
+    core.step()
+    core.add_request(req("b", pb, max_tokens=4, arrival=2.0))
+    res = run(core)
+    assert core.stats.num_preemptions == 0
+    assert res["a"]["tokens"] == reference_tokens(pa, 30) and res["b"]["tokens"] == reference_tokens(pb, 4)
+
+
+def test_a_prompt_that_fits_beside_the_running_ones_is_admitted_at_once():
+    cfg = make_config(num_blocks=40, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False)
+    core = EngineCore(cfg, FakeExecutor(cfg, num_blocks=40))
+    core.add_request(req("a", list(range(40)), max_tokens=30, arrival=1.0))
+    for _ in range(3):  # a's prompt in chunks of 16, 16, 8
+        core.step()
+    core.add_request(req("b", list(range(100, 142)), max_tokens=4, arrival=2.0))
+    core.step()
+    assert {r.request_id for r in core.scheduler.running} == {"a", "b"}  # chunked prefill beside a's decode
+    assert core.scheduler.requests["b"].num_computed_tokens == 15

@@ -119,6 +119,16 @@ class KVCacheManager:
             hits.append(b)
         return hits, len(hits) * self.block_size
 
+    def can_hold(self, request: Request, new_computed_blocks: list[int] | tuple = ()) -> bool:
+        """Whether the free blocks (less the hits they include) hold all of a waiting request's
+        tokens from its cache hits on. Layers with a sliding window need only the window's, so
+        for them any room for the next chunk will do (True)."""
+        if self.sliding_window:
+            return True
+        need = cdiv(request.num_tokens, self.block_size) - len(new_computed_blocks)
+        evictable_hits = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
+        return need <= self.pool.num_free_blocks - evictable_hits
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[int] | tuple = (),
                        num_lookahead_tokens: int = 0) -> list[int] | None:

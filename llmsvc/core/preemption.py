@@ -8,7 +8,6 @@ being admitted.
 """
 from __future__ import annotations
 
-from llmsvc.core.kv_cache_manager import cdiv
 from llmsvc.core.request import Request, RequestStatus
 
 
@@ -18,20 +17,18 @@ class PreemptionMixin:
     removed from running, frees its blocks, queues it ahead of the waiting requests of its rank
     and names it in finished_req_ids so the workers drop their cached state for it."""
 
-    def _preempt_for_waiting(self, budget: int) -> None:
+    def _preempt_for_waiting(self) -> None:
         """Priority policy: while the best waiting request cannot be admitted (no seat, or too few
-        free blocks for its first chunk) and a running request ranks strictly below it by
-        (priority, arrival_time), preempt the lowest-ranked running request (as vLLM does)."""
+        free blocks to hold it whole, the scheduler's admission rule) and a running request ranks
+        strictly below it by (priority, arrival_time), preempt the lowest-ranked running request."""
         while len(self.waiting) and self.running:
             head = self.waiting.peek()
             victim = self._pick_victim(self.running)
             if (victim.priority, victim.arrival_time) <= (head.priority, head.arrival_time):
                 return
             if len(self.running) < self.config.max_num_seqs:
-                hit_blocks, num_hit = self.kv.get_computed_blocks(head)
-                num_new = min(head.num_tokens - num_hit, budget)
-                need = cdiv(num_hit + num_new, self.kv.block_size) - len(hit_blocks)
-                if need <= self.kv.num_free_blocks:
+                hit_blocks, _ = self.kv.get_computed_blocks(head)
+                if self.kv.can_hold(head, hit_blocks):
                     return
             self.running.remove(victim)
             self._preempt(victim)

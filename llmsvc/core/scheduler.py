@@ -113,7 +113,7 @@ class Scheduler(PreemptionMixin, GrammarWaitMixin):
         preempted = False
         now = time.time()
         if self.config.policy == "priority":
-            self._preempt_for_waiting(budget)
+            self._preempt_for_waiting()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -160,6 +160,12 @@ class Scheduler(PreemptionMixin, GrammarWaitMixin):
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            if self.running and not self.kv.can_hold(req, hit_blocks):
+                # Beside running requests, a prompt is admitted only when it fits whole: admitted
+                # on its first chunk's blocks, it computed chunks that their growth then took back
+                # by preemption, step after step, until they finished (nothing to resume from
+                # with prompt logprobs or without prefix caching). It waits for them instead.
+                break
             num_new = req.num_tokens - num_hit
             if num_new > budget and (not chunked or num_new <= admission_budget):
                 # The second case: an earlier admission of this step took the budget this prompt
