@@ -403,3 +403,27 @@ def _fuzz_one(srv, r):
     finals = [m for m in msgs if m.HasField("finish")]
     assert msgs and msgs[0].request_id and len(finals) == max(1, r.sampling.n)
     assert all(m.finish.reason != pb.FinishInfo.REASON_UNSPECIFIED for m in finals)
+
+
+def test_a_kv_pool_smaller_than_the_context_is_the_limit_reported_and_enforced(tmp_path_factory):
+    # 8 blocks of 16 tokens: requests are held to 128 tokens, not the model's 256. GetModelInfo
+    # and Tokenize said 256 while refusals named 128, so a client sizing max_tokens from them failed
+    s = live_server(tiny_model_dir(tmp_path_factory), config_kw={"num_blocks": 8})
+    try:
+        assert s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).max_model_len == 128
+        assert s.stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=10).max_model_len == 128
+        with pytest.raises(grpc.RpcError) as ei:
+            list(s.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 128)), timeout=30))
+        info = rpc_details(ei.value)["ErrorInfo"]
+        assert info.reason == "PROMPT_TOO_LONG" and info.metadata["max_model_len"] == "128"
+        assert "KV cache" in ei.value.details()
+        with pytest.raises(grpc.RpcError) as ei:
+            list(s.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 100),
+                                                    stopping=ST(max_tokens=40)), timeout=30))
+        assert ei.value.code() == INVALID and "(128)" in ei.value.details()
+        (m,) = [m for m in s.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 100), sampling=GREEDY,
+                                                              stopping=ST(max_tokens=28, ignore_eos=True)),
+                                           timeout=60) if m.HasField("finish")]
+        assert m.finish.reason == pb.FinishInfo.REASON_LENGTH and m.num_output_tokens == 28
+    finally:
+        s.stop()

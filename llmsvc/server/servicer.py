@@ -81,7 +81,8 @@ class LlmService(pb_grpc.LlmServiceServicer):
     def attach(self, async_engine, tokenizer, config) -> None:
         """Serve from this (started, warmed-up) engine; `config` is the resolved EngineConfig."""
         self.engine, self.tokenizer, self.config = async_engine, tokenizer, config
-        self.limits = ModelLimits.from_config(config)
+        # the length requests are held to: the model's context, or the KV pool's when smaller
+        self.limits = ModelLimits.from_config(config, getattr(async_engine.engine, "max_model_len", None))
 
     def _require_model(self) -> None:
         if self.engine is None:
@@ -270,7 +271,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
         resp = pb.GetModelInfoResponse(
             model_id=mc.model_source or mc.model_dir or "", served_model_name=mc.served_model_name,
             architecture=mc.architecture, dtype=mc.dtype, quantization=mc.quantization,
-            max_model_len=mc.max_model_len,
+            max_model_len=self.limits.max_model_len,
             vocab_size=mc.vocab_size, eos_token_ids=list(mc.eos_token_ids),
             has_chat_template=has_chat_template(self.tokenizer),
             supported_constraints=list(self.limits.supported_constraints))

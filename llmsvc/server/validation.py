@@ -38,11 +38,16 @@ class ModelLimits:
     max_logprobs: int = 20
     generation_defaults: dict = field(default_factory=dict)
     supported_constraints: tuple[str, ...] = ()
+    max_len_source: str = "the maximum context length"  # what bounds max_model_len, for messages
 
     @classmethod
-    def from_config(cls, config) -> "ModelLimits":
+    def from_config(cls, config, engine_max_len: int | None = None) -> "ModelLimits":
+        """engine_max_len: the engine's bound on prompt + output (LLMEngine.max_model_len), below
+        the model's context when the KV pool holds fewer tokens."""
         mc = config.model_config
-        return cls(vocab_size=mc.vocab_size, max_model_len=mc.max_model_len, max_n=config.max_n,
+        max_len = min(mc.max_model_len, engine_max_len) if engine_max_len else mc.max_model_len
+        return cls(vocab_size=mc.vocab_size, max_model_len=max_len, max_n=config.max_n,
+                   max_len_source="the KV cache pool" if max_len < mc.max_model_len else "the maximum context length",
                    max_stop_strings=config.max_stop_strings, max_logprobs=config.max_logprobs,
                    generation_defaults=dict(mc.generation_defaults or {}),
                    supported_constraints=served_constraints())
@@ -50,7 +55,8 @@ class ModelLimits:
     @property
     def request_limits(self) -> rules.RequestLimits:
         return rules.RequestLimits(vocab_size=self.vocab_size, max_len=self.max_model_len, max_n=self.max_n,
-                                   max_stop_strings=self.max_stop_strings, max_logprobs=self.max_logprobs)
+                                   max_stop_strings=self.max_stop_strings, max_logprobs=self.max_logprobs,
+                                   max_len_source=self.max_len_source)
 
     def default_sampling(self) -> dict:
         """The values unset sampling fields resolve to (generation_config, then neutral)."""
