@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import numbers
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,9 +141,10 @@ class SamplingParams:
     _FLOATS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
 
     def _normalize_numbers(self) -> None:
-        """Integer fields hold ints (numpy and torch integers become ints; a float, a string or a
-        bool-as-count is refused, so that nothing fails later inside the sampler), as vLLM reads
-        them: logprobs=True is 1, seed=-1 is no seed, logit_bias keys may be JSON's strings."""
+        """Integer fields hold ints and number fields floats (numpy and torch integers become
+        ints; a float count, a string or a bool is refused, so that nothing fails later inside
+        the sampler), read as vLLM reads them: logprobs=True is 1, seed=-1 is no seed, logit_bias
+        keys may be JSON's strings."""
         for name in ("logprobs", "prompt_logprobs"):
             if isinstance(getattr(self, name), bool):
                 setattr(self, name, int(getattr(self, name)))
@@ -150,8 +152,9 @@ class SamplingParams:
             setattr(self, name, _integer(name, getattr(self, name)))
         for name in self._FLOATS:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise ValueError(f"{name} must be a number, got {v!r}")
+            setattr(self, name, float(v))
         if self.seed == -1:
             self.seed = None
         self.stop_token_ids = [_integer("stop_token_ids", t) for t in self.stop_token_ids]

@@ -138,6 +138,7 @@ def test_sampling_params_read_numbers_as_vllm_does(fake_llm):
     assert SamplingParams(seed=-1).seed is None
     assert SamplingParams(logit_bias={"5": 2.0}).logit_bias == {5: 2.0}  # JSON's keys
     assert SamplingParams(stop_token_ids=[np.int64(7)], top_k=np.int32(3)).stop_token_ids == [7]
+    assert type(SamplingParams(temperature=np.float32(0.5)).temperature) is float
     for bad in (dict(top_k=2.5), dict(n="2"), dict(max_tokens=True), dict(temperature="hot")):
         with pytest.raises(ValueError, match=next(iter(bad))):  # used to fail inside the sampler, batch and all
             SamplingParams(**bad)
