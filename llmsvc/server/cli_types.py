@@ -8,6 +8,7 @@ import math
 import os
 import sys
 
+from llmsvc.client.cli_common import int_in, positive_float  # noqa: F401 - positive_float: for cli.py
 from llmsvc.config import parse_memory
 
 
@@ -19,32 +20,14 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _int_at_least(lo: int, name: str):
-    def parse(text: str) -> int:
-        v = int(text)
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-
-    parse.__name__ = name  # argparse names the type in "invalid <name> value"
-    return parse
-
-
-positive_int = _int_at_least(1, "positive_int")
-non_negative_int = _int_at_least(0, "non_negative_int")
+positive_int = int_in(1)
+non_negative_int = int_in(0)
 
 
 def port(text: str) -> int:
     v = int(text)
     if not 0 <= v <= 65535:  # the OS would take a value past it modulo 65536
         raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {v}")
-    return v
-
-
-def positive_float(text: str) -> float:
-    v = float(text)
-    if not 0 < v < math.inf:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return v
 
 

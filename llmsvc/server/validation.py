@@ -45,9 +45,10 @@ class ModelLimits:
         """engine_max_len: the engine's bound on prompt + output (LLMEngine.max_model_len), below
         the model's context when the KV pool holds fewer tokens."""
         mc = config.model_config
-        max_len = min(mc.max_model_len, engine_max_len) if engine_max_len else mc.max_model_len
-        return cls(vocab_size=mc.vocab_size, max_model_len=max_len, max_n=config.max_n,
-                   max_len_source="the KV cache pool" if max_len < mc.max_model_len else "the maximum context length",
+        pool_bound = bool(engine_max_len and mc.max_model_len and engine_max_len < mc.max_model_len)
+        return cls(vocab_size=mc.vocab_size, max_model_len=engine_max_len if pool_bound else mc.max_model_len,
+                   max_n=config.max_n,
+                   max_len_source="the KV cache pool" if pool_bound else "the maximum context length",
                    max_stop_strings=config.max_stop_strings, max_logprobs=config.max_logprobs,
                    generation_defaults=dict(mc.generation_defaults or {}),
                    supported_constraints=served_constraints())
