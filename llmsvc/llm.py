@@ -197,9 +197,8 @@ class LLM:
         for conv in convs:
             conv = [_parsed_tool_calls(_text_content(m)) for m in conv]
             text = tok.apply_chat_template(conv, add_generation_prompt=add_gen, tokenize=False, **extra)
-            ids = tok.apply_chat_template(conv, add_generation_prompt=add_gen, tokenize=True, **extra)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
+            # the template writes the special tokens itself (as the server and vLLM encode it)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
             prompts.append({"prompt": text, "prompt_token_ids": list(ids)})  # RequestOutput.prompt: the text
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
