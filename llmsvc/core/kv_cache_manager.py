@@ -126,8 +126,12 @@ class KVCacheManager:
         if self.sliding_window:
             return True
         need = cdiv(request.num_tokens, self.block_size) - len(new_computed_blocks)
-        evictable_hits = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
-        return need <= self.pool.num_free_blocks - evictable_hits
+        return need <= self._free_besides(new_computed_blocks)
+
+    def _free_besides(self, hits) -> int:
+        """Free blocks other than these cache hits: hits sitting in the free queue stop being
+        free once touched."""
+        return self.pool.num_free_blocks - sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[int] | tuple = (),
@@ -148,9 +152,7 @@ class KVCacheManager:
         assert num_total <= request.num_tokens, (num_total, request)
         num_slots = num_total + num_lookahead_tokens
         num_new_blocks = max(0, cdiv(num_slots, self.block_size) - len(req_blocks) - len(new_computed_blocks))
-        # hits sitting in the free queue stop being free once touched
-        num_evictable_hits = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
+        if num_new_blocks > self._free_besides(new_computed_blocks):
             if not req_blocks:
                 del self.req_to_blocks[request.request_id]
             return None

@@ -143,8 +143,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="file of accepted bearer tokens, one per line; tokens may also come comma-separated from "
              "LLMSVC_AUTH_TOKENS. Health and reflection need no token")
     opt("--admin-token-file", str, None,
-        help="file of the bearer tokens AdminService (Drain, FlushCache, Load/UnloadLoraAdapter) accepts, one per line; also "
-             "comma-separated from LLMSVC_ADMIN_TOKENS. Without any, admin calls get PERMISSION_DENIED")
+        help="file of the bearer tokens AdminService (Drain, FlushCache, Load/UnloadLoraAdapter) accepts, one "
+             "per line; also comma-separated from LLMSVC_ADMIN_TOKENS. Without any, admin calls get "
+             "PERMISSION_DENIED")
 
 
 def build_config(args):

@@ -82,7 +82,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
         """Serve from this (started, warmed-up) engine; `config` is the resolved EngineConfig."""
         self.engine, self.tokenizer, self.config = async_engine, tokenizer, config
         # the length requests are held to: the model's context, or the KV pool's when smaller
-        self.limits = ModelLimits.from_config(config, getattr(async_engine.engine, "max_model_len", None))
+        self.limits = ModelLimits.from_config(config, getattr(async_engine.engine, "request_limits", None))
 
     def _require_model(self) -> None:
         if self.engine is None:

@@ -41,17 +41,17 @@ class ModelLimits:
     max_len_source: str = "the maximum context length"  # what bounds max_model_len, for messages
 
     @classmethod
-    def from_config(cls, config, engine_max_len: int | None = None) -> "ModelLimits":
-        """engine_max_len: the engine's bound on prompt + output (LLMEngine.max_model_len), below
-        the model's context when the KV pool holds fewer tokens."""
+    def from_config(cls, config, engine_limits: rules.RequestLimits | None = None) -> "ModelLimits":
+        """engine_limits: the engine's own (LLMEngine.request_limits), whose length bound is below
+        the model's context when the KV pool holds fewer tokens; None: the model's context."""
         mc = config.model_config
-        pool_bound = bool(engine_max_len and mc.max_model_len and engine_max_len < mc.max_model_len)
-        return cls(vocab_size=mc.vocab_size, max_model_len=engine_max_len if pool_bound else mc.max_model_len,
-                   max_n=config.max_n,
-                   max_len_source="the KV cache pool" if pool_bound else "the maximum context length",
-                   max_stop_strings=config.max_stop_strings, max_logprobs=config.max_logprobs,
-                   generation_defaults=dict(mc.generation_defaults or {}),
-                   supported_constraints=served_constraints())
+        limits = cls(vocab_size=mc.vocab_size, max_model_len=mc.max_model_len, max_n=config.max_n,
+                     max_stop_strings=config.max_stop_strings, max_logprobs=config.max_logprobs,
+                     generation_defaults=dict(mc.generation_defaults or {}),
+                     supported_constraints=served_constraints())
+        if engine_limits is not None:
+            limits.max_model_len, limits.max_len_source = engine_limits.max_len, engine_limits.max_len_source
+        return limits
 
     @property
     def request_limits(self) -> rules.RequestLimits:
