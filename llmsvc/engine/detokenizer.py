@@ -66,12 +66,7 @@ class IncrementalDetokenizer:
         self.ids.extend(new_token_ids)
         prefix_text, new_text = self._window_text()
         if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
-            delta = new_text[len(prefix_text):]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            self._prefix_text = None
-            self.output_text += delta
-            return delta
+            return self._confirm(new_text[len(prefix_text):])
         return ""
 
     def flush(self) -> str:
@@ -79,7 +74,10 @@ class IncrementalDetokenizer:
         if self.read_offset == len(self.ids):
             return ""
         prefix_text, new_text = self._window_text()
-        delta = new_text[len(prefix_text):]
+        return self._confirm(new_text[len(prefix_text):])
+
+    def _confirm(self, delta: str) -> str:
+        """Move the window past every id so far; `delta` is the text they add."""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         self._prefix_text = None
