@@ -288,6 +288,31 @@ def test_health_check_of_an_unknown_service_names_the_known_ones(srv):
     assert ei.value.details() == f"unknown service 'nope'; known: '', {SERVICE!r}"
 
 
+def test_health_list_gives_every_known_service(srv):
+    h = health_pb2_grpc.HealthStub(srv.channel)
+    resp = h.List(health_pb2.HealthListRequest())
+    assert {name: st.status for name, st in resp.statuses.items()} == {
+        "": health_pb2.HealthCheckResponse.SERVING, SERVICE: health_pb2.HealthCheckResponse.SERVING}
+
+
+def test_every_listed_service_resolves_by_reflection(srv):
+    """grpcurl's `describe` resolves each listed service and stops at the first it cannot."""
+    from google.protobuf import descriptor_pool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    channel = grpc.insecure_channel(srv.address)
+    try:
+        names = ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert "grpc.reflection.v1.ServerReflection" in names
+        for name in names:  # a fresh pool each, so no file resolves from another's lookups
+            pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+            service = pool.FindServiceByName(name)
+            assert service.methods and all(m.input_type.full_name and m.output_type.full_name
+                                           for m in service.methods), name
+    finally:
+        channel.close()
+
+
 def _list_services(channel, version: str) -> list[str]:
     from grpc_reflection.v1alpha import reflection_pb2
     call = channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",

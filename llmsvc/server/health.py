@@ -5,6 +5,7 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import _async as reflection_async
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from llmsvc.v1 import llmsvc_pb2
@@ -26,6 +27,12 @@ class _HealthServicer(health_async.HealthServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service[:256]!r}; "
                                 f"known: {', '.join(repr(n) for n in sorted(known))}")
         return await super().Check(request, context)
+
+    async def List(self, request, context):
+        """Every known service and its status (the library leaves List unimplemented)."""
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status)
+            for name, status in self._server_status.items()})
 
 
 class Health:
@@ -52,11 +59,42 @@ class Health:
         await self.servicer.enter_graceful_shutdown()
 
 
+def _add_v1_reflection_file(pool: descriptor_pool.DescriptorPool) -> None:
+    """Put grpc/reflection/v1/reflection.proto into `pool`, so that the v1 service listed
+    by reflection also resolves (grpcio-reflection ships only v1alpha's file). The v1 file
+    is v1alpha's with the package renamed: same messages, same field numbers."""
+    name = "grpc/reflection/v1/reflection.proto"
+    try:
+        pool.FindFileByName(name)
+        return
+    except KeyError:
+        pass
+    fdp = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(fdp)
+    old, new = fdp.package, "grpc.reflection.v1"
+    fdp.name, fdp.package = name, new
+
+    def rename(messages) -> None:
+        for msg in messages:
+            for field in msg.field:
+                if field.type_name.startswith(f".{old}."):
+                    field.type_name = f".{new}." + field.type_name[len(old) + 2:]
+            rename(msg.nested_type)
+
+    rename(fdp.message_type)
+    for service in fdp.service:
+        for method in service.method:
+            method.input_type = method.input_type.replace(f".{old}.", f".{new}.", 1)
+            method.output_type = method.output_type.replace(f".{old}.", f".{new}.", 1)
+    pool.Add(fdp)
+
+
 def add_reflection(server: grpc.aio.Server) -> None:
     """Reflection for LlmService, AdminService and Health, under v1alpha (grpcio-reflection) and v1.
 
     v1 and v1alpha reflection messages are wire-identical (same field numbers), so the v1
-    service is the v1alpha servicer behind a v1 method name."""
+    service is the v1alpha servicer behind a v1 method name; its descriptor is served too."""
+    _add_v1_reflection_file(descriptor_pool.Default())
     names = (SERVICE_NAME, ADMIN_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME, REFLECTION_V1)
     servicer = reflection_async.ReflectionServicer(names)
