@@ -24,7 +24,8 @@ HISTOGRAMS = ["llmsvc_time_to_first_token_seconds", "llmsvc_time_per_output_toke
 GAUGES = ["llmsvc_num_requests_running", "llmsvc_num_requests_waiting", "llmsvc_kv_cache_usage_perc",
           "llmsvc_prefix_cache_hit_rate", "llmsvc_num_kv_blocks", "llmsvc_num_free_kv_blocks",
           "llmsvc_server_ready", "llmsvc_server_draining", "llmsvc_engine_healthy"]
-COUNTERS = ["llmsvc_prompt_tokens_total", "llmsvc_generation_tokens_total", "llmsvc_num_preemptions_total",
+COUNTERS = ["llmsvc_prompt_tokens_total", "llmsvc_generation_tokens_total", "llmsvc_prompt_tokens_computed_total",
+            "llmsvc_num_preemptions_total",
             "llmsvc_prefix_cache_queries_total", "llmsvc_prefix_cache_hits_total"]
 
 
@@ -85,7 +86,8 @@ def test_token_counters_count_the_clients_tokens_only(srv):
     # the server's warm-up request (one prompt token, one generated) is not counted
     port = srv.server.metrics_port
     start = scrape(port)
-    for name in ("llmsvc_prompt_tokens_total", "llmsvc_generation_tokens_total", "llmsvc_prefix_cache_queries_total"):
+    for name in ("llmsvc_prompt_tokens_total", "llmsvc_generation_tokens_total", "llmsvc_prompt_tokens_computed_total",
+                 "llmsvc_prefix_cache_queries_total"):
         assert val(start, name) == 0, name
     prompt = "counters from zero"
     n_prompt = len(srv.stub.Tokenize(pb.TokenizeRequest(text=prompt)).token_ids)
@@ -114,7 +116,8 @@ def test_values_move_after_requests(srv):
     assert delta("llmsvc_request_generation_tokens_sum") == 7
     assert delta("llmsvc_request_prompt_tokens_sum") == n_prompt
     assert delta("llmsvc_generation_tokens_total") == 7
-    assert delta("llmsvc_prompt_tokens_total") == n_prompt  # a prompt never seen: no cache hits
+    assert delta("llmsvc_prompt_tokens_total") == n_prompt
+    assert delta("llmsvc_prompt_tokens_computed_total") == n_prompt  # a prompt never seen: no cache hits
 
     probe = list(srv.stub.Generate(gen("stop early", 5, stream=False)))[-1].text
     stop = list(srv.stub.Generate(pb.GenerateRequest(
@@ -131,6 +134,34 @@ def test_values_move_after_requests(srv):
     for reason in ("length", "stop", "abort"):  # rejected at admission: it never finished
         assert val(s, "llmsvc_request_success_total", finish_reason=reason) == val(
             before, "llmsvc_request_success_total", finish_reason=reason)
+
+
+def test_token_counters_follow_what_clients_receive(srv):
+    """As vLLM's: the whole prompt even when the prefix cache holds it, and the tokens delivered,
+    not those the engine made past a stop string before its abort landed."""
+    port = srv.server.metrics_port
+    prompt = "the same prompt twice shares its cached blocks " * 3
+    n_prompt = len(srv.stub.Tokenize(pb.TokenizeRequest(text=prompt)).token_ids)
+    list(srv.stub.Generate(gen(prompt, 2)))
+    before = wait_for(port, lambda s: val(s, "llmsvc_generation_tokens_total") >= 2)
+    list(srv.stub.Generate(gen(prompt, 2)))
+    after = wait_for(port, lambda s: val(s, "llmsvc_generation_tokens_total") >= 4)
+    assert val(after, "llmsvc_prompt_tokens_total") - val(before, "llmsvc_prompt_tokens_total") == n_prompt
+    computed = val(after, "llmsvc_prompt_tokens_computed_total") - val(before, "llmsvc_prompt_tokens_computed_total")
+    assert 0 < computed < n_prompt
+
+    text = list(srv.stub.Generate(gen("stop counting here", 40, stream=False)))[-1].text
+    delivered = 0
+    for i in range(3, 6):  # stop strings a few tokens in; the engine may run ahead of the front end
+        before = wait_for(port, lambda s: True)
+        (m,) = list(srv.stub.Generate(pb.GenerateRequest(
+            text="stop counting here", stopping=pb.StoppingCriteria(max_tokens=40, stop=[text[i]]))))
+        assert m.finish.reason == pb.FinishInfo.REASON_STOP
+        delivered = m.finish.usage.completion_tokens
+        time.sleep(0.05)  # steps past the stop, if any, are counted by now
+        after = scrape(port)
+        assert val(after, "llmsvc_generation_tokens_total") - val(before, "llmsvc_generation_tokens_total") \
+            == delivered, i
 
 
 def test_gauges_while_running_and_cancel_counts_abort():
@@ -233,3 +264,27 @@ def test_metrics_port_off_by_default():
         assert s.server.metrics_port is None and s.server.metrics_http is None
     finally:
         s.stop()
+
+
+class _EndedCall:
+    """The two things final_code reads of a call's context."""
+
+    def __init__(self, remaining):
+        self.remaining = remaining
+
+    def code(self):
+        return None
+
+    def time_remaining(self):
+        return self.remaining
+
+
+@pytest.mark.parametrize("remaining, code", [
+    (None, grpc.StatusCode.CANCELLED), (30.0, grpc.StatusCode.CANCELLED), (-0.5, grpc.StatusCode.DEADLINE_EXCEEDED),
+    # the client resets the stream at its deadline, before the server's copy (set on arrival) runs out
+    (0.04, grpc.StatusCode.DEADLINE_EXCEEDED)])
+def test_a_cancel_at_the_deadline_counts_as_the_deadline(remaining, code):
+    import asyncio
+
+    from llmsvc.server.rpc_wrap import final_code
+    assert final_code(_EndedCall(remaining), asyncio.CancelledError()) == code

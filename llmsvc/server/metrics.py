@@ -7,7 +7,9 @@ Series (all `llmsvc_`):
   time_to_first_token_seconds, time_per_output_token_seconds, e2e_request_latency_seconds,
   request_queue_time_seconds, request_prefill_time_seconds (first scheduled to first token),
   request_decode_time_seconds (first token to last), request_prompt_tokens,
-  request_generation_tokens (histograms).
+  request_generation_tokens (histograms); prompt_tokens_total (a request's whole prompt once it
+  has output, cache hits included) and generation_tokens_total (output tokens delivered), as
+  vLLM counts them.
   These also carry one Prometheus label per allow-listed GenerateRequest.labels key
   (`label_keys`, the --metrics-label-keys flag): "" when a request lacks it, and "other" once a
   key has seen MAX_LABEL_VALUES distinct values, so the number of series stays bounded. The key
@@ -15,7 +17,7 @@ Series (all `llmsvc_`):
 - engine (sampled on scrape from AsyncEngine.get_stats(), which never blocks on the engine
   thread): num_requests_running / num_requests_waiting / kv_cache_usage_perc (0..1) /
   prefix_cache_hit_rate (0..1, since start) / num_kv_blocks / num_free_kv_blocks gauges;
-  prompt_tokens_total, generation_tokens_total, num_preemptions_total, prefix_cache_queries_total
+  prompt_tokens_computed_total, num_preemptions_total, prefix_cache_queries_total
   and prefix_cache_hits_total (prompt tokens looked up / found; rate() of their ratio is the hit
   rate over any window, as vLLM's) counters; server_ready, server_draining, engine_healthy gauges.
   With speculative decoding: spec_decode_num_drafts_total, spec_decode_num_draft_tokens_total,
@@ -85,6 +87,13 @@ class ServerMetrics:
                                  LATENCY_BUCKETS)
         self.decode = histogram("llmsvc_request_decode_time_seconds", "First output token to the last",
                                 LATENCY_BUCKETS)
+        # Counted as clients see them (vLLM's prompt_tokens / generation_tokens): every prompt token
+        # of a request once it has output (prefix-cache hits included), every token delivered
+        # (not those the engine made past a stop string before the abort reached it).
+        self.prompt_tokens_total = Counter("llmsvc_prompt_tokens", "Prompt tokens of requests that started output "
+                                           "(prefix-cache hits included)", keys, registry=r)
+        self.generation_tokens_total = Counter("llmsvc_generation_tokens", "Output tokens delivered", keys,
+                                               registry=r)
         self.prompt_tokens = histogram("llmsvc_request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS)
         self.generation_tokens = histogram("llmsvc_request_generation_tokens",
                                            "Generated tokens per request (all completions)", TOKEN_BUCKETS)
@@ -124,13 +133,20 @@ class RequestTracker:
         self.reasons: dict[int, str] = {}  # completion index -> finish reason
         self.tokens: dict[int, int] = {}  # completion index -> output tokens so far (cumulative)
         self.done = False
+        self.started = False  # the first output token arrived (its prompt is counted)
         self.final: RequestOutput | None = None  # the output that finished the request
 
     def observe(self, out: RequestOutput) -> None:
         if self.done:
             return
+        if not self.started and any(c.num_output_tokens for c in out.outputs):
+            self.started = True
+            self._series(self.m.prompt_tokens_total).inc(len(out.prompt_token_ids))
         for comp in out.outputs:
-            self.tokens[comp.index] = max(self.tokens.get(comp.index, 0), comp.num_output_tokens)
+            before = self.tokens.get(comp.index, 0)
+            if comp.num_output_tokens > before:
+                self.tokens[comp.index] = comp.num_output_tokens
+                self._series(self.m.generation_tokens_total).inc(comp.num_output_tokens - before)
             if comp.finish_reason is not None and comp.index not in self.reasons:
                 self.reasons[comp.index] = comp.finish_reason
                 self.m.request_success.labels(comp.finish_reason, *self.label_values).inc()
@@ -152,8 +168,9 @@ class RequestTracker:
                 self.reasons[i] = ABORT
                 self.m.request_success.labels(ABORT, *self.label_values).inc()
 
-    def _series(self, histogram: Histogram) -> Histogram:
-        return histogram.labels(*self.label_values) if self.label_values else histogram
+    def _series(self, metric):
+        """`metric`'s series for this request's label values (the metric itself without keys)."""
+        return metric.labels(*self.label_values) if self.label_values else metric
 
     def _observe_final(self, out: RequestOutput) -> None:
         m, series = self.m, self._series
@@ -222,8 +239,8 @@ class EngineCollector(Collector):
         for name, doc, value in gauges:
             yield GaugeMetricFamily("llmsvc_" + name, doc, value=float(value))
         b = snap.counters_from
-        counters = (("prompt_tokens", "Prompt tokens processed", s.prompt_tokens_total - b.prompt_tokens_total),
-                    ("generation_tokens", "Tokens generated", s.generation_tokens_total - b.generation_tokens_total),
+        counters = (("prompt_tokens_computed", "Prompt tokens the model computed (prefix-cache hits excluded, "
+                     "recomputation after preemption included)", s.prompt_tokens_total - b.prompt_tokens_total),
                     ("num_preemptions", "Requests preempted (KV cache full)", s.num_preemptions - b.num_preemptions),
                     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                      s.extra.get("prefix_cache_queries", 0) - b.extra.get("prefix_cache_queries", 0)),

@@ -25,7 +25,7 @@ from llmsvc.server.logging_setup import request_id_var, request_labels_var
 from llmsvc.server.prompt import encode, has_chat_template, render_chat
 from llmsvc.server.prompt import resolve_prompt
 from llmsvc.server.responses import ResponseBuilder
-from llmsvc.server.rpc_wrap import final_code
+from llmsvc.server.rpc_wrap import deadline_passed, final_code
 from llmsvc.server.validation import (ModelLimits, build_sampling_params, check_abort_reason, check_labels,
                                       check_prompt_fits, check_request_id, check_token_ids)
 from llmsvc.v1 import llmsvc_pb2 as pb
@@ -188,8 +188,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
                 self._trace(rid if rid_ok else "", context, start_ns, code, message, params, ids, tracker)
 
     def _trace(self, rid, context, start_ns, code, message, params, ids, tracker) -> None:
-        remaining = context.time_remaining()
-        if code == grpc.StatusCode.CANCELLED and remaining is not None and remaining <= 0:
+        if code == grpc.StatusCode.CANCELLED and deadline_passed(context):
             code = grpc.StatusCode.DEADLINE_EXCEEDED
         try:
             self.tracer.record(request_id=rid, metadata=context.invocation_metadata(), start_ns=start_ns,
