@@ -189,3 +189,28 @@ def test_drain_rpc_drains_like_sigterm_and_flush_cache_reaches_the_core(tiny_dir
         assert "Drain RPC" in "".join(srv.lines)
     finally:
         srv.close()
+
+
+def test_sigterm_during_a_longer_drain_waits_at_most_the_shutdown_grace(tiny_dir, tmp_path):
+    """A supervisor sizes its stop timeout to --shutdown-grace; a Drain RPC's longer grace must
+    not outlast it once the supervisor signals."""
+    tokens = tmp_path / "admin-tokens"
+    tokens.write_text("root\n")
+    srv = ServeProcess(tiny_dir, "--shutdown-grace", "1", "--admin-token-file", str(tokens))
+    try:
+        srv.wait_serving()
+        admin, md = pb_grpc.AdminServiceStub(srv.channel), (("authorization", "Bearer root"),)
+        call = srv.stub.Generate(_stream(4000), timeout=120)  # longer than this test waits
+        msgs = [next(call)]
+        admin.Drain(pb.DrainRequest(grace_seconds=600), metadata=md, timeout=10)
+        msgs.append(next(call))  # still streaming: the drain waits for it
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        msgs.extend(call)
+        assert msgs[-1].finish.reason == pb.FinishInfo.REASON_ABORTED
+        assert msgs[-1].num_output_tokens < 4000
+        assert srv.proc.wait(60) == 0, "".join(srv.lines[-40:])
+        assert time.monotonic() - t0 < 60  # not the Drain's 600 s
+        assert "stop signal while draining" in "".join(srv.lines)
+    finally:
+        srv.close()

@@ -57,6 +57,7 @@ class AsyncEngine(EngineThreadMixin):
         self._dead: BaseException | None = None
         self._accepting = True
         self._grace_cut = False  # end_grace(): shutdown() stops waiting for in-flight requests
+        self._grace_end = float("inf")  # monotonic time shutdown() stops waiting (cap_grace lowers it)
         self._dead_event: asyncio.Event | None = None
         self.health_check_interval_s = 1.0  # idle engine thread polls engine.check_health() this often
 
@@ -95,12 +96,16 @@ class AsyncEngine(EngineThreadMixin):
         """Cut a running (or later) shutdown's grace period short: in-flight requests are aborted now."""
         self._grace_cut = True
 
+    def cap_grace(self, seconds: float) -> None:
+        """A running (or later) shutdown waits at most `seconds` from now for in-flight requests."""
+        self._grace_end = min(self._grace_end, time.monotonic() + seconds)
+
     async def shutdown(self, grace: float = 0.0) -> None:
         """Refuse new requests, let in-flight ones finish for `grace` s (or until end_grace()),
         abort the rest, stop."""
         self._accepting = False
-        deadline = time.monotonic() + grace
-        while self._streams and self.is_healthy and time.monotonic() < deadline and not self._grace_cut:
+        self._grace_end = min(self._grace_end, time.monotonic() + grace)
+        while self._streams and self.is_healthy and time.monotonic() < self._grace_end and not self._grace_cut:
             await asyncio.sleep(0.02)
         if self._streams and self.is_healthy:
             self.abort(list(self._streams), reason="server shutting down")

@@ -74,6 +74,7 @@ class LlmServer:
         self.warmup = warmup
         self._counters_from: EngineStats | None = None  # engine totals once warmed up (metrics start there)
         self.shutdown_grace = 30.0  # seconds in-flight requests get when serve() is stopped
+        self._signal_grace: float | None = None  # shutdown_grace before a Drain RPC replaced it
         self.state = ServerState()
         self.health = Health()
         self.tls = tls
@@ -208,10 +209,20 @@ class LlmServer:
         if self._stopping is not None:
             return True, self.shutdown_grace
         if grace is not None:
-            self.shutdown_grace = grace
+            self._signal_grace, self.shutdown_grace = self.shutdown_grace, grace
         self._stopping = asyncio.ensure_future(self._shutdown(self.shutdown_grace))
         self._drain_begun.set()
         return False, self.shutdown_grace
+
+    def stop_signal(self) -> None:
+        """A first stop signal during a Drain RPC's grace: in-flight requests get at most the
+        server's own shutdown grace from now, so a supervisor's stop timeout sized to it holds."""
+        if self._signal_grace is None or self._signal_grace >= self.shutdown_grace:
+            return
+        logger.warning("stop signal while draining: in-flight requests get at most %.1f s more",
+                       self._signal_grace)
+        if self.async_engine is not None:
+            self.async_engine.cap_grace(self._signal_grace)
 
     def end_grace(self) -> None:
         """A second stop signal: abort in-flight requests now instead of waiting out the grace."""

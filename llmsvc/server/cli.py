@@ -260,10 +260,12 @@ async def serve(args, security: dict | None = None, config=None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
-    def on_signal() -> None:  # the first drains for --shutdown-grace; a second one cuts that short
+    def on_signal() -> None:  # the first drains for --shutdown-grace (at most); a second one cuts that short
         if stop.is_set():
             logging.getLogger("llmsvc.server").warning("second stop signal: aborting in-flight requests now")
             server.end_grace()
+        else:
+            server.stop_signal()
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
