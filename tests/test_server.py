@@ -181,8 +181,11 @@ def test_duplicate_in_flight_id(srv):
     free_blocks_back(srv)
 
 
-@pytest.mark.parametrize("first,second", [(("foo", 2), ("0_foo", 1)), (("1_bar", 1), ("bar", 2))])
-def test_id_of_another_requests_sample_is_taken(srv, first, second):
+@pytest.mark.parametrize("first,second,message", [
+    (("foo", 2), ("0_foo", 1), "request id '0_foo' is the id of a sample of request 'foo', in flight"),
+    (("1_bar", 1), ("bar", 2), "request id 'bar' would give sample 1 the id '1_bar', which request '1_bar' "
+                               "in flight holds")])
+def test_id_of_another_requests_sample_is_taken(srv, first, second, message):
     # a request with n=2 runs as samples "0_<id>" and "1_<id>" in the engine core: a second
     # request with such an id (or whose samples would take one) used to end the core, server and all
     (id1, n1), (id2, n2) = first, second
@@ -190,7 +193,7 @@ def test_id_of_another_requests_sample_is_taken(srv, first, second):
     next(call)
     with pytest.raises(grpc.RpcError) as ei:
         list(srv.stub.Generate(gen(request_id=id2, sampling=pb.SamplingParams(n=n2))))
-    assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert (ei.value.code(), ei.value.details()) == (grpc.StatusCode.ALREADY_EXISTS, message)
     finals = [m for m in call if m.HasField("finish")]
     assert [m.finish.reason for m in finals] == [pb.FinishInfo.REASON_LENGTH] * n1  # the first one unharmed
     assert [m.finish.reason for m in srv.stub.Generate(gen(request_id=id2, sampling=pb.SamplingParams(n=n2)))

@@ -53,12 +53,13 @@ class LoRAAdminError(RuntimeError):
 class DuplicateRequestError(KeyError):
     """A request with this id is already in flight."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, why: str = "") -> None:
         super().__init__(request_id)
         self.request_id = request_id
+        self.why = why  # which id collides, when it is a sample's ("0_foo" of an n>1 request "foo")
 
     def __str__(self) -> str:
-        return f"request id {self.request_id!r} is already in flight"
+        return f"request id {self.request_id!r} {self.why or 'is already in flight'}"
 
 
 class QueueFullError(RuntimeError):

@@ -125,17 +125,29 @@ class LLMEngine:
             raise InvalidRequestError("structured_outputs", "structured output needs the llguidance package "
                                       "and a fast (Rust) tokenizer; this engine has none")
 
+    def _check_unique(self, request_id: str, n: int) -> None:
+        """DuplicateRequestError unless the request's id and its samples' ids are all free: two
+        requests with one id in the engine core would end its process. A sample of an n>1
+        request "foo" has the id "{index}_foo", which a request may also be given."""
+        taken = self.output_processor.child_to_parent  # every id the engine core holds -> (request, sample)
+        if request_id in self.output_processor:
+            raise DuplicateRequestError(request_id)
+        if request_id in taken:
+            owner = taken[request_id][0].request_id
+            raise DuplicateRequestError(request_id, f"is the id of a sample of request {owner!r}, in flight")
+        for i in range(n):
+            child = child_request_id(request_id, i, n)
+            if child in taken:
+                owner = taken[child][0].request_id
+                raise DuplicateRequestError(request_id, f"would give sample {i} the id {child!r}, which "
+                                            f"request {owner!r} in flight holds")
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, priority: int = 0, arrival_time: float | None = None,
                     cache_salt: str | None = None, lora_name: str | None = None) -> None:
         prompt_token_ids = list(prompt_token_ids)
         self.validate(prompt_token_ids, params)  # first: it bounds n
-        taken = self.output_processor.child_to_parent  # every id the engine core holds
-        if request_id in self.output_processor or any(
-                child_request_id(request_id, i, params.n) in taken for i in range(params.n)):
-            # also the id of another request's sample ("0_foo" of foo, n=2) and the other way
-            # round: two requests with one id in the core would end its process
-            raise DuplicateRequestError(request_id)
+        self._check_unique(request_id, params.n)
         check_cache_salt(cache_salt)
         lora = self.loras.lookup(lora_name)
         arrival_time = time.time() if arrival_time is None else arrival_time
