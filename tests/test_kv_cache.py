@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from llmsvc.core.block_pool import BlockPool, DoubleFreeError
-from llmsvc.core.kv_cache_manager import KVCacheManager, hash_block_tokens
+from llmsvc.core.kv_cache_manager import KVCacheManager, hash_block_tokens, salt_hash
 from llmsvc.core.request import Request
 from llmsvc.sampling_params import SamplingParams
 
@@ -188,3 +190,21 @@ def test_cache_salt_separates_prefix_groups():
     kv.free(owner)
     kv.free(plain)
     kv.check_invariants()
+
+
+def test_no_salt_spells_an_adapters_cache_identity():
+    # a client picks its salt; an adapter's key is "name\0<load number>". A salt that encodes
+    # the key after it must not land in the adapter's cached blocks (its K/V are the base model's)
+    lora_key = "all\x000"
+    assert salt_hash("\0lora\0" + lora_key, None) != salt_hash("", lora_key)
+    assert salt_hash("s\0lora\0" + lora_key, None) != salt_hash("s", lora_key)
+    pairs = [(s, k) for s in (None, "", "a", "a\0", "\0a") for k in (None, "a", "\0a", "a\x000")]
+    keys = {(s or "", k or ""): salt_hash(s, k) for s, k in pairs}
+    assert len(set(keys.values())) == len(keys)  # distinct (salt, adapter) pairs, distinct roots
+    assert keys[("", "")] is None  # the base model without a salt shares with every such request
+
+
+@given(st.text(max_size=12), st.text(max_size=12), st.text(max_size=12), st.text(max_size=12))
+def test_salt_hash_is_injective_on_salt_and_adapter(s1, k1, s2, k2):
+    if (s1, k1) != (s2, k2):
+        assert salt_hash(s1, k1) != salt_hash(s2, k2)

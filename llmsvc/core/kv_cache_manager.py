@@ -33,9 +33,10 @@ def salt_hash(cache_salt: str | None, lora_key: str | None = None) -> bytes | No
     model; else a hash of its salt and its adapter (whose K/V differ from the base model's)."""
     if not cache_salt and not lora_key:
         return None
-    h = hashlib.sha256(b"llmsvc cache_salt\0" + (cache_salt or "").encode())
-    if lora_key:
-        h.update(b"\0lora\0" + lora_key.encode())
+    h = hashlib.sha256(b"llmsvc cache_salt+lora")
+    for field in (cache_salt or "", lora_key or ""):  # length-prefixed: no salt can spell an adapter
+        data = field.encode()
+        h.update(len(data).to_bytes(8, "little") + data)
     return h.digest()
 
 
