@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import grpc
 import pytest
@@ -202,6 +203,10 @@ def test_grpc_load_and_unload_adapters_while_serving(served):
         assert code(c.unload_lora_adapter, "some") == (grpc.StatusCode.NOT_FOUND, "LORA_NOT_FOUND")
         bad = code(c.load_lora_adapter, "broken", "/no/such/adapter")
         assert bad == (grpc.StatusCode.INVALID_ARGUMENT, "LORA_LOAD_FAILED")
+        garbage = make_lora_adapter(model_dir, os.path.join(os.path.dirname(adapters["all"]), "garbage"))
+        with open(os.path.join(garbage, "adapter_model.safetensors"), "wb") as f:
+            f.write(b"not safetensors at all")  # used to end the engine core (SafetensorError)
+        assert code(c.load_lora_adapter, "garbage", garbage) == (grpc.StatusCode.INVALID_ARGUMENT, "LORA_LOAD_FAILED")
         for name in ("n" * 100_000, "two\nlines"):  # a name goes into logs, metrics and messages
             assert code(c.load_lora_adapter, name, adapters["some"])[0] == grpc.StatusCode.INVALID_ARGUMENT
         # the name "all" now means other weights: nothing cached under the old load is reused
@@ -293,6 +298,47 @@ def test_adapter_errors_name_the_problem(served, tmp_path):
     # a start-up with a bad adapter fails with that message, before serving anything
     with pytest.raises(ValueError, match="above --max-lora-rank"):
         LLM(model=model_dir, lora_modules={"big": big}, **ENGINE)
+
+
+def _corrupt_config(path, **change):
+    with open(f"{path}/adapter_config.json") as f:
+        cfg = json.load(f)
+    cfg.update(change)
+    with open(f"{path}/adapter_config.json", "w") as f:
+        json.dump(cfg, f)
+
+
+def _corrupt_tensor(path, key, make):
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(f"{path}/adapter_model.safetensors")
+    tensors[key] = make(tensors[key]).contiguous()
+    save_file(tensors, f"{path}/adapter_model.safetensors")
+
+
+K_B = "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"
+Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+Q_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda p: open(f"{p}/adapter_model.safetensors", "wb").write(b"\x08junk"), "weights cannot be read"),
+    (lambda p: open(f"{p}/adapter_config.json", "w").write("[1, 2]"), "holds list, not an object"),
+    (lambda p: _corrupt_config(p, lora_alpha=None), "lora_alpha is None, not a number"),
+    (lambda p: _corrupt_config(p, alpha_pattern={"q_proj(": 4}), "alpha_pattern key 'q_proj\\(' is not a regex"),
+    (lambda p: _corrupt_config(p, alpha_pattern=[1]), "alpha_pattern is not an object"),
+    (lambda p: (_corrupt_tensor(p, Q_A, lambda t: t[:0]), _corrupt_tensor(p, Q_B, lambda t: t[:, :0])),
+     r"q_proj has A \(0, 64\)"),
+    # more rows than the layer has outputs: the loader's narrow would drop them silently
+    (lambda p: _corrupt_tensor(p, K_B, lambda t: torch.cat([t, t[:8]])),
+     r"qkv_proj \(part 'k'\) \(A \(4, 64\), B \(40, 4\)\) do not fit the layer \(64 inputs, 32 outputs\)"),
+])
+def test_malformed_adapters_are_the_callers_error(served, tmp_path, corrupt, message):
+    model_dir = served[0]
+    path = make_lora_adapter(model_dir, str(tmp_path / "bad"))
+    corrupt(path)
+    manager = create_lora_manager(load_our_model(model_dir), LoRAConfig({}, max_loras=1))
+    with pytest.raises(ValueError, match=message):
+        manager.load(0, load_adapter("bad", path, 16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -108,9 +108,11 @@ class LoRAManager:
             i = sub_ids.index(shard_id)
             cols = slice(i * r_max, (i + 1) * r_max)
             r = a.shape[0]
-            if a.shape[1] != full_in or (row_parallel and b.shape[0] != w.shape[0]):
-                raise ValueError(f"LoRA weights of {name} (A {tuple(a.shape)}, B {tuple(b.shape)}) do not fit "
-                                 f"the layer ({full_in} inputs, {w.shape[0]} outputs on this rank)")
+            full_out = layer.checkpoint_rows(shard_id)
+            if a.shape[1] != full_in or b.shape[0] != full_out:
+                part = "" if shard_id is None else f" (part {shard_id!r})"
+                raise ValueError(f"LoRA weights of {name}{part} (A {tuple(a.shape)}, B {tuple(b.shape)}) do not "
+                                 f"fit the layer ({full_in} inputs, {full_out} outputs)")
             if row_parallel:  # A [r, in] sharded along in; B [out, r] whole
                 n = w.shape[1]
                 a = a.narrow(1, layer.tp_rank * n, n)

@@ -32,8 +32,10 @@ def _read_config(path: str) -> dict:
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"LoRA adapter {path!r}: no adapter_config.json")
     with open(cfg_path) as f:
-        cfg = json.load(f)
-    if cfg.get("peft_type", "LORA").upper() != "LORA":
+        cfg = json.load(f)  # JSONDecodeError is a ValueError
+    if not isinstance(cfg, dict):
+        raise ValueError(f"LoRA adapter {path!r}: adapter_config.json holds {type(cfg).__name__}, not an object")
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         raise ValueError(f"LoRA adapter {path!r}: peft_type {cfg['peft_type']!r} is not LORA")
     unsupported = {"use_dora": bool(cfg.get("use_dora")), "bias": cfg.get("bias", "none") != "none",
                    "modules_to_save": bool(cfg.get("modules_to_save")),
@@ -41,17 +43,40 @@ def _read_config(path: str) -> dict:
     bad = [k for k, v in unsupported.items() if v]
     if bad:
         raise ValueError(f"LoRA adapter {path!r}: {', '.join(bad)} not supported")
+    for key in ("lora_alpha", "r"):
+        if key in cfg and not _is_number(cfg[key]):
+            raise ValueError(f"LoRA adapter {path!r}: {key} is {cfg[key]!r}, not a number")
+    pattern = cfg.get("alpha_pattern") or {}
+    if not isinstance(pattern, dict):
+        raise ValueError(f"LoRA adapter {path!r}: alpha_pattern is not an object")
+    for key, alpha in pattern.items():
+        if not _is_number(alpha):
+            raise ValueError(f"LoRA adapter {path!r}: alpha_pattern[{key!r}] is {alpha!r}, not a number")
+        try:
+            re.compile(key)
+        except re.error as e:
+            raise ValueError(f"LoRA adapter {path!r}: alpha_pattern key {key!r} is not a regex: {e}") from None
     return cfg
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     st = os.path.join(path, "adapter_model.safetensors")
-    if os.path.isfile(st):
-        from safetensors.torch import load_file
-        return load_file(st)
     bin_path = os.path.join(path, "adapter_model.bin")
-    if os.path.isfile(bin_path):
-        return torch.load(bin_path, map_location="cpu", weights_only=True)
+    try:  # the file is the caller's: whatever fails to parse is its error, by name
+        if os.path.isfile(st):
+            from safetensors.torch import load_file
+            return load_file(st)
+        if os.path.isfile(bin_path):
+            tensors = torch.load(bin_path, map_location="cpu", weights_only=True)
+            if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+                raise ValueError("not a dict of tensors")
+            return tensors
+    except Exception as e:  # noqa: BLE001 - SafetensorError, UnpicklingError, ...
+        raise ValueError(f"LoRA adapter {path!r}: weights cannot be read: {type(e).__name__}: {e}") from None
     raise FileNotFoundError(f"LoRA adapter {path!r}: no adapter_model.safetensors or adapter_model.bin")
 
 
@@ -79,7 +104,7 @@ def load_adapter(name: str, path: str, max_rank: int) -> LoRAAdapter:
             raise ValueError(f"LoRA adapter {path!r}: {module} has {sorted(ab)} only")
         a, b = ab["lora_A"], ab["lora_B"]
         r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r or r == 0:
             raise ValueError(f"LoRA adapter {path!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}")
         if r > max_rank:
             raise ValueError(f"LoRA adapter {path!r}: {module} has rank {r}, above --max-lora-rank {max_rank}")

@@ -53,6 +53,11 @@ class LinearBase(GGUFBlocksMixin, nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
+    def checkpoint_rows(self, shard_id=None) -> int:
+        """Rows (outputs) of the whole checkpoint tensor that weight_loader(..., shard_id) takes
+        its part of (it narrows; a tensor with more rows would lose them silently)."""
+        return self.output_size
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = ops.linear(x, self.weight, self.bias, self.packed_weight)
         if self.lora is not None:
@@ -82,6 +87,9 @@ class ColumnParallelLinear(LinearBase):
         n = param.shape[0]
         _copy(param, loaded_weight.narrow(0, self.tp_rank * n, n))
 
+    def checkpoint_rows(self, shard_id=None) -> int:
+        return self.total_output_size
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Column-parallel outputs of several matrices concatenated per rank: [gate_r | up_r]."""
@@ -100,6 +108,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         _copy(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size))
+
+    def checkpoint_rows(self, shard_id=None) -> int:
+        return self.total_output_size if shard_id is None else self.output_sizes[shard_id]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -146,6 +157,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"unknown qkv shard id {shard_id!r}")
         _copy(param.data.narrow(0, offset, size), loaded_weight.narrow(0, idx * size, size))
+
+    def checkpoint_rows(self, shard_id=None) -> int:
+        q, kv = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
+        return {None: q + 2 * kv, "q": q, "k": kv, "v": kv}[shard_id]
 
 
 class RowParallelLinear(LinearBase):
