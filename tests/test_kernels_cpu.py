@@ -187,6 +187,22 @@ def test_packed_linear_matches_f_linear(dtype, m, with_bias, n, k):
     torch.testing.assert_close(out, F.linear(x, w, b), **tol)
 
 
+@pytest.mark.parametrize("m", [1, 7, 300])
+@pytest.mark.parametrize("k", [80, 4100])
+def test_fp32_library_gemm_matches_f_linear(monkeypatch, m, k):
+    """The fp32 path where the panels do not run (K past _PANEL_MAX_K, or no native build):
+    the packed MKL or oneDNN weight, whichever this CPU takes."""
+    if linear.FP32_LIBRARY is None:
+        pytest.skip("torch has neither MKL nor oneDNN linear here")
+    if k <= linear._PANEL_MAX_K:
+        monkeypatch.setattr(linear, "_panels_ok", lambda: False)
+    g = torch.Generator().manual_seed(k + m)
+    w, b, x = torch.randn(72, k, generator=g), torch.randn(72, generator=g), torch.randn(m, k, generator=g)
+    packed = linear.pack(w)
+    assert packed is not None and packed.dim() != 3  # the library's opaque layout, not panels
+    torch.testing.assert_close(ops.linear(x, w, b, packed), F.linear(x, w, b), atol=2e-4, rtol=1e-5)
+
+
 def test_fp32_decode_rows_take_the_panel_gemm():
     # on an AVX-512 machine (CI's) the panel kernel (gemm.c) must be what runs, not a fallback
     flags = build._cpu_flags() + " "

@@ -221,9 +221,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     if dt == torch.float32:
         if packed.dim() == 3:
             return _gemm_panels(x, packed, bias, weight) if m <= PANEL_MAX_M else F.linear(x, weight, bias)
-        if packed.is_mkldnn:
-            return _onednn_linear(x, packed, bias, "none", [], "")
-        return _mkl_linear(x, packed, weight, bias, m)
+        if FP32_LIBRARY == "mkl":  # pack() chose by the same flag (both packed kinds are is_mkldnn)
+            return _mkl_linear(x, packed, weight, bias, m)
+        return _onednn_linear(x, packed, bias, "none", [], "")
     if packed.dim() == 3:
         return _gemm_bf16(x, packed, bias, weight) if m <= bf16_max_m() else F.linear(x, weight, bias)
     return _linear_pointwise(x, packed, bias, "none", [], "")
