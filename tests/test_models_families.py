@@ -46,7 +46,8 @@ def _hf_generate(hf, prompt: list[int], n: int) -> list[int]:
 
 def _engine_tokens(model_dir: str, prompts: list[list[int]], **kw) -> list[list[int]]:
     from llmsvc import LLM, SamplingParams
-    llm = LLM(model_dir, max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_kv_blocks_override=96, **kw)
+    llm = LLM(model_dir, **{"max_num_seqs": 4, "max_num_batched_tokens": 16, "block_size": 4,
+                            "num_kv_blocks_override": 96, **kw})
     try:
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -136,3 +137,26 @@ def test_engine_frees_blocks_behind_the_window_and_keeps_hf_tokens(tmp_path, mon
     # 90 + 24 tokens would fill 29 blocks of 4; window 12 + a 16-token chunk span at most 8
     assert max(held) <= -(-(12 + 16) // 4) + 1, held
     assert len(held) > (90 // 16) + NEW_TOKENS - 2  # every step was recorded
+
+
+@pytest.mark.parametrize("name, pool_bound", [("mistral-window", False), ("llama3-rope", True)])
+def test_a_window_lets_requests_outgrow_the_pool(tmp_path, name, pool_bound):
+    """22 blocks of 4 (88 tokens): with a 12-token window on every layer a request holds at most
+    (12 + 16) / 4 + 1 = 8 of them, so a 100-token prompt runs, with transformers' tokens; a
+    model with full attention is bound by the pool."""
+    from llmsvc import LLM, SamplingParams
+    from llmsvc.core.errors import PromptTooLongError
+
+    d = _model_dir(tmp_path, name)
+    prompts = _prompts(1, [100], seed=5)
+    if pool_bound:
+        llm = LLM(d, max_num_batched_tokens=16, block_size=4, num_kv_blocks_override=22)
+        try:
+            assert llm.llm_engine.max_model_len == 88
+            with pytest.raises(PromptTooLongError, match="the KV cache pool"):
+                llm.llm_engine.validate(prompts[0], SamplingParams(max_tokens=NEW_TOKENS))
+        finally:
+            llm.shutdown()
+        return
+    got = _engine_tokens(d, prompts, num_kv_blocks_override=22)
+    assert got[0] == _hf_generate(load_hf_model(d), prompts[0], NEW_TOKENS)

@@ -49,10 +49,6 @@ class EngineCore:
         executor.initialize_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, cache.block_size,
                     num_blocks * cache.block_size)
-        if config.model_config.max_model_len and num_blocks * cache.block_size < config.model_config.max_model_len:
-            logger.warning("the KV cache holds %d tokens, fewer than max_model_len (%d): a request longer than "
-                           "the cache is refused (PROMPT_TOO_LONG); raise the KV cache memory or lower "
-                           "max_model_len", num_blocks * cache.block_size, config.model_config.max_model_len)
         self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                                kv_release_window(config.model_config.hf_config))
         max_model_len = config.model_config.max_model_len or _UNBOUNDED_LEN
@@ -67,6 +63,11 @@ class EngineCore:
                         else f", off above {spec.disable_by_batch_size} running requests")
         scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(config.scheduler_config, cache, self.kv_cache_manager, max_model_len, spec)
+        pool_len = self.scheduler.pool_max_len
+        if config.model_config.max_model_len and pool_len is not None and pool_len < config.model_config.max_model_len:
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len (%d): a request longer than "
+                           "the cache is refused (PROMPT_TOO_LONG); raise the KV cache memory or lower "
+                           "max_model_len", pool_len, config.model_config.max_model_len)
         self.num_steps = 0
         # model seconds per scheduled token of recent prefill-sized steps (None: none yet); what a
         # step of n prompt tokens will take, for the core loop's burst wait (proc.py)

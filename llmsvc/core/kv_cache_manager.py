@@ -77,6 +77,15 @@ class KVCacheManager:
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.block_size
 
+    def max_request_tokens(self, step_tokens: int) -> int | None:
+        """The most tokens one request may hold, alone in the pool, when each step computes at
+        most `step_tokens` of it: the pool's capacity; None (no bound) with sliding windows
+        when the pool holds a window and a step, all a request keeps however long it runs."""
+        if self.sliding_window and self.pool.num_blocks >= cdiv(self.sliding_window + step_tokens,
+                                                                self.block_size) + 1:
+            return None
+        return self.capacity_tokens
+
     def usage(self) -> float:
         return self.pool.usage()
 

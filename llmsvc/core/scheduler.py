@@ -24,8 +24,12 @@ class Scheduler(PreemptionMixin, GrammarWaitMixin):
                  speculative_config: SpeculativeConfig | None = None) -> None:
         self.config = scheduler_config
         self.kv = kv_cache_manager
-        # a request never holds more tokens than the context nor than the whole pool
-        self.max_len = min(max_model_len, kv_cache_manager.capacity_tokens)
+        # a request never holds more tokens than the context nor than the whole pool (with
+        # sliding windows: than a window and a step, spec-decode drafts included)
+        step_tokens = scheduler_config.max_num_batched_tokens + (
+            speculative_config.num_speculative_tokens if speculative_config else 0)
+        self.pool_max_len = kv_cache_manager.max_request_tokens(step_tokens)  # None: the pool sets no bound
+        self.max_len = min(max_model_len, self.pool_max_len or max_model_len)
         if not scheduler_config.enable_chunked_prefill:  # a (re)computed request must fit one step
             self.max_len = min(self.max_len, scheduler_config.max_num_batched_tokens)
         self.max_model_len = max_model_len
