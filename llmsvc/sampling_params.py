@@ -51,7 +51,8 @@ class StructuredOutputsParams:
         """(kind, canonical text): the cache key of the compiled grammar."""
         kind, value = self.kind, getattr(self, self.kind)
         if kind == "json":
-            text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+            # property order is kept: the grammar writes properties in the schema's order
+            text = value if isinstance(value, str) else json.dumps(value)
         elif kind == "choice":
             text = json.dumps(value)
         elif kind == "json_object":

@@ -83,6 +83,8 @@ def test_bad_kwargs_are_rejected_not_ignored():
         build_generate_request()
     with pytest.raises(TypeError):
         build_generate_request("x", messages=[("user", "y")])
+    with pytest.raises(TypeError, match="at most one output constraint, got choice, regex"):
+        build_generate_request("x", regex="a+", choice=["a"])  # a oneof: the second would replace the first
     # every documented kwarg is a real field of some request message
     owners = [pb.SamplingParams, pb.StoppingCriteria, pb.OutputOptions, pb.GenerateRequest, pb.ChatPrompt]
     for name in GENERATE_KWARGS:

@@ -95,3 +95,16 @@ def test_bad_constraint_raises_before_anything_runs(llm):
     with pytest.raises(ValueError, match="structured_outputs.regex"):
         llm.generate(["hi"], SamplingParams(structured_outputs=SO(regex="(")), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_constraint_the_other_token_rules_leave_nothing_of_aborts_with_the_reason(llm, temperature):
+    # the regex allows digits only, allowed_token_ids only "yes": no token is left to sample
+    yes = llm.get_tokenizer().encode("yes")[0]
+    out = llm.generate([chat(llm, "Pick a number.")],
+                       SamplingParams(temperature=temperature, seed=1, max_tokens=8, allowed_token_ids=[yes],
+                                      structured_outputs=SO(regex="[0-9]{3}")), use_tqdm=False)[0]
+    o = out.outputs[0]
+    assert (o.finish_reason, o.token_ids, o.text) == ("abort", [], "")  # the refused token is not emitted
+    assert "left no token to sample" in out.abort_reason and o.stop_reason is None
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import llguidance
@@ -169,6 +170,41 @@ def test_compile_time_limit(engine):
     with pytest.raises(ConstraintError) as ei:
         mgr.wait(SO(regex="[0-9]+z"), timeout_s=30)
     assert ei.value.reason == "COMPILE_TIMEOUT"
+
+
+def test_the_time_limit_starts_once_the_tokenizer_view_is_built():
+    # the first constraint waits for the one-time tokenizer view (0.5-2 s); that wait must not
+    # use up its compile time limit, in the core (here) or in the front end
+    from concurrent.futures import Future
+
+    from llmsvc.structured.request import StructuredRequest
+    tokenizer, compiled = Future(), Future()
+    st = StructuredRequest("regex", compiled, 1.0, tokenizer)
+    t0 = time.monotonic()
+    assert st.poll(t0 + 5.0) is False  # long past the limit, but the view is still building
+    tokenizer.set_result(object())
+    assert st.poll(t0 + 5.5) is False  # within 1 s of the view being ready
+    with pytest.raises(ConstraintError, match="did not compile within 1 s"):
+        st.poll(t0 + 6.1)
+
+
+def test_a_schema_dicts_property_order_is_its_own_grammar():
+    # the grammar writes properties in the schema's order: {"a", "b"} and {"b", "a"} differ
+    ab = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    ba = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}
+    assert SO(json=ab).key() != SO(json=ba).key()
+    assert SO(json=ab).key() == SO(json=json.loads(json.dumps(ab))).key()
+
+
+@pytest.mark.parametrize("escaped, plain", [
+    ('root ::= "\\u00e9"', 'root ::= "é"'), ('root ::= [\\u00e0-\\u00ff]', 'root ::= [à-ÿ]'),
+    ('root ::= "\\U0001F600"', 'root ::= "😀"'), ('root ::= "\\u0041"', 'root ::= "\\x41"'),
+    ('root ::= "\\u0022"', 'root ::= "\\x22"'),  # a quote stays escaped
+    ('root ::= "\\\\u00e9"', 'root ::= "\\\\u00e9"'),  # an escaped backslash, then "u00e9"
+])
+def test_gbnf_unicode_escapes_mean_their_characters(engine, escaped, plain):
+    assert grammar_text(SO(grammar=escaped)) == grammar_text(SO(grammar=plain))
+    engine.structured_output_manager.wait(SO(grammar=escaped))  # compiles (the zeros used to be lost)
 
 
 def test_grammar_cache_is_bounded_and_keyed_by_spec(engine):

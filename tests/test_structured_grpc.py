@@ -39,6 +39,7 @@ def generate(srv, **kw):
     (dict(choice=["left", "right"]), lambda t: t in ("left", "right")),
     (dict(grammar='root ::= "<" [a-z] [a-z]? ">"'), lambda t: re.fullmatch(r"<[a-z]{1,2}>", t)),
     (dict(json_object=True, max_tokens=200), lambda t: isinstance(json.loads(t), dict)),
+    (dict(json_schema=True, max_tokens=200), lambda t: json.loads(t) is not None or t == "null"),  # schema true
 ])
 def test_each_kind_over_the_wire(srv, kw, check):
     msg = generate(srv, **kw)
@@ -64,6 +65,11 @@ BAD = [
     (_bad(grammar="this is not a grammar"), "sampling.grammar", "INVALID_GRAMMAR", "grammar"),
     (_bad(grammar="start: undefined_rule"), "sampling.grammar", "INVALID_GRAMMAR", "undefined_rule"),
     (_bad(json_object=False), "sampling.json_object", "INVALID_SCHEMA", "true"),
+    (_bad(json_schema="[" * 5000 + "]" * 5000), "sampling.json_schema", "INVALID_JSON", "nests too deeply"),
+    (_bad(json_schema="false"), "sampling.json_schema", "INVALID_SCHEMA", "no JSON value matches it"),
+    # no text satisfies these: they used to finish "stop" with an empty output
+    (_bad(regex="[a&&b]"), "sampling.regex", "INVALID_REGEX", "not satisfiable"),
+    (_bad(json_schema='{"$ref": "#"}'), "sampling.json_schema", "INVALID_SCHEMA", "not satisfiable"),
 ]
 
 
@@ -159,3 +165,4 @@ def test_abort_a_constrained_stream(srv):
     last = list(stream)[-1]
     assert last.finish.reason == pb.FinishInfo.REASON_ABORTED
     free_blocks_back(srv)
+

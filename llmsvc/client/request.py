@@ -150,6 +150,9 @@ def build_generate_request(
         req.text = prompt
     else:
         req.token_ids.ids.extend(int(t) for t in prompt)
+    constraints = sorted(k for k in _CONSTRAINTS if fields.get(k) is not None)
+    if len(constraints) > 1:  # a proto oneof: setting the second would drop the first silently
+        raise TypeError(f"give at most one output constraint, got {', '.join(constraints)}")
     misplaced = sorted(k for k in _CHAT if fields.get(k) is not None) if messages is None else []
     if misplaced:
         raise TypeError(f"{', '.join(misplaced)} apply to chat messages only")

@@ -25,8 +25,9 @@ class GrammarWaitMixin:
         for req in self.waiting_for_fsm:
             try:
                 ready = req.structured.poll(now)
-            except ConstraintError:
+            except ConstraintError as e:  # the front end reports its own; this reaches offline callers
                 req.status = RequestStatus.FINISHED_ABORTED
+                req.stop_reason = f"the {e.kind} constraint {e.message}"
                 self._free(req)
                 self._grammar_failed.append(req)
                 continue

@@ -14,7 +14,7 @@ from llmsvc.core.preemption import PreemptionMixin
 from llmsvc.core.request import Request, RequestStatus
 from llmsvc.core.request_queue import create_request_queue
 from llmsvc.core.spec_decode import Speculator
-from llmsvc.core.stop import check_grammar, check_stop, fresh_prompt_logprobs
+from llmsvc.core.stop import check_stop, fresh_prompt_logprobs, grammar_complete, grammar_rejects
 from llmsvc.wire import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
@@ -263,10 +263,13 @@ class Scheduler(PreemptionMixin, GrammarWaitMixin):
                 lps = runner_output.logprobs[k]
             kept = 0
             for token in tokens:  # an accepted draft may end the request: the rest are dropped
+                if grammar_rejects(req, token):
+                    stopped.append(req)
+                    break
                 kept += 1
                 self._record_token(req, token)
                 self.generation_tokens_total += 1
-                if check_stop(req, token, self.max_len) or check_grammar(req, token):
+                if check_stop(req, token, self.max_len) or grammar_complete(req):
                     stopped.append(req)
                     break
             out.append(self._output(req, tokens[:kept], lps[:kept] if lps is not None else None, prompt_lp))

@@ -30,16 +30,27 @@ def check_stop(req: Request, token: int, max_len: int) -> bool:
     return False
 
 
-def check_grammar(req: Request, token: int) -> bool:
-    """Structured output: advance the grammar by the sampled token; finish "stop" as soon as
-    the grammar is complete (no further token possible), without waiting for an EOS."""
+NO_ALLOWED_TOKEN = ("the output constraint and the request's other token rules (allowed_token_ids, bad_words, "
+                    "logit_bias, min_tokens) left no token to sample")
+
+
+def grammar_rejects(req: Request, token: int) -> bool:
+    """Structured output: advance the grammar by the sampled token, before it is recorded. A
+    token the grammar refuses was sampled from a row with nothing allowed (the mask and the
+    request's own token rules together exclude every token): the request ends "abort", with
+    the reason, and the token is not emitted."""
     st = req.structured
-    if st is None:
+    if st is None or st.accept(token):
         return False
-    if not st.accept(token):  # cannot happen under the mask; never emit past a broken grammar
-        req.status = RequestStatus.FINISHED_ABORTED
-        return True
-    if st.terminated:
+    req.status = RequestStatus.FINISHED_ABORTED
+    req.stop_reason = NO_ALLOWED_TOKEN
+    return True
+
+
+def grammar_complete(req: Request) -> bool:
+    """Finish "stop" as soon as the grammar is complete (no further token possible), without
+    waiting for an EOS."""
+    if req.structured is not None and req.structured.terminated:
         req.status = RequestStatus.FINISHED_STOPPED
         return True
     return False

@@ -250,7 +250,10 @@ class AsyncEngine(EngineThreadMixin):
         return manager.submit(params.structured_outputs)
 
     async def _wait_compiled(self, compiled, params: SamplingParams) -> None:
-        limit = self.engine.structured_output_manager.compile_timeout_s
+        manager = self.engine.structured_output_manager
+        limit = manager.compile_timeout_s
+        # the one-time tokenizer view is not the constraint's compile: the limit starts after it
+        await asyncio.shield(asyncio.wrap_future(manager.tokenizer_ready()))
         try:  # shield: a timeout here must not cancel the compile shared through the cache
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiled)), limit)
         except asyncio.TimeoutError:

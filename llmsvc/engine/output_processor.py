@@ -85,6 +85,7 @@ class ParentRequest:
             # a snapshot: this object keeps changing while the output waits in a stream
             RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time,
                            m.finished_time, m.num_preemptions),
+            abort_reason=next((c.abort_reason for c in children if c.abort_reason), ""),
             seed=self.params.seed,
         )
 

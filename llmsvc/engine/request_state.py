@@ -6,7 +6,7 @@ import time
 from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.engine.detokenizer import DECODE_CONTEXT, IncrementalDetokenizer, decoded_token
 from llmsvc.engine.stop_strings import StopStringChecker
-from llmsvc.outputs import STOP, CompletionOutput, Logprob
+from llmsvc.outputs import ABORT, STOP, CompletionOutput, Logprob
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
 from llmsvc.wire import SampleLogprobs
 
@@ -32,6 +32,7 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.eos_token_id: int | None = None
+        self.abort_reason = ""  # why the engine ended it "abort" (structured output), for the client
         self.num_cached_tokens = 0
         self.first_scheduled_time: float | None = None
         self.num_preemptions = 0
@@ -138,6 +139,8 @@ class RequestState:
             return  # the flushed text completed a stop string
         if reason == STOP and isinstance(stop_reason, int) and stop_reason not in self.params.stop_token_ids:
             self.eos_token_id, stop_reason = stop_reason, None  # the core's stop token was an EOS
+        if reason == ABORT and isinstance(stop_reason, str):  # the core's words; vLLM's stop_reason is None
+            self.abort_reason, stop_reason = stop_reason, None
         self.finish_reason, self.stop_reason = reason, stop_reason
 
     def _convert(self, token_id: int, lp: SampleLogprobs, k: int | None, context: list[int]) -> dict[int, Logprob]:

@@ -61,6 +61,8 @@ def structured_outputs_from_proto(sampling, supported: tuple[str, ...]) -> Struc
             schema = json.loads(text)
         except json.JSONDecodeError as e:
             raise invalid(name, f"is not valid JSON: {e}", E.INVALID_JSON) from None
+        except RecursionError:  # Python's parser gives up near 1000 levels
+            raise invalid(name, "nests too deeply to be parsed", E.INVALID_JSON) from None
         if not isinstance(schema, (dict, bool)):
             raise invalid(name, f"must be a JSON Schema (an object or a boolean), got a JSON "
                           f"{type(schema).__name__}", E.INVALID_SCHEMA)

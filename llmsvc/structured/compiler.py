@@ -9,6 +9,7 @@ the compiled matcher, which is cheap.
 from __future__ import annotations
 
 import json
+import re
 
 import llguidance
 import llguidance.hf
@@ -19,6 +20,10 @@ from llmsvc.structured import errors as E
 # JSON layout as Python's json.dumps writes it ("a": 1, "b": 2): no free whitespace, so the
 # model cannot pad a document forever, with the spacing models are trained on
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+_UNSATISFIABLE = {"json": E.INVALID_SCHEMA, "json_object": E.INVALID_SCHEMA, "regex": E.INVALID_REGEX,
+                  "choice": E.INVALID_CHOICE, "grammar": E.INVALID_GRAMMAR}
 
 
 def build_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
@@ -35,7 +40,14 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     without a tokenizer (bad GBNF syntax)."""
     kind = params.kind
     if kind == "json":
-        schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+        schema = params.json
+        if isinstance(schema, str) and schema.strip() in ("true", "false"):
+            schema = schema.strip() == "true"
+        if schema is False:
+            raise E.ConstraintError(kind, E.INVALID_SCHEMA, "is false: no JSON value matches it")
+        if schema is True:  # the boolean schema true: any JSON value, as {}
+            schema = {}
+        schema = schema if isinstance(schema, str) else json.dumps(schema)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
@@ -43,10 +55,32 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":
         return llguidance.grammar_from("choice", params.choice)
+    text = params.grammar
+    if "::=" in text:  # GBNF
+        text = _GBNF_ESCAPE.sub(_gbnf_code_point, text)
     try:  # Lark is used as is; anything else is read as GBNF and converted to Lark
-        return llguidance.grammar_from("grammar", params.grammar)
+        return llguidance.grammar_from("grammar", text)
     except ValueError as e:
         raise E.ConstraintError(kind, E.INVALID_GRAMMAR, f"is not a valid grammar: {e}") from None
+
+
+# GBNF's \uXXXX and \UXXXXXXXX escapes (an escaped backslash is matched first and kept): the
+# GBNF-to-Lark conversion drops their leading zeros ("\u00e9" -> "\ue9"), which Lark refuses
+_GBNF_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|.)", re.S)
+
+
+def _gbnf_code_point(m: re.Match) -> str:
+    """One escape as the conversion keeps it: `\\xNN` below 0x80 (it may be a quote, a bracket or
+    a backslash), the character itself above (none of those needs escaping)."""
+    digits = m.group(1) or m.group(2)
+    if digits is None:
+        return m.group(0)
+    cp = int(digits, 16)
+    if cp < 0x80:
+        return f"\\x{cp:02x}"
+    if 0xD800 <= cp <= 0xDFFF or cp > 0x10FFFF:
+        return m.group(0)  # not a character: the grammar engine says so
+    return chr(cp)
 
 
 def compile_matcher(tokenizer: llguidance.LLTokenizer, params: StructuredOutputsParams) -> llguidance.LLMatcher:
@@ -55,7 +89,12 @@ def compile_matcher(tokenizer: llguidance.LLTokenizer, params: StructuredOutputs
     matcher = llguidance.LLMatcher(tokenizer, grammar_text(params), log_level=0,
                                    limits=llguidance.LLParserLimits(verbose_errors=False))
     if not matcher.is_error():
-        return matcher
+        # a constraint no text satisfies ([a&&b], {"$ref": "#"}) shows only once asked for the
+        # first mask (it would allow only EOS): refuse it here, not as an empty "stop"
+        matcher.compute_bitmask()
+        if not matcher.is_error():
+            return matcher
+        raise E.ConstraintError(kind, _UNSATISFIABLE[kind], "is not satisfiable: no output matches it")
     err = matcher.get_error()
     if kind in ("json", "json_object"):
         if "Unimplemented" in err or "not supported" in err.lower():

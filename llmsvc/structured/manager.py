@@ -7,8 +7,9 @@ for the constrained requests that sample in that step only.
 
 Compiled grammars are cached by (kind, spec) in an LRU of `cache_size` entries, failures
 included, so a bad spec sent again fails at once. A request whose compile is not done after
-`compile_timeout_s` fails with ConstraintError(COMPILE_TIMEOUT); so does a compile that
-itself ran longer than that, and that outcome is what the cache keeps.
+`compile_timeout_s` (counted once the one-time tokenizer view is built) fails with
+ConstraintError(COMPILE_TIMEOUT); so does a compile that itself ran longer than that, and
+that outcome is what the cache keeps.
 """
 from __future__ import annotations
 
@@ -51,6 +52,11 @@ class StructuredOutputManager:
         Python). Without it the first constraint builds it, which is what a serving front end
         wants: the build then does not compete with its start-up and warm-up request."""
         self._tokenizer_future()
+
+    def tokenizer_ready(self) -> Future:
+        """Future of the one-time tokenizer view every compile waits for (started if it was
+        not): a constraint's time limit counts from when it is done."""
+        return self._tokenizer_future()
 
     def _tokenizer_future(self) -> Future:
         """Future of llguidance's view of the tokenizer; compiles and masks wait for it."""
@@ -96,13 +102,14 @@ class StructuredOutputManager:
         return matcher
 
     def new_request(self, params: StructuredOutputsParams) -> StructuredRequest:
-        return StructuredRequest(params.kind, self.submit(params), self.compile_timeout_s)
+        return StructuredRequest(params.kind, self.submit(params), self.compile_timeout_s, self._tokenizer_future())
 
     def wait(self, params: StructuredOutputsParams, timeout_s: float | None = None) -> None:
         """Block until the constraint is compiled; ConstraintError if it fails or times out.
         For callers that may block (offline generate); never the engine thread."""
         fut = self.submit(params)
         limit = self.compile_timeout_s if timeout_s is None else timeout_s
+        self._tokenizer_future().result()  # not part of the limit (raises what the build raised)
         try:
             fut.result(timeout=limit)
         except TimeoutError:

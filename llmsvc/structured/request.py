@@ -17,9 +17,12 @@ from llmsvc.structured import errors as E
 
 
 class StructuredRequest:
-    def __init__(self, kind: str, compiled: Future, timeout_s: float) -> None:
+    def __init__(self, kind: str, compiled: Future, timeout_s: float, tokenizer_ready: Future | None = None) -> None:
         self.kind = kind
         self._compiled = compiled  # Future[llguidance.LLMatcher] in its start state
+        # the time limit is the compile's: it counts from when the manager's one-time tokenizer
+        # view is ready (the compile waits for it), so the first constraint is not charged for it
+        self._tokenizer_ready = tokenizer_ready
         self._deadline = time.monotonic() + timeout_s
         self._timeout_s = timeout_s
         self.matcher: llguidance.LLMatcher | None = None
@@ -31,7 +34,11 @@ class StructuredRequest:
         if self.matcher is not None:
             return True
         if not self._compiled.done():
-            if (time.monotonic() if now is None else now) >= self._deadline:
+            now = time.monotonic() if now is None else now
+            if self._tokenizer_ready is not None and not self._tokenizer_ready.done():
+                self._deadline = now + self._timeout_s
+                return False
+            if now >= self._deadline:
                 raise E.ConstraintError(self.kind, E.COMPILE_TIMEOUT,
                                         f"did not compile within {self._timeout_s:g} s")
             return False
