@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+from llmsvc.core.proc_tree import _listdir, descendants  # noqa: F401 - tests import it from here
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -68,24 +70,6 @@ class LoggedProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid` (Linux /proc), parents before children."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop(0)
-        for task in _listdir(f"/proc/{p}/task"):
-            try:
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    kids = [int(x) for x in f.read().split()]
-            except OSError:
-                continue
-            for k in kids:
-                if k not in out:
-                    out.append(k)
-                    todo.append(k)
-    return out
 
 
 def _spawned(pid: int) -> list[tuple[int, str]]:

@@ -18,7 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmsvc.v1 import llmsvc_pb2 as pb
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
-from tests.executor_procs import alive, descendants
+from llmsvc.core.proc_tree import kill_all
+from tests.executor_procs import alive, descendants, worker_pids
 from tests.server_harness import make_tiny_served_model_dir
 
 SERVICE = "llmsvc.v1.LlmService"
@@ -214,3 +215,27 @@ def test_sigterm_during_a_longer_drain_waits_at_most_the_shutdown_grace(tiny_dir
         assert "stop signal while draining" in "".join(srv.lines)
     finally:
         srv.close()
+
+
+def test_sigterm_with_a_stopped_worker_leaves_no_process_behind(tiny_dir):
+    """A worker that cannot run (SIGSTOP: hung) blocks the engine core in its step; the server
+    still ends, and the core's processes end with it (a stopped worker cannot follow its
+    death pipe: it is killed)."""
+    srv = ServeProcess(tiny_dir, "--executor", "multiproc", "--shutdown-grace", "0.5")
+    tree: list[int] = []
+    try:
+        srv.wait_serving()
+        call = srv.stub.Generate(_stream(4000), timeout=120)
+        next(call)
+        tree = descendants(srv.proc.pid)
+        (worker,) = worker_pids(srv.proc.pid)
+        os.kill(worker, signal.SIGSTOP)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(90) is not None
+        time.sleep(0.5)
+        assert not [p for p in tree if alive(p)], "processes outlived the server"
+        assert "engine core did not stop" in "".join(srv.lines)
+    finally:
+        srv.close()
+        kill_all(tree)  # whatever a failure left behind
+

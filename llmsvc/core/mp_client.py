@@ -29,6 +29,7 @@ import zmq
 from executors.base import ExecutorError
 from llmsvc.config import EngineConfig
 from llmsvc.core import messages as m
+from llmsvc.core.proc_tree import descendants, kill_all
 from llmsvc.core.client import EngineCoreClient
 from llmsvc.core.proc import run_engine_core
 from llmsvc.core.core_output import EngineCoreOutput
@@ -254,10 +255,15 @@ class MPClient(EngineCoreClient):
             except zmq.ZMQError:
                 pass
         self.proc.join(self.shutdown_timeout_s)
-        for stop in (self.proc.terminate, self.proc.kill):
-            if self.proc.exitcode is None:
-                stop()
-                self.proc.join(2.0)
+        if self.proc.exitcode is None:  # hung (a stopped or stuck worker): its workers go with it
+            workers = descendants(self.proc.pid)
+            for stop in (self.proc.terminate, self.proc.kill):
+                if self.proc.exitcode is None:
+                    stop()
+                    self.proc.join(2.0)
+            left = kill_all(workers)
+            logger.error("engine core did not stop within %.0f s: killed it%s", self.shutdown_timeout_s,
+                         f" and {left} process(es) it had started" if left else "")
         self._death_writer.close()
         self._cmd.close(linger=0)
         self._out.close(linger=0)
