@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from llmsvc.config import ModelConfig
 from llmsvc.models.resolve import default_model_path, resolve_model_config, resolve_model_dir
@@ -286,3 +287,23 @@ def test_engine_refuses_a_tensor_parallel_size_that_does_not_fit(tmp_path, engin
     with pytest.raises(ValueError, match="4 attention heads do not divide into 3 equal parts"):
         LLMEngine.from_config(EngineConfig.from_options(model=d, tensor_parallel_size=3, device="cpu",
                                                         engine_core=engine_core))
+
+
+@pytest.mark.parametrize("arch, name, grow", [
+    ("llama", "model.layers.0.self_attn.k_proj.weight", 0),  # a QKV part: rows
+    ("llama", "model.layers.0.mlp.up_proj.weight", 0),  # a gate/up part: rows
+    ("llama", "model.layers.1.self_attn.o_proj.weight", 1),  # row-parallel: columns
+    ("phi3", "model.layers.0.self_attn.qkv_proj.weight", 0),  # a fused checkpoint tensor
+])
+def test_a_checkpoint_tensor_larger_than_its_layer_is_refused(tmp_path, arch, name, grow):
+    # the loaders narrow() a tensor to this rank's share, which dropped extra rows silently
+    from safetensors.torch import load_file, save_file
+
+    from model_utils import load_our_model
+    d = make_tiny_model_dir(tmp_path, arch=arch)
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    t = tensors[name]
+    tensors[name] = torch.cat([t, t.narrow(grow, 0, 8)], dim=grow).contiguous()
+    save_file(tensors, os.path.join(d, "model.safetensors"))
+    with pytest.raises(ValueError, match="does not fit the layer's|rows, expected"):
+        load_our_model(d)

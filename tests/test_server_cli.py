@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -271,6 +273,31 @@ def test_configuration_that_does_not_fit_is_one_line_and_exit_2(tmp_path, args, 
     from tests.server_harness import make_tiny_served_model_dir
     model_dir = make_tiny_served_model_dir(tmp_path, num_attention_heads=3, num_key_value_heads=3, hidden_size=48)
     proc = run_serve([model_dir, "--port", "0", *args])
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def _drop_tokenizer(d):
+    for f in os.listdir(d):
+        if f.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
+            os.remove(os.path.join(d, f))
+
+
+def _tear_weights(d):
+    with open(os.path.join(d, "model.safetensors"), "r+b") as f:
+        f.truncate(100)
+
+
+@pytest.mark.parametrize("spoil,says", [
+    (_drop_tokenizer, "bad configuration: no tokenizer in "),  # transformers' 5 lines after the model load
+    (_tear_weights, "bad configuration: cannot read the weights file "),  # 99 lines of two tracebacks
+    (lambda d: shutil.rmtree(d), "bad configuration: model "),  # a FileNotFoundError traceback
+])
+def test_model_files_that_do_not_load_are_one_line_and_exit_2(tmp_path, spoil, says):
+    from tests.server_harness import make_tiny_served_model_dir
+    model_dir = make_tiny_served_model_dir(tmp_path)
+    spoil(model_dir)
+    proc = run_serve([model_dir, "--port", "0"])
     assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 

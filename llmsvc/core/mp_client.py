@@ -254,7 +254,11 @@ class MPClient(EngineCoreClient):
                 self._cmd.send(m.encode((m.SHUTDOWN,)), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        self.proc.join(self.shutdown_timeout_s)
+        # still loading, it reads no commands: nothing of its work is lost by stopping it now
+        self.proc.join(self.shutdown_timeout_s if self._ready else 0.5)
+        if self.proc.exitcode is None and not self._ready:
+            self.proc.terminate()
+            self.proc.join(2.0)
         if self.proc.exitcode is None:  # hung (a stopped or stuck worker): its workers go with it
             workers = descendants(self.proc.pid)
             for stop in (self.proc.terminate, self.proc.kill):

@@ -38,15 +38,23 @@ def checkpoint_dtype(model_dir: str) -> str:
         if name in DTYPES:
             return name
     counts: collections.Counter = collections.Counter()
-    from safetensors import safe_open
-
     for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-        with safe_open(path, framework="numpy") as f:
+        with open_safetensors(path, "numpy") as f:
             for name in f.keys():
                 dt = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
                 if dt:
                     counts[dt] += 1
     return counts.most_common(1)[0][0] if counts else "float32"
+
+
+def open_safetensors(path: str, framework: str):
+    """safe_open, with a torn or foreign file a ValueError naming it (the model is the caller's)."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework=framework, device="cpu")
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: one line at start-up
+        raise ValueError(f"cannot read the weights file {path}: {e}") from None
 
 
 def check_dtype(requested: str) -> None:

@@ -58,11 +58,21 @@ def _load(model_dir: str, cache_dir: str | None):
             return cls.from_pretrained(model_dir, _from_auto=True)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if os.path.isdir(model_dir) and not any(os.path.exists(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer in {model_dir} (none of {', '.join(_TOKENIZER_FILES)}); "
+                         "give one with --tokenizer")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:  # transformers' messages run over several lines
+        raise ValueError(f"cannot load the tokenizer in {model_dir}: {' '.join(str(e).split())[:400]}") from None
     module, name = type(tokenizer).__module__, type(tokenizer).__qualname__
     if path is not None and module.startswith("transformers."):
         json_cache.write(path, {"module": module, "class": name})
     return tokenizer
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                    "tokenizer_config.json")
 
 
 def _class_of(entry: dict | None):

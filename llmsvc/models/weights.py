@@ -20,6 +20,8 @@ import os
 import torch
 import torch.nn as nn
 
+from llmsvc.models.checkpoint import open_safetensors
+
 SKIPPED_TENSORS = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry
 
 
@@ -54,12 +56,10 @@ def load_checkpoint(model: nn.Module, model_dir: str, splits: dict, tie_word_emb
     """Load every checkpoint tensor, one at a time, through its parameter's weight_loader
     (which keeps only this rank's shard). Raises KeyError for a tensor with no parameter and
     ValueError when a parameter (or a shard of a fused one) is left unloaded."""
-    from safetensors import safe_open
-
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for path in checkpoint_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with open_safetensors(path, "pt") as f:
             for name in f.keys():
                 if name.endswith(SKIPPED_TENSORS):
                     continue

@@ -301,7 +301,7 @@ def main(args) -> int:
     except BindError as e:
         log.error("%s", e)
         return 1
-    except ValueError as e:  # found on resolving the model: a path, the tokenizer, the TP size, the device
+    except (ValueError, FileNotFoundError) as e:  # found on resolving the model: a path, the tokenizer, the TP size, the device
         log.error("bad configuration: %s", e)
         log.debug("bad configuration", exc_info=True)
         return 2

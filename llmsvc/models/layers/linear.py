@@ -21,6 +21,13 @@ from llmsvc.models.parallel import (divide, get_tp_rank, get_tp_world_size,
                                     tensor_model_parallel_all_reduce)
 
 
+def _check_rows(loaded: torch.Tensor, rows: int) -> None:
+    """A checkpoint tensor is cut into this rank's rows by narrow(), which would drop extra
+    rows without a word: its row count must be the layer's."""
+    if loaded.shape[0] != rows:
+        raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit the layer's {rows} outputs")
+
+
 def _copy(param: torch.Tensor, shard: torch.Tensor) -> None:
     if param.shape != shard.shape:
         raise ValueError(f"weight shape {tuple(shard.shape)} does not fit parameter {tuple(param.shape)}")
@@ -84,6 +91,7 @@ class ColumnParallelLinear(LinearBase):
         self.total_output_size = output_size
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
+        _check_rows(loaded_weight, self.checkpoint_rows())
         n = param.shape[0]
         _copy(param, loaded_weight.narrow(0, self.tp_rank * n, n))
 
@@ -99,6 +107,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, params_dtype)
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
+        _check_rows(loaded_weight, self.checkpoint_rows(shard_id))
         if shard_id is None:  # an already fused checkpoint tensor: load each part in turn
             start = 0
             for i, size in enumerate(self.output_sizes):
@@ -141,6 +150,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, output_size, bias, params_dtype)
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
+        _check_rows(loaded_weight, self.checkpoint_rows(shard_id))
         if shard_id is None:  # fused checkpoint tensor [q | k | v] (full sizes)
             q = self.total_num_heads * self.head_size
             kv = self.total_num_kv_heads * self.head_size
@@ -177,7 +187,10 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:  # bias: replicated, added once after the reduction
             _copy(param, loaded_weight)
             return
-        n = param.shape[1]
+        n = param.shape[1]  # this rank's columns (of the weight, or of GGUF block scales)
+        if loaded_weight.shape[1] != n * self.tp_size:  # narrow() would drop extra columns
+            raise ValueError(f"weight shape {tuple(loaded_weight.shape)} does not fit the layer's "
+                             f"{n * self.tp_size} inputs")
         _copy(param, loaded_weight.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
