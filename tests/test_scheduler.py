@@ -305,6 +305,26 @@ def test_priority_preemption_victim_is_lowest_priority():
     assert res["unimportant"]["tokens"] == reference_tokens(list(range(8)), 12)
 
 
+@pytest.mark.parametrize("low_prompt", [5, 6, 7])
+def test_priority_preemption_never_takes_the_higher_ranked_request(low_prompt):
+    # "low" runs first (scheduled earlier in each step); "high" outranks it. When a step runs out
+    # of blocks, the victim is "low", even though it was already scheduled in that step (it used
+    # to be "high", the only one not scheduled yet, and then "low" as well to readmit "high")
+    cfg = make_config(num_blocks=12, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, policy="priority")
+    core = EngineCore(cfg, FakeExecutor(cfg, num_blocks=12))
+    preempted = []
+    orig = core.scheduler._preempt
+    core.scheduler._preempt = lambda r: preempted.append(r.request_id) or orig(r)
+    low, high = list(range(1, 1 + low_prompt)), list(range(50, 62))
+    core.add_request(req("low", low, max_tokens=24, priority=5, arrival=1.0))
+    (first,), _ = core.step()
+    core.add_request(req("high", high, max_tokens=24, priority=0, arrival=2.0))
+    res = run(core)
+    assert preempted and set(preempted) == {"low"}, preempted
+    assert res["high"]["tokens"] == reference_tokens(high, 24)
+    assert first.new_token_ids + res["low"]["tokens"] == reference_tokens(low, 24)
+
+
 def test_context_finish_at_max_model_len():
     core, _ = make_core(num_blocks=1000, max_model_len=40)
     core.add_request(req("c", list(range(30)), max_tokens=None))

@@ -40,6 +40,16 @@ class PreemptionMixin:
             return max(candidates, key=lambda r: (r.priority, r.arrival_time))
         return max(candidates, key=lambda r: r.arrival_time)
 
+    @staticmethod
+    def _unschedule(req: Request, num_scheduled: dict, spec_tokens: dict, cached) -> int:
+        """Take a request scheduled earlier in this step back out of it (before it is preempted);
+        returns the tokens it had been given."""
+        spec_tokens.pop(req.request_id, None)
+        j = cached.req_ids.index(req.request_id)
+        for column in (cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens):
+            del column[j]
+        return num_scheduled.pop(req.request_id)
+
     def _preempt(self, req: Request) -> None:
         # async scheduling: a token still in flight is dropped and sampled again after the recompute
         # (same position, so the same token under greedy or a per-request seed), also when the

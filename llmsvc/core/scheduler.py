@@ -137,8 +137,13 @@ class Scheduler(PreemptionMixin, GrammarWaitMixin):
                 if drafts:  # no room for the drafts: decode one token as usual
                     drafts = []
                     continue
-                # recompute-preemption among the requests not scheduled yet this step
-                victim = self._pick_victim(self.running[i:])
+                # recompute-preemption: the lowest-ranked running request under priority (taken
+                # back out of this step if it was scheduled already), else the newest of those
+                # not scheduled yet
+                victim = self._pick_victim(self.running if self.config.policy == "priority" else self.running[i:])
+                if self.running.index(victim) < i:
+                    i -= 1
+                    budget += self._unschedule(victim, num_scheduled, spec_tokens, cached)
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
