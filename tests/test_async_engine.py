@@ -232,6 +232,30 @@ def test_queue_full(max_running, cap):
     run(main())
 
 
+def test_queue_cap_counts_the_sequences_of_n_greater_than_1():
+    # an n=2 request takes both seats; then one n=1 request may wait (cap 1) and the next is
+    # refused (counting requests, not sequences, let two wait)
+    fe = FakeEngine(max_running=2)
+
+    async def main():
+        ae = await _started(fe, max_waiting_requests=1)
+        fe.gate.clear()
+        gens = [ae.generate("pair", [1], SamplingParams(max_tokens=2, n=2)),
+                ae.generate("one", [1], SamplingParams(max_tokens=2))]
+        tasks = [asyncio.create_task(g.__anext__()) for g in gens]
+        await _wait_for(lambda: len(ae._streams) == 2)
+        with pytest.raises(QueueFullError, match="1 requests are waiting"):
+            await ae.generate("over", [1], SamplingParams()).__anext__()
+        fe.gate.set()
+        await asyncio.gather(*tasks)
+        for g in gens:
+            await _collect(g)
+        assert ae._num_seqs == 0  # every stream's sequences given back
+        await ae.shutdown()
+
+    run(main())
+
+
 def test_engine_death_fails_streams_and_flips_health():
     fe = FakeEngine(max_model_len=10_000, step_delay=0.002)
 

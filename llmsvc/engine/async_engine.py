@@ -53,6 +53,7 @@ class AsyncEngine(EngineThreadMixin):
         self._commands: deque = deque()  # ("add", kwargs, future) | ("abort", ids) | ("call", (name, args), future)
         self._stop = False
         self._streams: dict[str, RequestStream] = {}  # event-loop side
+        self._num_seqs = 0  # sum of the streams' n: the sequences they are in the engine
         self._stats = EngineStats()
         self._dead: BaseException | None = None
         self._accepting = True
@@ -121,6 +122,7 @@ class AsyncEngine(EngineThreadMixin):
         for s in list(self._streams.values()):
             s.fail(EngineStoppedError("engine stopped"))
         self._streams.clear()
+        self._num_seqs = 0
         with self._cond:  # commands the thread never took
             for cmd in self._swap_commands():
                 if cmd[0] != "abort" and not cmd[2].done():
@@ -183,7 +185,7 @@ class AsyncEngine(EngineThreadMixin):
         the final output aborts the request (its id stays reserved until the engine confirms).
         """
         compiled = self._submit_constraint(params)  # starts the compile now, off the engine thread
-        stream = self._admit(request_id)
+        stream = self._admit(request_id, params.n)
         params.output_kind = RequestOutputKind.DELTA
         fut = self._loop.create_future()
         self._send(("add", dict(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
@@ -196,7 +198,7 @@ class AsyncEngine(EngineThreadMixin):
             raise
         except BaseException:  # add_request refused it (or the engine died): never in the engine
             if self._streams.get(request_id) is stream:
-                del self._streams[request_id]
+                self._drop(request_id)
             raise
         if on_admitted is not None:
             try:
@@ -260,25 +262,31 @@ class AsyncEngine(EngineThreadMixin):
             raise ConstraintError(params.structured_outputs.kind, COMPILE_TIMEOUT,
                                   f"did not compile within {limit:g} s") from None
 
-    def _admit(self, request_id: str) -> RequestStream:
+    def _admit(self, request_id: str, n: int = 1) -> RequestStream:
         if self._dead is not None:
             raise EngineDeadError(f"engine loop died: {self._dead}")
         if not self._accepting or self._loop is None:
             raise EngineStoppedError("engine is not accepting requests")
         if request_id in self._streams:
             raise DuplicateRequestError(request_id)  # in flight, or its abort is not confirmed yet
-        # Waiting: in flight, but beyond what runs. The engine's last stats may predate a burst
-        # still arriving: while its queue was empty, the first max_num_seqs requests are counted
-        # as running (their slots were free), so a burst is not refused while slots are idle.
+        # Waiting: in flight, but beyond what runs, in sequences (an n>1 request is n of them in
+        # the engine, as num_running and max_num_seqs count). The engine's last stats may predate
+        # a burst still arriving: while its queue was empty, the first max_num_seqs sequences are
+        # counted as running (their slots were free), so a burst is not refused while slots idle.
         st = self._stats
         runnable = st.num_running if st.num_waiting else max(st.num_running, self.max_num_seqs)
-        waiting = len(self._streams) - runnable
+        waiting = self._num_seqs - runnable
         if waiting >= self.max_waiting_requests:
             raise QueueFullError(f"{waiting} requests are waiting (max_waiting_requests="
-                                 f"{self.max_waiting_requests})")
+                                 f"{self.max_waiting_requests}; a request with n samples counts n)")
         stream = RequestStream(request_id, self.max_backlog_bytes, self.max_backlog_age_s)
+        stream.n = n
         self._streams[request_id] = stream
+        self._num_seqs += n
         return stream
+
+    def _drop(self, request_id: str) -> None:
+        self._num_seqs -= self._streams.pop(request_id).n
 
     def _abort_stream(self, stream: RequestStream, reason: str) -> None:
         if not stream.aborting and not stream.finished:
@@ -304,7 +312,7 @@ class AsyncEngine(EngineThreadMixin):
                 continue
             ok = s.put(out)
             if s.finished:
-                self._streams.pop(out.request_id, None)
+                self._drop(out.request_id)
             elif not ok:
                 logger.warning("request %s: output backlog over the cap; aborting", s.request_id)
                 s.fail(OutputBacklogError(
@@ -323,3 +331,4 @@ class AsyncEngine(EngineThreadMixin):
         for s in list(self._streams.values()):
             s.fail(err)
         self._streams.clear()
+        self._num_seqs = 0

@@ -68,6 +68,7 @@ class RequestStream:
 
     def __init__(self, request_id: str, max_backlog_bytes: int, max_backlog_age_s: float) -> None:
         self.request_id = request_id
+        self.n = 1  # its sequences in the engine (SamplingParams.n), for the admission cap
         self.max_backlog_bytes = max_backlog_bytes
         self.max_backlog_age_s = max_backlog_age_s
         self.pending: RequestOutput | None = None
