@@ -206,6 +206,42 @@ def test_stats_logger_line(caplog):
     assert line in caplog.text
 
 
+def test_stats_logger_idle_lines_after_the_first_are_debug(caplog):
+    logger = StatsLogger(interval_s=5.0)
+    s = EngineStats(prompt_tokens_total=100, generation_tokens_total=10)
+    logger.maybe_log(s, now=0.0)
+    s.generation_tokens_total = 60  # the tail of a workload, then nothing
+    with caplog.at_level(logging.DEBUG, logger="llmsvc.engine"):
+        for t in (5.0, 10.0, 15.0):
+            logger.maybe_log(s, now=t)
+    levels = [(r.levelname, "generation throughput: 10.0" in r.message) for r in caplog.records]
+    assert levels == [("INFO", True), ("INFO", False), ("DEBUG", False)]
+
+
+def test_idle_engine_thread_logs_the_throughput_line(tok):
+    # the tail of a workload used to wait for the next request's step to be logged
+    import asyncio
+
+    from llmsvc.engine.async_engine import AsyncEngine
+    cfg = make_config().replace(log_stats_interval_s=0.3)
+    engine = LLMEngine(cfg, FakeExecutor(cfg), tok)
+    lines = []
+    engine.stats_logger.log = type("L", (), {"info": lines.append, "debug": lines.append})()
+
+    async def main():
+        ae = AsyncEngine(engine)
+        ae.health_check_interval_s = 0.05
+        await ae.start()
+        async for _ in ae.generate("a", [1, 2, 3], SamplingParams(max_tokens=4)):
+            pass
+        n = len(lines)
+        await asyncio.sleep(1.0)  # no request: the idle tick logs
+        assert len(lines) > n and any("Avg generation throughput" in x for x in lines[n:])
+        await ae.shutdown()
+
+    asyncio.run(main())
+
+
 def test_engine_and_package_import_without_torch():
     code = ("import sys, llmsvc; from llmsvc import SamplingParams; import llmsvc.engine.llm_engine, "
             "llmsvc.core.engine_core, llmsvc.core.scheduler, llmsvc.engine.output_processor; "

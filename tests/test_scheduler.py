@@ -325,6 +325,21 @@ def test_priority_preemption_never_takes_the_higher_ranked_request(low_prompt):
     assert first.new_token_ids + res["low"]["tokens"] == reference_tokens(low, 24)
 
 
+def test_a_resumed_request_is_no_prefix_cache_lookup():
+    # two unrelated prompts and a preemption: the hit rate stays that of the prompts (0), the
+    # resumed request's recompute (its own blocks found again) is not a client's cache hit
+    cfg = make_config(num_blocks=8, block_size=4, max_num_batched_tokens=64)
+    core = EngineCore(cfg, FakeExecutor(cfg, num_blocks=8))
+    preempted = []
+    orig = core.scheduler._preempt
+    core.scheduler._preempt = lambda r: preempted.append(r.request_id) or orig(r)
+    core.add_request(req("a", list(range(1, 10)), max_tokens=10))
+    core.add_request(req("b", list(range(40, 49)), max_tokens=10))
+    run(core)
+    kv = core.kv_cache_manager
+    assert preempted and (kv.prefix_queries, kv.prefix_hits) == (18, 0)
+
+
 def test_context_finish_at_max_model_len():
     core, _ = make_core(num_blocks=1000, max_model_len=40)
     core.add_request(req("c", list(range(30)), max_tokens=None))

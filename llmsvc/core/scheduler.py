@@ -186,10 +186,10 @@ class Scheduler(PreemptionMixin, GrammarWaitMixin):
             if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
                 break
             self.waiting.pop()
-            self.kv.record_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens < 0:  # first admission: its prompt is a lookup (a resumed one is not)
                 req.num_cached_tokens = num_hit
+                self.kv.record_lookup(req.num_tokens, num_hit)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             req.status = RequestStatus.RUNNING

@@ -131,6 +131,9 @@ class EngineThreadMixin:
                     check = getattr(engine, "check_health", None)
                     if check is not None:
                         check()
+                    log_stats = getattr(engine, "log_stats", None)  # the throughput line keeps its interval
+                    if log_stats is not None:
+                        log_stats()
                     continue
                 was_idle = not engine.has_unfinished_requests()
                 if burst is not None:

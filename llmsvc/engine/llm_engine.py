@@ -184,9 +184,14 @@ class LLMEngine:
         outputs, stop_finished = self.output_processor.process_outputs(core_outputs)
         if stop_finished:
             self.core_client.abort_requests(stop_finished, STOP)
+        self.log_stats()
+        return outputs
+
+    def log_stats(self) -> None:
+        """The periodic throughput line, when its interval has passed (step() and the serving
+        engine thread's idle tick call this)."""
         if self.config.log_stats_interval_s > 0:
             self.stats_logger.maybe_log(self.core_client.get_stats())
-        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished() or self.core_client.has_unfinished()

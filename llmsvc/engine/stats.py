@@ -1,4 +1,9 @@
-"""StatsLogger: a periodic vLLM-like throughput / cache line."""
+"""StatsLogger: a periodic vLLM-like throughput / cache line.
+
+Called after every engine step and, while the engine is idle, from the engine thread's idle
+tick (about once a second), so lines keep their interval with or without traffic and the tail
+of a workload is logged without waiting for the next request. Idle lines (no tokens, nothing
+running or waiting) after the first are DEBUG, as vLLM's."""
 from __future__ import annotations
 
 import logging
@@ -17,6 +22,7 @@ class StatsLogger:
         self._last_prompt = 0
         self._last_gen = 0
         self._last_spec = (0, 0, 0)  # drafts, draft tokens, accepted tokens at the last line
+        self._last_idle = False  # the last line showed no work
 
     def format(self, stats: EngineStats, elapsed: float) -> str:
         prompt_tps = (stats.prompt_tokens_total - self._last_prompt) / elapsed if elapsed > 0 else 0.0
@@ -49,7 +55,10 @@ class StatsLogger:
         if self.interval_s <= 0 or elapsed < self.interval_s:
             return None
         line = self.format(stats, elapsed)
-        self.log.info(line)
+        idle = (stats.prompt_tokens_total == self._last_prompt and stats.generation_tokens_total == self._last_gen
+                and not stats.num_running and not stats.num_waiting)
+        (self.log.debug if idle and self._last_idle else self.log.info)(line)
+        self._last_idle = idle
         self._reset(stats, now)
         return line
 
