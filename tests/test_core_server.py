@@ -7,8 +7,11 @@ takes the core and its workers with it. (A SIGKILLed worker under --executor mul
 tests/test_executors_server.py, which runs this same default layout.)"""
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 
@@ -119,15 +122,20 @@ def test_bad_input_fails_alone_then_core_sigkill_ends_streams_unavailable(tiny_d
         srv.kill()
 
 
-def test_front_end_sigkill_takes_core_and_worker_down(tiny_dir):
+def test_front_end_sigkill_takes_core_and_worker_down(tiny_dir, monkeypatch):
+    tmp = tempfile.mkdtemp(prefix="llmsvc-t")  # short: it holds the core's ipc sockets
+    monkeypatch.setenv("TMPDIR", tmp)
     srv, channel = serve(tiny_dir, "--executor", "multiproc")
     try:
         cores, workers = core_pids(srv.pid), worker_pids(srv.pid)
         assert len(cores) == 1 and len(workers) == 1, descendants(srv.pid)
+        assert len(glob.glob(f"{tmp}/llmsvc-core-*")) == 1
         tree = descendants(srv.pid)
         srv.proc.kill()
         srv.proc.wait(10)
         assert wait_gone(tree) == [], "engine core or worker outlived the front end"
+        assert glob.glob(f"{tmp}/llmsvc-core-*") == []  # the core removed the sockets' directory
     finally:
         channel.close()
         srv.kill()
+        shutil.rmtree(tmp, ignore_errors=True)

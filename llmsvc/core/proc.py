@@ -39,6 +39,22 @@ IDLE_HEALTH_CHECK_MS = 1000
 PROCESS_NAME = "llmsvc-core"  # /proc/PID/comm: what top and `ps -o comm` show
 
 
+def _watch_front_end(death_reader, in_addr: str) -> None:
+    """watch_parent, and on the front end's death remove the socket directory it made (a
+    killed front end cannot: each SIGKILL left a /tmp/llmsvc-core-* directory behind)."""
+    import shutil
+
+    if in_addr.startswith("ipc://"):
+        sock_dir = os.path.dirname(in_addr[len("ipc://"):])
+        try:
+            death_reader.recv()
+        except (EOFError, OSError):
+            pass
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        os._exit(1)
+    watch_parent(death_reader)
+
+
 def run_engine_core(config, in_addr: str, out_addr: str, death_reader, log_level: int,
                     log_formatter: logging.Formatter | None, log_filters: list) -> None:
     """Process entry point (multiprocessing spawn target). Logs to stderr like the front end:
@@ -50,7 +66,7 @@ def run_engine_core(config, in_addr: str, out_addr: str, death_reader, log_level
     for f in log_filters:
         handler.addFilter(f)
     logging.basicConfig(level=log_level, handlers=[handler], force=True)
-    threading.Thread(target=watch_parent, args=(death_reader,), daemon=True, name="death-pipe").start()
+    threading.Thread(target=_watch_front_end, args=(death_reader, in_addr), daemon=True, name="death-pipe").start()
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(in_addr)
