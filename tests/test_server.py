@@ -414,3 +414,16 @@ def test_graceful_shutdown_lets_in_flight_finish():
         fut.result(30)
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("method", ["Generate", "Tokenize", "GetModelInfo"])
+def test_undecodable_request_bytes_are_invalid_argument(srv, method):
+    # grpc.aio's own answer was UNKNOWN "Unexpected <class '...DecodeError'>"
+    call = (srv.channel.unary_stream if method == "Generate" else srv.channel.unary_unary)(
+        f"/{SERVICE}/{method}", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as ei:
+        result = call(b"\xff\xff\xff", timeout=10)
+        list(result) if method == "Generate" else result
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid message" in ei.value.details()
+    assert list(srv.stub.Generate(gen(max_tokens=2)))[-1].HasField("finish")  # and nothing else changed

@@ -24,6 +24,7 @@ from llmsvc.outputs import EngineStats
 from llmsvc.sampling_params import SamplingParams
 from llmsvc.server.admin import AdminService
 from llmsvc.server.auth import ADMIN_PREFIXES, BearerTokenInterceptor
+from llmsvc.server.rpc_wrap import DecodeGuardInterceptor
 from llmsvc.server.health import Health, add_reflection
 from llmsvc.server.metrics import EngineSnapshot, MetricsHttpServer, ServerMetrics
 from llmsvc.server.servicer import LlmService, ServerState
@@ -114,7 +115,8 @@ class LlmServer:
 
     async def start(self) -> int:
         """Bind and serve health + reflection (+ LlmService answering UNAVAILABLE). Returns the port."""
-        interceptors = [self.metrics.interceptor()] + [a for a in (self.auth, self.admin_auth) if a is not None]
+        interceptors = ([self.metrics.interceptor()] + [a for a in (self.auth, self.admin_auth) if a is not None]
+                        + [DecodeGuardInterceptor()])
         self._drain_begun = asyncio.Event()
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         pb_grpc.add_LlmServiceServicer_to_server(self.servicer, self.server)

@@ -97,3 +97,48 @@ def deny_handler(handler: grpc.RpcMethodHandler,
     async def behavior(request, context):
         await deny(context)
     return replace_behavior(handler, behavior)
+
+
+class _Undecodable:
+    """What a guarded deserializer returns for bytes that are not the request message."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def guard_decoding(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """The same handler, but a unary request that does not parse answers INVALID_ARGUMENT
+    (grpc.aio's own answer is UNKNOWN naming a Python exception class)."""
+    decode = handler.request_deserializer
+    inner = getattr(handler, handler_kind(handler))
+    if handler.request_streaming or decode is None or not (
+            inspect.isasyncgenfunction(inner) or inspect.iscoroutinefunction(inner)):
+        return handler
+
+    def safe_decode(data: bytes):
+        try:
+            return decode(data)
+        except Exception as e:  # noqa: BLE001 - DecodeError, or whatever a deserializer raises
+            return _Undecodable(f"the request is not a valid message of this method: {e}"[:1024])
+
+    if inspect.isasyncgenfunction(inner):
+        async def gen_behavior(request, context):
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            async for msg in inner(request, context):
+                yield msg
+        behavior = gen_behavior
+    else:
+        async def behavior(request, context):
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return await inner(request, context)
+    return replace_behavior(handler, behavior)._replace(request_deserializer=safe_decode)
+
+
+class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
+    """guard_decoding on every method (the last interceptor: its abort is what the others see)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        return None if handler is None else guard_decoding(handler)
