@@ -141,6 +141,30 @@ def test_core_killed_while_idle_fails_health_check(model_dir):
         engine.shutdown()
 
 
+def test_idle_core_reports_a_tp_rank_death_before_it_exits(model_dir):
+    # the core sends why it died, then stops its executor (seconds, with a rank gone); the idle
+    # front end's health check used to wait for the process to exit
+    from dataclasses import replace
+
+    from tests.executor_procs import worker_pids
+    cfg = _config(model_dir)
+    cfg = cfg.replace(parallel_config=replace(cfg.parallel_config, tensor_parallel_size=2, executor="tp"))
+    engine = LLMEngine.from_config(cfg)
+    try:
+        engine.check_health()
+        ranks = worker_pids(_core_pid(engine))
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        with pytest.raises(ExecutorError) as ei:
+            while time.monotonic() < deadline:
+                engine.check_health()
+                time.sleep(0.05)
+        assert "engine core died" in str(ei.value) and "rank 1" in str(ei.value), ei.value
+    finally:
+        engine.shutdown()
+
+
 def test_start_up_failure_in_the_core_is_reported(model_dir):
     cfg = _config(model_dir)
     cfg.cache_config.num_kv_blocks_override = 0  # EngineCore refuses to start without KV blocks

@@ -232,6 +232,9 @@ class MPClient(EngineCoreClient):
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineCoreDeadError(self._dead)
+        while self._out.poll(0):  # an idle core says it died before it exits (its executor's
+            # shutdown may take seconds, e.g. a TP rank > 0 gone): read it now (raises on DEAD)
+            self._held.append(self._apply(self._decode(self._out.recv(copy=False))[1]))
         if self.proc.exitcode is not None:
             self._dead = f"engine-core process (pid {self.proc.pid}) died with exit code {self.proc.exitcode}"
             raise EngineCoreDeadError(self._dead)
