@@ -58,10 +58,21 @@ def _free_port(host: str) -> int:
 class MultiprocExecutor(Executor):
     name = "multiproc"
     startup_timeout_s = 900.0
+    # a call to the workers after start-up that takes longer is a hung worker (vLLM's
+    # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, also 300): the engine fails instead of waiting forever
+    call_timeout_s = 300.0
 
     def __init__(self, config: EngineConfig, world_size: int = 1) -> None:
         _exit_if_reimported_main()
         super().__init__(config)
+        timeout = os.environ.get("LLMSVC_EXECUTE_MODEL_TIMEOUT_S")
+        if timeout:
+            try:
+                self.call_timeout_s = float(timeout)
+            except ValueError:
+                self.call_timeout_s = float("nan")
+            if not self.call_timeout_s > 0 or self.call_timeout_s == float("inf"):
+                raise ValueError(f"LLMSVC_EXECUTE_MODEL_TIMEOUT_S={timeout!r}: must be a number of seconds > 0")
         pc = config.parallel_config
         self.world_size = world_size
         self.nnodes = pc.nnodes if world_size > 1 else 1
@@ -131,7 +142,8 @@ class MultiprocExecutor(Executor):
                     continue
                 raise ExecutorError(f"{self._dead() or 'a worker died'} during {what}")
             if deadline is not None and time.monotonic() >= deadline:
-                raise ExecutorError(f"timed out after {timeout:.0f}s waiting for {what}")
+                raise ExecutorError(f"timed out after {timeout:g} s waiting for {what} (a worker is hung; "
+                                    "LLMSVC_EXECUTE_MODEL_TIMEOUT_S sets the limit)")
 
     def _call(self, method: str, *args, timeout: float | None = None):
         self._read_pending()
@@ -152,7 +164,7 @@ class MultiprocExecutor(Executor):
             raise ExecutorError(f"cannot reach worker rank 0: {self._dead() or e}") from e
 
     def _reply(self, method: str, timeout: float | None = None):
-        kind, payload = self._recv(self.conns[0], timeout, method)
+        kind, payload = self._recv(self.conns[0], timeout or self.call_timeout_s, method)
         if kind == FAILURE:
             raise ExecutorError(f"worker failed in {method}:\n{payload}")
         assert kind == OK, kind

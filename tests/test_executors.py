@@ -106,6 +106,24 @@ def test_sigkill_worker_fails_fast_and_leaves_no_process(tiny_dir, executor, tp,
     assert _children_alive(pids) == []
 
 
+def test_a_hung_worker_fails_the_call_after_the_time_limit(tiny_dir, monkeypatch):
+    # a stopped (or hung) worker used to block the engine forever with health SERVING
+    monkeypatch.setenv("LLMSVC_EXECUTE_MODEL_TIMEOUT_S", "1.5")
+    ex = create_executor(engine_config(tiny_dir, "multiproc"))
+    try:
+        assert ex.call_timeout_s == 1.5
+        ex.initialize_kv_cache(ex.determine_num_kv_blocks())
+        os.kill(ex.procs[0].pid, signal.SIGSTOP)
+        with pytest.raises(ExecutorError, match="timed out after 1.5 s waiting for execute_stats .*a worker is hung"):
+            ex.execute_stats()
+    finally:
+        os.kill(ex.procs[0].pid, signal.SIGCONT)
+        ex.shutdown()
+    monkeypatch.setenv("LLMSVC_EXECUTE_MODEL_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="LLMSVC_EXECUTE_MODEL_TIMEOUT_S='soon'"):
+        create_executor(engine_config(tiny_dir, "multiproc"))
+
+
 def test_worker_start_failure_is_reported(tmp_path, tiny_dir):
     cfg = engine_config(tiny_dir, "multiproc")
     cfg.model_config.model_dir = str(tmp_path / "missing")
