@@ -83,8 +83,23 @@ def test_bad_kwargs_are_rejected_not_ignored():
         build_generate_request()
     with pytest.raises(TypeError):
         build_generate_request("x", messages=[("user", "y")])
-    with pytest.raises(TypeError, match="at most one output constraint, got choice, regex"):
+    with pytest.raises(TypeError, match="at most one output constraint, got regex and choice"):
         build_generate_request("x", regex="a+", choice=["a"])  # a oneof: the second would replace the first
+    with pytest.raises(TypeError, match="at most one output constraint, got json_schema and regex"):
+        build_generate_request("x", sampling={"json_schema": "{}", "regex": "a"})
+    with pytest.raises(TypeError, match="at most one output constraint, got regex and json_object"):
+        build_generate_request("x", sampling=pb.SamplingParams(regex="a"), json_object=True)
+
+
+def test_sections_given_whole_take_the_protos_shapes_and_keywords_override_them():
+    # a dict in the proto's shape used to become the choice "choices" (a dict iterates its keys)
+    assert list(build_generate_request("x", sampling={"choice": {"choices": ["yes", "no"]}})
+                .sampling.choice.choices) == ["yes", "no"]
+    assert list(build_generate_request("x", choice=pb.Choices(choices=["a", "b"])).sampling.choice.choices) == ["a", "b"]
+    assert list(build_generate_request("x", stopping={"stop": ["a"]}, stop=["b"]).stopping.stop) == ["b"]
+    assert build_generate_request("x", sampling={"regex": "a"}, regex="b").sampling.regex == "b"
+    assert dict(build_generate_request("x", labels={"k": "v"}).labels) == {"k": "v"}
+    assert build_generate_request("x", json_object=False).sampling.WhichOneof("constraint") is None  # off
     # every documented kwarg is a real field of some request message
     owners = [pb.SamplingParams, pb.StoppingCriteria, pb.OutputOptions, pb.GenerateRequest, pb.ChatPrompt]
     for name in GENERATE_KWARGS:
@@ -269,3 +284,19 @@ def test_client_imports_neither_torch_nor_engine_nor_server():
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_call_that_fails_before_output_keeps_its_id_and_an_empty_result():
+    # the server names a request in its headers once it took it: a non-streamed call that then
+    # fails (its deadline, here) carries the id; a stream that failed before any message has an
+    # empty result, not a ValueError
+    from tests.server_harness import ServerThread, fake_engine_factory
+    with ServerThread(fake_engine_factory(step_delay=0.05)) as s, Client(s.address) as c:
+        with pytest.raises(errors.DeadlineExceeded) as ei:
+            c.generate("slow", max_tokens=100, ignore_eos=True, timeout=1.0)
+        assert ei.value.request_id
+        stream = c.generate_stream("slow", max_tokens=100, ignore_eos=True, timeout=0.02)
+        with pytest.raises(errors.DeadlineExceeded):
+            for _ in stream:
+                pass
+        assert (stream.result.text, stream.result.token_ids, stream.result.finish_reason) == ("", [], None)

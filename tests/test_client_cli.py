@@ -53,6 +53,12 @@ def test_generate_stream_prints_tokens(server, capsys):
     assert rc == 0 and out == "streamed text\n" and server.service.requests[-1].output.stream_interval == 4
 
 
+def test_a_stream_failing_midway_ends_its_partial_line(server, capsys):
+    # "wait" streams "x" then hangs: the deadline ends the call after partial text
+    rc, out, err = run(capsys, "generate", "wait", "--server", server.target, "--stream", "--timeout", "0.5")
+    assert rc == 1 and out == "x\n" and "DEADLINE_EXCEEDED" in err
+
+
 def test_generate_json_outputs(server, capsys):
     rc, out, _ = run(capsys, "generate", "json", "--server", server.target, "--json", "--request-id", "j1")
     doc = json.loads(out)

@@ -27,6 +27,10 @@ def test_retry_policy_covers_the_inference_service_only():
     cfg = json.loads(retry_service_config(2))
     (method,) = cfg["methodConfig"]
     assert method["name"] == [{"service": "llmsvc.v1.LlmService"}]
+    # the sync client's channel: Generate has a config of its own without a policy
+    service, generate = json.loads(retry_service_config(2, streams=False))["methodConfig"]
+    assert service == method and "retryPolicy" not in generate
+    assert generate["name"] == [{"service": "llmsvc.v1.LlmService", "method": "Generate"}]
     assert method["retryPolicy"]["maxAttempts"] == 3
     assert set(method["retryPolicy"]["retryableStatusCodes"]) == {"UNAVAILABLE", "RESOURCE_EXHAUSTED"}
     assert "grpc.service_config" not in dict(channel_options(0))
@@ -108,3 +112,30 @@ def test_a_started_stream_is_not_retried():
             assert ei.value.code == grpc.StatusCode.UNAVAILABLE
             assert got, "the failure came mid-stream"
             assert stream.request_id
+
+
+def test_a_retry_to_a_server_that_went_away_ends_within_the_deadline():
+    """Refused while draining, then the server is gone: grpcio's blocking retry of a
+    server-streaming call hung past its deadline; the sync client retries Generate itself."""
+    s = ServerThread(fake_engine_factory(step_delay=0.02))
+    running = s.stub.Generate(gen(200))  # 4 s: outlasts the drain's grace
+    next(running)
+
+    async def drain():
+        s.server.begin_drain(0.5)  # refusals (DRAINING, 1 s pushback), then the server stops
+    s.call(drain())
+    done = []
+
+    def call():
+        with Client(s.address, timeout=20, max_retries=2) as client:
+            try:
+                client.generate("hello", max_tokens=2)
+            except LlmsvcError as e:
+                done.append(e.code)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(40)
+    running.cancel()
+    s.stop()
+    assert done == [grpc.StatusCode.UNAVAILABLE]

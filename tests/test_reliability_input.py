@@ -197,6 +197,16 @@ def test_prompt_logprobs_of_a_prompt_longer_than_one_step(srv, stream):
         assert [t.token_id for t in top] == ref[pos - 1].topk(2).indices.tolist()
 
 
+@pytest.mark.parametrize("prompt", [[19], [19, 23]])
+def test_prompt_logprobs_cover_every_prompt_position(srv, prompt):
+    # a one-token prompt got no entry at all; vLLM gives [None]: one entry, without a logprob
+    (m,) = list(srv.stub.Generate(pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt), sampling=GREEDY, stopping=ST(max_tokens=2, ignore_eos=True),
+        output=O(prompt_logprobs=1)), timeout=60))
+    assert [lp.token_id for lp in m.prompt.logprobs] == prompt
+    assert [lp.HasField("logprob") for lp in m.prompt.logprobs] == [False] + [True] * (len(prompt) - 1)
+
+
 def test_oversized_message_is_resource_exhausted(srv):
     big = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[2 ** 31] * (17 << 20)))  # 5 bytes/id: ~85 MiB
     assert big.ByteSize() > 64 << 20

@@ -50,6 +50,11 @@ class AsyncGenerateStream:
                 self._builder.add(msg)
                 yield msg
         except grpc.RpcError as err:
+            if self.request_id is None:  # the server named it in its headers, if it took the call
+                try:
+                    self.request_id = ch.request_id_from_metadata(await self._call.initial_metadata())
+                except Exception:  # noqa: BLE001 - the call's own error is what matters
+                    pass
             raise from_rpc_error(err, self.request_id) from None
         finally:
             self._call.cancel()  # no-op once the call has completed

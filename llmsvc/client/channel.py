@@ -7,6 +7,7 @@ calls and during a long silent prefill.
 from __future__ import annotations
 
 import json
+import random
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -32,25 +33,42 @@ RETRYABLE_CODES = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
 Credentials = grpc.ChannelCredentials | bytes | str | bool | None
 
 
-def retry_service_config(max_retries: int) -> str:
+def retry_service_config(max_retries: int, streams: bool = True) -> str:
     """gRPC's service config (JSON) retrying every LlmService call up to `max_retries` times on
     UNAVAILABLE and RESOURCE_EXHAUSTED (gRFC A6). gRPC retries only until response headers
     arrive, and the server sends a Generate's headers once the engine took the request, so a
     refused call is retried and a started stream never is. The wait before an attempt is the
     server's pushback (its RetryInfo delay, sent again as grpc-retry-pushback-ms), else an
-    exponential backoff from 0.5 s (randomised by gRPC, at most 5 s)."""
+    exponential backoff from 0.5 s (randomised by gRPC, at most 5 s). streams=False leaves
+    Generate out (the sync client retries it itself: grpcio's blocking API can hang for good,
+    past the call's deadline, retrying a server-streaming call to a server that went away)."""
     if not 0 <= max_retries <= MAX_RETRIES:
         raise ValueError(f"max_retries must be in [0, {MAX_RETRIES}], got {max_retries}")
     policy = {"maxAttempts": max_retries + 1, "initialBackoff": "0.5s", "maxBackoff": "5s",
               "backoffMultiplier": 2, "retryableStatusCodes": list(RETRYABLE_CODES)}
-    return json.dumps({"methodConfig": [{"name": [{"service": "llmsvc.v1.LlmService"}],
-                                         "retryPolicy": policy}]})
+    configs = [{"name": [{"service": "llmsvc.v1.LlmService"}], "retryPolicy": policy}]
+    if not streams:  # the most specific name wins: Generate gets no policy
+        configs.append({"name": [{"service": "llmsvc.v1.LlmService", "method": "Generate"}]})
+    return json.dumps({"methodConfig": configs})
 
 
-def channel_options(max_retries: int = 0, extra: Sequence[tuple[str, Any]] = ()) -> tuple[tuple[str, Any], ...]:
+def retry_delay(err: grpc.RpcError, attempt: int) -> float:
+    """Seconds before retry `attempt` (1, 2, ...) of a refused call, as gRPC's policy waits:
+    the server's pushback, else a randomised exponential backoff from 0.5 s, at most 5 s."""
+    for key, value in err.trailing_metadata() or ():
+        if key == "grpc-retry-pushback-ms":
+            try:
+                return max(0.0, int(value) / 1000)
+            except ValueError:
+                break
+    return random.uniform(0, min(5.0, 0.5 * 2 ** (attempt - 1)))
+
+
+def channel_options(max_retries: int = 0, extra: Sequence[tuple[str, Any]] = (),
+                    retry_streams: bool = True) -> tuple[tuple[str, Any], ...]:
     """The client's channel options: CHANNEL_OPTIONS, the retry policy when max_retries > 0,
     then the caller's own (which win, being last)."""
-    config = retry_service_config(max_retries)  # raises on a bad count, also for 0
+    config = retry_service_config(max_retries, retry_streams)  # raises on a bad count, also for 0
     retry = (("grpc.enable_retries", 1), ("grpc.service_config", config)) if max_retries else ()
     return (*CHANNEL_OPTIONS, *retry, *extra)
 

@@ -141,10 +141,18 @@ def _run(client, args, kwargs, out) -> None:
             print(json.dumps(line, ensure_ascii=False), file=out, flush=True)
         return
     many = (args.n or 1) > 1
-    for msg in stream:
-        if not many:
-            out.write(msg.text)
+    written = False
+    try:
+        for msg in stream:
+            if not many and msg.text:
+                out.write(msg.text)
+                out.flush()
+                written = True
+    except BaseException:
+        if written:  # the partial text ends its line; the error follows on the next
+            out.write("\n")
             out.flush()
+        raise
     if many:  # interleaved deltas: print each output once it is complete
         for o in stream.result.outputs:
             print(f"--- [{o.index}] ---\n{o.text}", file=out)

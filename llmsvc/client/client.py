@@ -5,6 +5,7 @@ Keyword arguments of generate()/generate_stream() are proto field names (see req
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -50,13 +51,19 @@ class GenerateStream:
     `request_id` is known before any token: it is the id you gave, else the server's initial
     metadata `x-request-id` (see `wait_request_id()`), else the first message's. `result`
     accumulates everything received so far. Leaving the iteration early cancels the call,
-    which aborts the request on the server.
+    which aborts the request on the server. `restart(seconds_left)` starts the call again
+    for a retry: up to `max_retries` times, when the server refused it (UNAVAILABLE,
+    RESOURCE_EXHAUSTED) before sending anything, within the call's deadline.
     """
 
-    def __init__(self, call, request_id: str | None):
+    def __init__(self, call, request_id: str | None, restart=None, max_retries: int = 0,
+                 timeout: float | None = None):
         self._call = call
         self.request_id = request_id or None
         self._builder = ResultBuilder(request_id or "")
+        self._restart, self._retries_left = restart, max_retries if restart is not None else 0
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._attempt = 0
 
     def wait_request_id(self) -> str | None:
         """Block until the server's initial metadata arrives (before prefill) and return the id."""
@@ -68,16 +75,39 @@ class GenerateStream:
         return self.request_id
 
     def __iter__(self) -> Iterator[pb.GenerateResponse]:
+        received = False
         try:
-            for msg in self._call:
-                if self.request_id is None and msg.request_id:
-                    self.request_id = msg.request_id
-                self._builder.add(msg)
-                yield msg
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, self.request_id) from None
+            while True:
+                try:
+                    for msg in self._call:
+                        received = True
+                        if self.request_id is None and msg.request_id:
+                            self.request_id = msg.request_id
+                        self._builder.add(msg)
+                        yield msg
+                    return
+                except grpc.RpcError as err:
+                    if received or not self._retry(err):
+                        if self.request_id is None:  # the server named it in its headers, if it took the call
+                            self.request_id = ch.request_id_from_metadata(err.initial_metadata())
+                        raise from_rpc_error(err, self.request_id) from None
         finally:
             self._call.cancel()  # no-op once the call has completed
+
+    def _retry(self, err: grpc.RpcError) -> bool:
+        """Start the call again after the retry delay if `err` is a refusal worth retrying and
+        a retry and the deadline allow it; False when the error stands."""
+        if self._retries_left <= 0 or err.code().name not in ch.RETRYABLE_CODES or err.initial_metadata():
+            return False  # headers came: the server took the request (gRPC's commit point too)
+        self._attempt += 1
+        delay = ch.retry_delay(err, self._attempt)
+        left = None if self._deadline is None else self._deadline - time.monotonic() - delay
+        if left is not None and left <= 0:
+            return False
+        self._retries_left -= 1
+        time.sleep(delay)
+        self._call = self._restart(left)
+        return True
 
     @property
     def result(self) -> GenerateResult:
@@ -112,7 +142,8 @@ class Client(ClientBase):
                  max_retries: int = 0):
         super().__init__(target, timeout=timeout, credentials=credentials, token=token,
                          compression=compression, metadata=metadata)
-        opts = ch.channel_options(max_retries, options)
+        self.max_retries = max_retries
+        opts = ch.channel_options(max_retries, options, retry_streams=False)  # Generate: GenerateStream
         if self._creds is None:
             self._channel = grpc.insecure_channel(target, options=opts)
         else:
@@ -131,15 +162,20 @@ class Client(ClientBase):
                         metadata: Sequence[tuple[str, str]] | None = None, **fields) -> GenerateStream:
         """Start a streamed Generate (stream=true) and return it for iteration."""
         req = build_generate_request(prompt, messages=messages, request_id=request_id, stream=True, **fields)
-        call = self.stub.Generate(req, **self._kw(timeout, metadata))
-        return GenerateStream(call, request_id)
+        return self._generate(req, request_id, timeout, metadata)
 
     def generate(self, prompt: str | Sequence[int] | None = None, *, messages=None,
                  request_id: str | None = None, timeout: float | None = _UNSET,
                  metadata: Sequence[tuple[str, str]] | None = None, **fields) -> GenerateResult:
         """One non-streamed Generate (stream=false): the final text, token ids, finish and usage."""
         req = build_generate_request(prompt, messages=messages, request_id=request_id, stream=False, **fields)
-        return GenerateStream(self.stub.Generate(req, **self._kw(timeout, metadata)), request_id).until_done()
+        return self._generate(req, request_id, timeout, metadata).until_done()
+
+    def _generate(self, req: pb.GenerateRequest, request_id, timeout, metadata) -> GenerateStream:
+        kw = self._kw(timeout, metadata)
+        return GenerateStream(self.stub.Generate(req, **kw), request_id, max_retries=self.max_retries,
+                              restart=lambda left: self.stub.Generate(req, **{**kw, "timeout": left}),
+                              timeout=kw["timeout"])
 
     def abort(self, request_ids: str | Sequence[str], reason: str = "", *,
               timeout: float | None = _UNSET) -> list[str]:

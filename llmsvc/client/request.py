@@ -36,7 +36,8 @@ GENERATE_KWARGS = frozenset(_SAMPLING | _STOPPING | _OUTPUT | _TOP_LEVEL | _CHAT
 
 
 def _fill(msg, values: Mapping[str, Any]) -> None:
-    """Set fields of `msg` from a mapping; repeated/map fields are extended/updated."""
+    """Set fields of `msg` from a mapping; a repeated or map field given here replaces what the
+    message held (a keyword overrides the section given whole)."""
     for name, value in values.items():
         if value is None:
             continue
@@ -46,10 +47,12 @@ def _fill(msg, values: Mapping[str, Any]) -> None:
         if name in _CONSTRAINTS and msg.DESCRIPTOR.name == "SamplingParams":
             _set_constraint(msg, name, value)
         elif field.message_type is not None and field.message_type.GetOptions().map_entry:
+            getattr(msg, name).clear()
             getattr(msg, name).update(value)
         elif field.is_repeated:
             if isinstance(value, (str, bytes)):  # stop="###" means stop=["###"]
                 value = [value]
+            del getattr(msg, name)[:]
             getattr(msg, name).extend(value)
         elif field.message_type is not None:
             sub = getattr(msg, name)
@@ -62,10 +65,24 @@ def _fill(msg, values: Mapping[str, Any]) -> None:
 
 
 def _set_constraint(sampling: pb.SamplingParams, name: str, value: Any) -> None:
+    """Set one constraint of the oneof; TypeError when another one is set already (the proto
+    would drop it silently)."""
+    if name == "json_object" and value is False:
+        return  # off, as a Python caller means it (the wire's json_object=false is refused)
+    held = sampling.WhichOneof("constraint")
+    if held is not None and held != name:
+        raise TypeError(f"give at most one output constraint, got {held} and {name}")
     if name == "json_schema" and not isinstance(value, str):
         value = json.dumps(value)
     if name == "choice":
-        sampling.choice.choices.extend([value] if isinstance(value, str) else value)
+        if isinstance(value, pb.Choices):
+            sampling.choice.CopyFrom(value)
+        elif isinstance(value, Mapping):  # the proto's shape: {"choices": [...]}
+            sampling.choice.Clear()
+            _fill(sampling.choice, value)
+        else:
+            del sampling.choice.choices[:]
+            sampling.choice.choices.extend([value] if isinstance(value, str) else value)
         return
     setattr(sampling, name, value)
 
@@ -150,9 +167,6 @@ def build_generate_request(
         req.text = prompt
     else:
         req.token_ids.ids.extend(int(t) for t in prompt)
-    constraints = sorted(k for k in _CONSTRAINTS if fields.get(k) is not None)
-    if len(constraints) > 1:  # a proto oneof: setting the second would drop the first silently
-        raise TypeError(f"give at most one output constraint, got {', '.join(constraints)}")
     misplaced = sorted(k for k in _CHAT if fields.get(k) is not None) if messages is None else []
     if misplaced:
         raise TypeError(f"{', '.join(misplaced)} apply to chat messages only")

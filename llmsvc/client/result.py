@@ -62,9 +62,9 @@ class GenerateResult:
     outputs: list[Completion] = field(default_factory=list)  # ordered by index
 
     def _first(self) -> Completion:
-        if not self.outputs:
-            raise ValueError("the server sent no output")
-        return self.outputs[0]
+        """Output 0; an empty one while nothing has arrived (a call that failed before its first
+        message keeps what it has: nothing)."""
+        return self.outputs[0] if self.outputs else Completion(0)
 
     @property
     def text(self) -> str:

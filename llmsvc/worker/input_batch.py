@@ -73,7 +73,8 @@ def build_inputs(states: dict[str, CachedRequestState], num_scheduled: dict[str,
             sampling_req_ids.append(r)
             if sample_rows is not None:
                 sample_rows.append(m)
-        if st.sampling_params.prompt_logprobs is not None and c < st.prompt_len - 1:
+        # max(.., 1): a one-token prompt still gets its one entry (None), as vLLM's [None]
+        if st.sampling_params.prompt_logprobs is not None and c < max(st.prompt_len - 1, 1):
             last = min(c + n, st.prompt_len - 1)  # rows whose next token is still a prompt token
             prompt_rows[r] = (s, last - c, c + 1)
     # slot of each token = block_ids[pos // block_size] * block_size + pos % block_size
