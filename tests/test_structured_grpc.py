@@ -67,6 +67,8 @@ BAD = [
     (_bad(json_object=False), "sampling.json_object", "INVALID_SCHEMA", "true"),
     (_bad(json_schema="[" * 5000 + "]" * 5000), "sampling.json_schema", "INVALID_JSON", "nests too deeply"),
     (_bad(json_schema="false"), "sampling.json_schema", "INVALID_SCHEMA", "no JSON value matches it"),
+    (_bad(json_schema='{"oneOf": [{"type": "integer"}, {"type": "number"}]}'), "sampling.json_schema",
+     "UNSUPPORTED_SCHEMA_FEATURE", "use anyOf"),  # the hint named an option users cannot set
     # no text satisfies these: they used to finish "stop" with an empty output
     (_bad(regex="[a&&b]"), "sampling.regex", "INVALID_REGEX", "not satisfiable"),
     (_bad(json_schema='{"$ref": "#"}'), "sampling.json_schema", "INVALID_SCHEMA", "not satisfiable"),

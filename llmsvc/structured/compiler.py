@@ -97,6 +97,9 @@ def compile_matcher(tokenizer: llguidance.LLTokenizer, params: StructuredOutputs
         raise E.ConstraintError(kind, _UNSATISFIABLE[kind], "is not satisfiable: no output matches it")
     err = matcher.get_error()
     if kind in ("json", "json_object"):
+        if "coerce_one_of" in err:  # llguidance's hint names an option of its own, not ours
+            raise E.ConstraintError(kind, E.UNSUPPORTED_SCHEMA_FEATURE, "uses oneOf with branches that can "
+                                    "match the same value, which cannot be enforced exactly; use anyOf")
         if "Unimplemented" in err or "not supported" in err.lower():
             raise E.ConstraintError(kind, E.UNSUPPORTED_SCHEMA_FEATURE, f"uses a JSON Schema feature that is "
                                     f"not supported: {err}")
