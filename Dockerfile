@@ -32,7 +32,8 @@ CMD ["serve", "--metrics-port", "9400"]
 FROM ${CUDA_IMAGE} AS cuda
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 LLMSVC_CACHE=/cache LLMSVC_HOST=0.0.0.0 LLMSVC_PORT=50051 \
     PIP_BREAK_SYSTEM_PACKAGES=1
-RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pip \
+# gcc and the Python headers: Triton compiles its CUDA driver module with the system cc on first use
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pip python3-dev gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 # the CUDA torch wheel brings its own triton

@@ -52,7 +52,10 @@ def test_compose_services_are_wired_for_operations():
     assert prom["profiles"] == ["monitoring"]
     src = prom["volumes"][0].split(":")[0]
     scrape = yaml.safe_load((ROOT / src).read_text())
-    assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == ["llmsvc:9400"]
+    targets = scrape["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert targets == [f"{name}:9400" for name in ("llmsvc", "llmsvc-gpu")] and set(targets) <= {
+        f"{name}:{svc['environment']['LLMSVC_METRICS_PORT']}" for name in services}  # each service scraped
+    assert svc["build"]["args"]["TORCH_INDEX_URL"].endswith("/cpu")  # not PyPI's CUDA wheel in a CPU image
 
 
 def test_dockerfile_stages_copy_real_paths_and_run_the_cli():
@@ -69,5 +72,9 @@ def test_dockerfile_stages_copy_real_paths_and_run_the_cli():
             assert "torch==2.13.0" in ins["value"]
     entry = [json.loads(i["value"]) for i in df.structure if i["instruction"] == "ENTRYPOINT"]
     assert entry and all(e == ["llmsvc"] for e in entry)
+    cuda_apt = [i["value"] for i in df.structure if i["instruction"] == "RUN" and "apt-get install" in i["value"]][-1]
+    assert {"gcc", "python3-dev"} <= set(cuda_apt.split())  # Triton builds its driver module on first use
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", ".venv-vllm", ".git"} <= set(ignored)  # gigabytes the build context need not carry
     checks = [i["value"] for i in df.structure if i["instruction"] == "HEALTHCHECK"]
     assert checks and all('"llmsvc", "health"' in c for c in checks)

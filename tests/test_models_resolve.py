@@ -220,6 +220,20 @@ def test_gguf_conversion_is_atomic_and_keyed_by_hash(tmp_path, monkeypatch):
     assert len(calls) == 2  # the failed try + one conversion; the second resolve hit the cache
 
 
+def test_a_permission_error_while_converting_is_a_configuration_error(tmp_path, monkeypatch):
+    # an unwritable volume (a root-owned /cache for the container's uid 10001) ended in a traceback
+    import llmsvc.models.resolve as r
+    monkeypatch.setenv("LLMSVC_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF not really")
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", path)
+    monkeypatch.setattr(r, "_file_lock", denied)
+    with pytest.raises(ValueError, match=r"model cache .* is not writable by this user .*LLMSVC_CACHE"):
+        r.resolve_model_dir(str(gguf))
+
+
 def test_chat_template_option_is_read_and_checked_before_loading(tmp_path):
     from llmsvc.models.tokenizer import read_chat_template
 

@@ -33,7 +33,8 @@ def _pem(key=None, cert=None) -> bytes:
                              serialization.NoEncryption())
 
 
-def _cert(cn: str, key, issuer_cn: str, issuer_key, *, ca: bool, server: bool = False, client: bool = False):
+def _cert(cn: str, key, issuer_cn: str, issuer_key, *, ca: bool, server: bool = False, client: bool = False,
+          dns_only: str | None = None):
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -45,9 +46,9 @@ def _cert(cn: str, key, issuer_cn: str, issuer_key, *, ca: bool, server: bool = 
          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
          .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
     if server:
-        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                            critical=False)
+        names = ([x509.DNSName(dns_only)] if dns_only else
+                 [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+        b = b.add_extension(x509.SubjectAlternativeName(names), critical=False)
         b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
     if client:
         b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
@@ -63,10 +64,13 @@ class Pki:
         other = _cert("another CA", other_key, "another CA", other_key, ca=True)
         srv = _cert("localhost", srv_key, "llmsvc test CA", ca_key, ca=False, server=True)
         client = _cert("client", cli_key, "llmsvc test CA", ca_key, ca=False, client=True)
+        named = _cert("llmsvc.internal", srv_key, "llmsvc test CA", ca_key, ca=False, server=True,
+                      dns_only="llmsvc.internal")  # a DNS name only: 127.0.0.1 does not match it
         self.ca, self.other_ca = _pem(cert=ca), _pem(cert=other)
         self.client_cert, self.client_key = _pem(cert=client), _pem(cli_key)
         self.files = {}
-        for name, data in (("ca.pem", self.ca), ("server.pem", _pem(cert=srv)), ("server.key", _pem(srv_key))):
+        for name, data in (("ca.pem", self.ca), ("server.pem", _pem(cert=srv)), ("server.key", _pem(srv_key)),
+                           ("named.pem", _pem(cert=named))):
             path = tmp_path / name
             path.write_bytes(data)
             self.files[name] = str(path)
@@ -112,6 +116,20 @@ def test_tls_client_needs_the_right_ca(pki):
         from llmsvc.__main__ import main  # the container healthcheck probe, over TLS
         assert main(["health", "--server", s.address, "--tls-ca", pki.files["ca.pem"]]) == 0
         assert main(["health", "--server", s.address, "--timeout", "2"]) == 2  # plaintext: the check fails
+    finally:
+        s.stop()
+
+
+def test_health_probe_names_the_certificates_server_when_it_dials_an_address(pki):
+    # in a container the probe dials 127.0.0.1; a certificate naming only the service's DNS
+    # name fails hostname verification unless the probe says which name to expect
+    s = ServerThread(fake_engine_factory(), load=False,
+                     tls=TlsConfig(pki.files["named.pem"], pki.files["server.key"], None))
+    try:
+        from llmsvc.__main__ import main
+        probe = ["health", "--server", s.address, "--tls-ca", pki.files["ca.pem"], "--timeout", "5"]
+        assert main(probe) == 2
+        assert main([*probe, "--tls-server-name", "llmsvc.internal"]) == 0
     finally:
         s.stop()
 

@@ -13,7 +13,8 @@ import argparse
 import json
 import os
 
-from llmsvc.client.cli_common import add_connection_arguments, credentials_from_args, print_error
+from llmsvc.client.cli_common import (add_connection_arguments, channel_options_from_args, credentials_from_args,
+                                      print_error)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +39,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         with Client(args.server, timeout=args.timeout, credentials=credentials_from_args(args, "llmsvc admin"),
+                    options=channel_options_from_args(args),
                     token=args.token) as client:
             if args.action == "drain":
                 r = client.drain(args.grace)

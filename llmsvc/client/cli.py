@@ -12,8 +12,9 @@ import sys
 from collections.abc import Callable
 
 from llmsvc.client.channel import MAX_RETRIES
-from llmsvc.client.cli_common import (INT32, UINT32, UINT64, add_connection_arguments, credentials_from_args,
-                                      int_in, print_error, read_file, readable_file, usage_error)
+from llmsvc.client.cli_common import (INT32, UINT32, UINT64, add_connection_arguments, channel_options_from_args,
+                                      credentials_from_args, int_in, print_error, read_file, readable_file,
+                                      usage_error)
 
 PROG = "llmsvc generate"
 
@@ -169,7 +170,8 @@ def main(args: argparse.Namespace) -> int:
         args.prompt = sys.stdin.read()
     try:
         kwargs = request_kwargs(args)
-        with Client(args.server, timeout=args.timeout, credentials=credentials_from_args(args, PROG), token=args.token,
+        with Client(args.server, timeout=args.timeout, credentials=credentials_from_args(args, PROG),
+                    options=channel_options_from_args(args), token=args.token,
                     max_retries=args.max_retries) as client:
             _run(client, args, kwargs, sys.stdout)
     except LlmsvcError as err:

@@ -70,6 +70,9 @@ def add_connection_arguments(parser: argparse.ArgumentParser, *, token: bool = T
                         help="PEM client certificate for mTLS (with --tls-key and --tls-ca)")
     parser.add_argument("--tls-key", type=readable_file, default=None, metavar="FILE",
                         help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-server-name", default=None, metavar="NAME",
+                        help="the name the server's certificate must carry, when --server gives another "
+                             "(e.g. 127.0.0.1 inside the container of a server whose certificate names its DNS name)")
     if token:
         parser.add_argument("--token", default=os.environ.get("LLMSVC_TOKEN"),
                             help="bearer token sent as `authorization` metadata (env LLMSVC_TOKEN)")
@@ -91,6 +94,12 @@ def credentials_from_args(args: argparse.Namespace, prog: str = "llmsvc"):
     import grpc
 
     return grpc.ssl_channel_credentials(read_file(args.tls_ca), read_file(key), read_file(cert))
+
+
+def channel_options_from_args(args: argparse.Namespace) -> tuple:
+    """Channel options the connection flags ask for (--tls-server-name)."""
+    name = getattr(args, "tls_server_name", None)
+    return (("grpc.ssl_target_name_override", name),) if name else ()
 
 
 def print_error(prog: str, err) -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from llmsvc.client.cli_common import credentials_from_args, add_connection_arguments, print_error
+from llmsvc.client.cli_common import (add_connection_arguments, channel_options_from_args, credentials_from_args,
+                                      print_error)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +22,8 @@ def main(args: argparse.Namespace) -> int:
     from llmsvc.client.errors import LlmsvcError
 
     try:
-        with Client(args.server, timeout=args.timeout, credentials=credentials_from_args(args, "llmsvc health")) as client:
+        with Client(args.server, timeout=args.timeout, credentials=credentials_from_args(args, "llmsvc health"),
+                    options=channel_options_from_args(args)) as client:
             status = client.health(args.service)
     except LlmsvcError as err:
         print_error("llmsvc health", err)

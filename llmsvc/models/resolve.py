@@ -118,17 +118,22 @@ def resolve_model_dir(model: str | None = None) -> str:
     out = os.path.join(root, file_sha256(path)[:16])
     if _is_model_dir(out):
         return out
-    os.makedirs(root, exist_ok=True)
-    with _file_lock(out + ".lock"):
-        if not _is_model_dir(out):  # another process may have finished while we waited
-            tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
-            try:
-                convert_gguf(path, tmp)
-                if os.path.isdir(out):  # stale leftover without weights
-                    shutil.rmtree(out)
-                os.rename(tmp, out)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(root, exist_ok=True)
+        with _file_lock(out + ".lock"):
+            if not _is_model_dir(out):  # another process may have finished while we waited
+                tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
+                try:
+                    convert_gguf(path, tmp)
+                    if os.path.isdir(out):  # stale leftover without weights
+                        shutil.rmtree(out)
+                    os.rename(tmp, out)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+    except PermissionError as e:  # e.g. a root-owned volume mounted on a container's /cache
+        raise ValueError(f"the model cache {root} is not writable by this user (uid {os.getuid()}): "
+                         f"{e.strerror}: {e.filename}; the first start converts {os.path.basename(path)} "
+                         "into it: make it writable or point LLMSVC_CACHE elsewhere") from None
     return out
 
 
