@@ -25,7 +25,7 @@ USER llmsvc
 VOLUME ["/cache"]
 EXPOSE 50051 9400
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["llmsvc", "health", "--server", "127.0.0.1:50051", "--service", "llmsvc.v1.LlmService"]
+    CMD ["llmsvc", "health", "--service", "llmsvc.v1.LlmService"]
 ENTRYPOINT ["llmsvc"]
 CMD ["serve", "--metrics-port", "9400"]
 
@@ -49,6 +49,6 @@ USER llmsvc
 VOLUME ["/cache"]
 EXPOSE 50051 9400
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["llmsvc", "health", "--server", "127.0.0.1:50051", "--service", "llmsvc.v1.LlmService"]
+    CMD ["llmsvc", "health", "--service", "llmsvc.v1.LlmService"]
 ENTRYPOINT ["llmsvc"]
 CMD ["serve", "--metrics-port", "9400"]

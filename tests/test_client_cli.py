@@ -240,3 +240,15 @@ def test_top_level_help_names_every_admin_action(capsys, monkeypatch):
         llmsvc_main(["--help"])
     (line,) = [l for l in capsys.readouterr().out.splitlines() if l.split()[:1] == ["admin"]]
     assert all(a in line for a in actions), line
+
+
+def test_the_default_server_follows_the_servers_port(monkeypatch):
+    # the container healthcheck runs with the server's environment: LLMSVC_PORT moves both
+    from llmsvc.client.cli_common import DEFAULT_SERVER, default_server
+    monkeypatch.delenv("LLMSVC_SERVER", raising=False)
+    monkeypatch.delenv("LLMSVC_PORT", raising=False)
+    assert default_server() == DEFAULT_SERVER
+    monkeypatch.setenv("LLMSVC_PORT", "50099")
+    assert default_server() == "127.0.0.1:50099"
+    monkeypatch.setenv("LLMSVC_SERVER", "elsewhere:1")
+    assert default_server() == "elsewhere:1"

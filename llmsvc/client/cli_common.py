@@ -58,10 +58,20 @@ def read_file(path: str) -> bytes:
         return f.read()
 
 
+def default_server() -> str:
+    """LLMSVC_SERVER, else 127.0.0.1 at the server's own LLMSVC_PORT (a container's healthcheck
+    runs with the server's environment), else DEFAULT_SERVER."""
+    if os.environ.get("LLMSVC_SERVER"):
+        return os.environ["LLMSVC_SERVER"]
+    port = os.environ.get("LLMSVC_PORT", "").strip()
+    return f"127.0.0.1:{port}" if port.isdigit() else DEFAULT_SERVER
+
+
 def add_connection_arguments(parser: argparse.ArgumentParser, *, token: bool = True,
                              timeout: float | None = None) -> None:
-    parser.add_argument("--server", default=os.environ.get("LLMSVC_SERVER", DEFAULT_SERVER),
-                        help="HOST:PORT of the llmsvc server (env LLMSVC_SERVER; default %(default)s)")
+    parser.add_argument("--server", default=default_server(),
+                        help="HOST:PORT of the llmsvc server (env LLMSVC_SERVER; else 127.0.0.1 on the port "
+                             "LLMSVC_PORT gives the server beside it, as in its container; default %(default)s)")
     parser.add_argument("--timeout", type=positive_float, default=timeout, metavar="S",
                         help="deadline for the call, seconds (default: %(default)s)")
     parser.add_argument("--tls-ca", type=readable_file, default=None, metavar="FILE",
