@@ -8,6 +8,7 @@ import os
 from collections.abc import Sequence
 
 from llmsvc.config import EngineConfig, parse_memory  # noqa: F401 - parse_memory: public here too
+from llmsvc.engine.chat_roles import developer_as_system
 from llmsvc.outputs import CONTEXT, LENGTH, RequestOutput
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
 
@@ -195,7 +196,7 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in convs:
-            conv = [_parsed_tool_calls(_text_content(m)) for m in conv]
+            conv = developer_as_system([_parsed_tool_calls(_text_content(m)) for m in conv], tok.chat_template)
             text = tok.apply_chat_template(conv, add_generation_prompt=add_gen, tokenize=False, **extra)
             # the template writes the special tokens itself (as the server and vLLM encode it)
             ids = tok(text, add_special_tokens=False)["input_ids"]

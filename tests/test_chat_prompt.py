@@ -59,6 +59,32 @@ def test_tools_tool_calls_names_and_template_kwargs_reach_the_template(tokenizer
     assert render(tokenizer, CONVERSATION[1:2]) == "[user]weather in Oslo?[end]\n[assistant]"
 
 
+def test_whole_numbers_in_tools_and_template_kwargs_stay_integers(tokenizer):
+    # a Struct stores doubles: the schema read "maximum": 10.0 and a template's range(n) failed
+    days = {"type": "function", "function": {"name": "forecast", "parameters": {
+        "type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 10,
+                                                  "multipleOf": 0.5}}}}}
+    text = render(tokenizer, CONVERSATION[1:2], tools=[days])
+    assert '"maximum": 10, "minimum": 1, "multipleOf": 0.5' in text
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for i in range(n) %}{{ i }}{% endfor %}{{ messages[0].content }}"
+    assert render(tok, CONVERSATION[1:2], chat_template_kwargs={"n": 3}) == "012weather in Oslo?"
+
+
+@pytest.mark.parametrize("knows_developer", [False, True])
+def test_developer_messages_are_system_messages_for_templates_without_the_role(knows_developer):
+    # as vLLM: the developer turn becomes a system turn, merged with any other into the first
+    tok = tiny_tokenizer()
+    tok.chat_template = TEMPLATE + ("{# 'developer' #}" if knows_developer else "")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "developer", "content": "answer in French"}]
+    text = render(tok, messages, add_generation_prompt=False)
+    if knows_developer:
+        assert text == "[system]be brief[end]\n[user]hi[end]\n[developer]answer in French[end]\n"
+    else:
+        assert text == "[system]be brief\n\nanswer in French[end]\n[user]hi[end]\n"
+
+
 def test_continue_final_message_leaves_the_last_turn_open(tokenizer):
     messages = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "one, two,"}]
     assert render(tokenizer, messages, continue_final_message=True) == "[user]count[end]\n[assistant]one, two,"

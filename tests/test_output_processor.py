@@ -115,6 +115,22 @@ def test_multiple_stop_strings_earliest_wins(tok):
     assert outs[0].outputs[0].text == "The quick " and outs[0].outputs[0].stop_reason == "brown"
 
 
+@pytest.mark.parametrize("stop, include, text, matched", [
+    # both end inside one token ("versatile"): the one completed first ("sat") wins, as it would
+    # arriving one character at a time (the one that started first used to)
+    (["versatile", "sat"], False, "it is the most ver", "sat"),
+    (["Red: This", ": Th"], False, "1. Red", ": Th"),
+    (["Red: This", ": Th"], True, "1. Red: Th", ": Th"),
+    (["most", "the most"], False, "it is the ", "most"),  # one end: the first in the list
+    (["the most", "most"], False, "it is ", "the most"),
+])
+def test_overlapping_stop_strings_the_first_completed_wins(tok, stop, include, text, matched):
+    params = SamplingParams(stop=stop, include_stop_str_in_output=include, output_kind=FINAL)
+    source = "1. Red: This" if "Red" in stop[0] else "it is the most versatile"
+    outs, _, _ = drive(tok, source, params)
+    assert (outs[0].outputs[0].text, outs[0].outputs[0].stop_reason) == (text, matched)
+
+
 def test_eos_not_in_text_but_in_token_ids(tok):
     outs, _, ids = drive(tok, "Bye now", SamplingParams(output_kind=FINAL), finish="stop", stop_reason=2,
                          extra_ids=[2])

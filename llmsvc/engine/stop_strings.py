@@ -9,7 +9,9 @@ class StopStringChecker:
         self.max_len = max((len(s) for s in self.stop), default=0)
 
     def find(self, text: str, num_new_chars: int) -> tuple[int, str] | None:
-        """Earliest stop string that ends in the last `num_new_chars` characters of `text`.
+        """The stop string that ends first within the last `num_new_chars` characters of `text`
+        (ties: the first in the list), as if the text had come one character at a time: a stop
+        completed earlier wins over one that started earlier (vLLM's rule).
 
         Returns (length of text to keep, the stop string) or None."""
         if not self.stop or num_new_chars <= 0:
@@ -18,7 +20,7 @@ class StopStringChecker:
         for s in self.stop:
             start = max(0, len(text) - num_new_chars - len(s) + 1)
             idx = text.find(s, start)
-            if idx >= 0 and (best is None or idx < best[0]):
+            if idx >= 0 and (best is None or idx + len(s) < best[0] + len(best[1])):
                 best = (idx, s)
         if best is None:
             return None

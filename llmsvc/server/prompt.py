@@ -6,6 +6,7 @@ import json
 import grpc
 from google.protobuf import json_format
 
+from llmsvc.engine.chat_roles import developer_as_system
 from llmsvc.server.errors import ServiceError, invalid
 from llmsvc.server.validation import ModelLimits, check_chat, check_token_ids
 
@@ -23,6 +24,7 @@ def render_chat(tokenizer, chat, field_prefix: str = "chat") -> str:
                            "or start the server with --chat-template",
                            reason="NO_CHAT_TEMPLATE")
     messages = [_message(m, f"{field_prefix}.messages[{i}]") for i, m in enumerate(chat.messages)]
+    messages = developer_as_system(messages, tokenizer.chat_template)
     cont = chat.continue_final_message
     add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not cont
     kwargs = _struct(chat.chat_template_kwargs) if chat.HasField("chat_template_kwargs") else {}
@@ -38,11 +40,17 @@ def render_chat(tokenizer, chat, field_prefix: str = "chat") -> str:
 
 def _struct(s) -> dict:
     """A Struct as a dict with every object's keys sorted: a Struct keeps no key order (nor
-    a stable one between parses), and the same request must render the same prompt."""
+    a stable one between parses), and the same request must render the same prompt. A Struct
+    holds every number as a double: whole ones come back as ints, as the JSON a client wrote
+    ({"maximum": 10} renders "10", not "10.0", and `range(n)` in a template works)."""
     def ordered(v):
         if isinstance(v, dict):
             return {k: ordered(v[k]) for k in sorted(v)}
-        return [ordered(x) for x in v] if isinstance(v, list) else v
+        if isinstance(v, list):
+            return [ordered(x) for x in v]
+        if isinstance(v, float) and v.is_integer() and abs(v) < 2 ** 53:
+            return int(v)
+        return v
     return ordered(json_format.MessageToDict(s))
 
 
