@@ -188,6 +188,8 @@ class LLM:
             raise ValueError("continue_final_message cannot be combined with add_generation_prompt=True")
         add_gen = not continue_final_message if add_generation_prompt is None else add_generation_prompt
         extra = {**(chat_template_kwargs or {}), **template_kwargs}
+        for own in ("add_generation_prompt", "tokenize", "conversation"):  # this method's, as in vLLM
+            extra.pop(own, None)
         if tools:
             extra["tools"] = tools
         if continue_final_message:

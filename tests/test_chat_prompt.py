@@ -166,5 +166,9 @@ def test_llm_chat_takes_the_same_options(tmp_path):
         assert tok.decode(out.prompt_token_ids) == "[user]count[end]\n[assistant]one, two,"
         with pytest.raises(ValueError, match="cannot be combined"):
             llm.chat(messages, params, continue_final_message=True, add_generation_prompt=True)
+        # the method's own arguments win over the same names in chat_template_kwargs (a TypeError)
+        (out,) = llm.chat(messages[:1], params, use_tqdm=False,
+                          chat_template_kwargs={"add_generation_prompt": False, "tokenize": True})
+        assert tok.decode(out.prompt_token_ids) == "[user]count[end]\n[assistant]"
     finally:
         llm.shutdown()

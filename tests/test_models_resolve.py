@@ -248,6 +248,9 @@ def test_chat_template_option_is_read_and_checked_before_loading(tmp_path):
         read_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="does not parse: line 1"):
         resolve_model_config(ModelConfig(model=d, chat_template="{% for m in messages %}"))
+    # what transformers renders parses: its {% generation %} tag and loop controls
+    tagged = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% break %}{% endfor %}"
+    assert read_chat_template(tagged) == tagged
 
 
 def test_tokenizer_from_another_directory(tmp_path):

@@ -108,6 +108,17 @@ def test_stop_string_inside_multibyte_text_and_held_text_flushed(tok):
     assert outs[-1].outputs[0].finish_reason == "length"
 
 
+def test_the_stand_in_for_an_unfinished_character_never_matches_a_stop_string(tok):
+    # max_tokens ends the output one byte token into a character: its text ends in U+FFFD, which
+    # the model never produced; a stop string "\ufffd" used to match it and end the output "stop"
+    partial = tok.encode("猫")[:-1]
+    assert partial and tok.decode(partial).endswith("\ufffd")
+    outs, stopped_at, _ = drive(tok, "cat:", SamplingParams(stop=["\ufffd"], output_kind=FINAL), extra_ids=partial)
+    o = outs[-1].outputs[0]
+    assert stopped_at is None and (o.finish_reason, o.stop_reason) == ("length", None)
+    assert o.text == "cat:\ufffd"
+
+
 def test_multiple_stop_strings_earliest_wins(tok):
     params = SamplingParams(stop=["dog", "brown"], output_kind=FINAL)
     outs, _, _ = drive(tok, "The quick brown fox jumps over the lazy dog", params)

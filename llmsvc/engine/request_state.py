@@ -135,8 +135,12 @@ class RequestState:
         if self.finished:
             return
         self.changed = True
-        if self.detokenizer is not None and self._add_text(self.detokenizer.flush(), self._may_stop()):
-            return  # the flushed text completed a stop string
+        if self.detokenizer is not None:
+            flushed = self.detokenizer.flush()
+            whole = flushed.rstrip("\ufffd")  # the rest stands for bytes of a character never completed
+            if self._add_text(whole, self._may_stop()):
+                return  # the flushed text completed a stop string (never one of those stand-ins)
+            self.text += flushed[len(whole):]
         if reason == STOP and isinstance(stop_reason, int) and stop_reason not in self.params.stop_token_ids:
             self.eos_token_id, stop_reason = stop_reason, None  # the core's stop token was an EOS
         if reason == ABORT and isinstance(stop_reason, str):  # the core's words; vLLM's stop_reason is None

@@ -42,10 +42,27 @@ def read_chat_template(value: str) -> str:
     import jinja2
 
     try:
-        jinja2.Environment().parse(text)
+        _jinja_environment().parse(text)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"chat template {value!r} does not parse: line {e.lineno}: {e.message}") from None
     return text
+
+
+def _jinja_environment():
+    """A Jinja environment with the extensions transformers renders chat templates with (loop
+    controls, the `{% generation %}` tag), so a template it renders is not refused here."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+
+    class GenerationTag(Extension):  # parses {% generation %}...{% endgeneration %}; rendering is HF's
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    return jinja2.Environment(extensions=[GenerationTag, loopcontrols])
 
 
 def _load(model_dir: str, cache_dir: str | None):
