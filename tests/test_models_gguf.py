@@ -27,9 +27,10 @@ FAMILIES = {
     "qwen2": ("qwen2", dict(arch="qwen2", tie=True)),
     "qwen3": ("qwen3", dict(arch="qwen3", head_dim=128)),  # transformers reads no head_dim for qwen3
     "phi3": ("phi3", dict(arch="phi3")),
-    # default layer pattern (every 6th layer global), default local base and query scalar
+    # default layer pattern (every 6th layer global) and local base; the query scalar llama.cpp
+    # assumes for every Gemma 3 but the 27B (a GGUF carries none): head_dim
     "gemma3": ("gemma3", dict(arch="gemma3", tie=True, num_hidden_layers=2, sliding_window=16, layer_types=None,
-                              query_pre_attn_scalar=256, rope_parameters=None)),
+                              query_pre_attn_scalar=32, rope_parameters=None)),
 }
 
 
@@ -63,6 +64,19 @@ def write_gguf(model_dir: str, path: str, arch: str, quant=None) -> None:
     w.add_rope_freq_base(theta["rope_theta"] if arch == "gemma3" else theta)
     if arch == "llama":
         w.add_rope_dimension_count(cfg.head_dim)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters) if arch == "gemma3" else cfg.rope_parameters
+    if rope and rope.get("rope_type") == "llama3":  # llama.cpp: per-frequency divisors in a tensor
+        from llmsvc.models.gguf_rope import llama3_divisors
+        inv = 1.0 / rope["rope_theta"] ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
+        w.add_tensor("rope_freqs.weight", llama3_divisors(
+            inv, rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+            rope["original_max_position_embeddings"]).astype(np.float32))
+    elif rope and rope.get("rope_type") in ("linear", "yarn"):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if rope["rope_type"] == "linear"
+                                else gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        if "original_max_position_embeddings" in rope:
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "gemma3":
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -126,3 +140,36 @@ def test_gguf_loads_the_checkpoint_weights(tmp_path, monkeypatch, family):
     got = PagedRunner(load_our_model(converted), num_blocks=8, block_size=16).step({0: ids.tolist()})[0]
     with torch.no_grad():
         torch.testing.assert_close(got, hf(ids[None]).logits[0].float(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family, rope", [
+    ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}),
+    ("llama", {"rope_type": "linear", "factor": 4.0}),
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+])
+def test_gguf_rope_scaling_is_kept(tmp_path, monkeypatch, family, rope):
+    # transformers' GGUF reader drops it (the converted config said "default"): past a few
+    # positions every logit was off
+    monkeypatch.setenv("LLMSVC_CACHE", str(tmp_path / "cache"))
+    arch, cfg = FAMILIES[family]
+    src = make_tiny_model_dir(tmp_path, **{**cfg, "vocab_size": TINY_VOCAB,
+                                           "rope_parameters": {"rope_theta": 10000.0, **rope}})
+    path = str(tmp_path / f"{family}.gguf")
+    write_gguf(src, path, arch)
+    converted = resolve_model_dir(path)
+    ids = torch.arange(3, 120) % TINY_VOCAB
+    got = PagedRunner(load_our_model(converted), num_blocks=16, block_size=16).step({0: ids.tolist()})[0]
+    with torch.no_grad():
+        ref = load_hf_model(src)(ids[None]).logits[0].float()
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_gguf_rope_divisors_of_no_known_setting_are_refused(tmp_path, monkeypatch):
+    from llmsvc.models.gguf_rope import rope_from_gguf
+
+    class Reader:  # a rope_freqs tensor of made-up divisors
+        fields = {}
+        tensors = [type("T", (), {"name": "rope_freqs.weight", "data": np.linspace(1, 3, 16)})()]
+    with pytest.raises(ValueError, match="matches none of Llama 3's settings"):
+        rope_from_gguf(Reader(), "llama", 10000.0, 32)

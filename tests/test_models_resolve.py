@@ -203,10 +203,12 @@ def test_gguf_conversion_is_atomic_and_keyed_by_hash(tmp_path, monkeypatch):
             f.write("{}")
         raise RuntimeError("killed mid-way")
     monkeypatch.setattr(r, "convert_gguf", broken)
-    with pytest.raises(RuntimeError):
-        r.resolve_model_dir(str(gguf))
+    with pytest.raises(ValueError, match=r"m\.gguf cannot be converted .*RuntimeError: killed mid-way"):
+        r.resolve_model_dir(str(gguf))  # one line at start-up, naming the file
     leftovers = [n for n in os.listdir(tmp_path / "cache") if not n.endswith(".lock")]
     assert leftovers == []
+    killed = tmp_path / "cache" / f".tmp-{r.file_sha256(str(gguf))[:16]}-killed"  # a SIGKILLed conversion's
+    killed.mkdir()
     src = make_tiny_model_dir(tmp_path, "llama")
 
     def fake(src_path, out):
@@ -218,6 +220,7 @@ def test_gguf_conversion_is_atomic_and_keyed_by_hash(tmp_path, monkeypatch):
     d2 = r.resolve_model_dir(str(gguf))
     assert d1 == d2 == str(tmp_path / "cache" / r.file_sha256(str(gguf))[:16])
     assert len(calls) == 2  # the failed try + one conversion; the second resolve hit the cache
+    assert not killed.exists()  # removed by the next conversion of the same file
 
 
 def test_a_permission_error_while_converting_is_a_configuration_error(tmp_path, monkeypatch):

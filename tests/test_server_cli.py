@@ -302,6 +302,16 @@ def test_model_files_that_do_not_load_are_one_line_and_exit_2(tmp_path, spoil, s
     assert "Traceback" not in proc.stderr
 
 
+def test_a_torn_gguf_file_is_one_line_and_exit_2(tmp_path):
+    from llmsvc.models.resolve import default_model_path
+    torn = tmp_path / "torn.gguf"
+    with open(default_model_path(), "rb") as f:
+        torn.write_bytes(f.read(100))  # the header cut short
+    proc = run_serve([str(torn), "--port", "0"], env={"LLMSVC_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 2 and "torn.gguf cannot be converted (truncated" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
 def test_busy_metrics_port_is_one_line(tmp_path):
     from tests.server_harness import make_tiny_served_model_dir
     model_dir = make_tiny_served_model_dir(tmp_path)

@@ -122,12 +122,21 @@ def resolve_model_dir(model: str | None = None) -> str:
         os.makedirs(root, exist_ok=True)
         with _file_lock(out + ".lock"):
             if not _is_model_dir(out):  # another process may have finished while we waited
-                tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
+                prefix = f".tmp-{os.path.basename(out)}-"
+                for stale in glob.glob(os.path.join(root, prefix + "*")):  # a killed conversion's; ours is locked
+                    shutil.rmtree(stale, ignore_errors=True)
+                tmp = tempfile.mkdtemp(prefix=prefix, dir=root)
                 try:
                     convert_gguf(path, tmp)
                     if os.path.isdir(out):  # stale leftover without weights
                         shutil.rmtree(out)
                     os.rename(tmp, out)
+                except (ValueError, OSError):
+                    raise
+                except Exception as e:  # noqa: BLE001 - a torn file, a tensor type gguf-py cannot read, ...
+                    detail = " ".join(str(e).split())[:300]
+                    raise ValueError(f"{path} cannot be converted (truncated, or not a GGUF file this reads): "
+                                     f"{type(e).__name__}: {detail}") from None
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
     except PermissionError as e:  # e.g. a root-owned volume mounted on a container's /cache
@@ -155,6 +164,8 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
+    from llmsvc.models.gguf_rope import fix_converted_config
+
     src, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
     with tqdm(total=4, desc=f"Converting {name} (once)", unit="step") as bar:
         config = transformers.AutoConfig.from_pretrained(src, gguf_file=name)
@@ -167,6 +178,10 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
         model = transformers.AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
         config.architectures = [type(model).__name__]  # GGUF configs carry none
         config.save_pretrained(out_dir)
+        cfg_path = os.path.join(out_dir, "config.json")
+        fixed = fix_converted_config(read_json(cfg_path), gguf_path)  # RoPE scaling transformers drops
+        with open(cfg_path, "w") as f:
+            json.dump(fixed, f, indent=2)
         bar.update()
         state = model.state_dict()
         if getattr(config, "tie_word_embeddings", False):
