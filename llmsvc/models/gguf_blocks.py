@@ -210,8 +210,11 @@ def gguf_block_tensors(gguf_path: str, model_dir: str, head_dim: int) -> tuple[d
         tmp = f"{path}.{os.getpid()}.tmp"
         save_file({f"{name}:{part}": t.contiguous() for name, b in blocks.items() for part, t in zip(PARTS, b)},
                   tmp, metadata={"counts": json.dumps(counts), "format": str(FORMAT)})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as the converted files: other users of a shared cache read it
         os.replace(tmp, path)
-    except OSError as e:  # a read-only cache: read the GGUF again next time
+    except Exception as e:  # noqa: BLE001 - a read-only or foreign cache (SafetensorError too): read the GGUF again next time
         logger.warning("could not keep the GGUF blocks in %s: %s", path, e)
     return blocks, counts
 
