@@ -327,3 +327,17 @@ def test_a_checkpoint_tensor_larger_than_its_layer_is_refused(tmp_path, arch, na
     save_file(tensors, os.path.join(d, "model.safetensors"))
     with pytest.raises(ValueError, match="does not fit the layer's|rows, expected"):
         load_our_model(d)
+
+
+def test_a_torn_converted_entry_says_how_to_convert_it_again(tmp_path, monkeypatch):
+    from llmsvc.models.checkpoint import open_safetensors
+    monkeypatch.setenv("LLMSVC_CACHE", str(tmp_path / "cache"))
+    entry = tmp_path / "cache" / "0123456789abcdef"
+    entry.mkdir(parents=True)
+    (entry / "model.safetensors").write_bytes(b"torn")
+    with pytest.raises(ValueError, match=f"delete {entry} to convert again"):
+        open_safetensors(str(entry / "model.safetensors"), "pt")
+    (tmp_path / "elsewhere.safetensors").write_bytes(b"torn")
+    with pytest.raises(ValueError) as ei:  # a checkpoint of the user's own: nothing to delete
+        open_safetensors(str(tmp_path / "elsewhere.safetensors"), "pt")
+    assert "delete" not in str(ei.value)

@@ -54,7 +54,12 @@ def open_safetensors(path: str, framework: str):
     try:
         return safe_open(path, framework=framework, device="cpu")
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: one line at start-up
-        raise ValueError(f"cannot read the weights file {path}: {e}") from None
+        from llmsvc.models.resolve import cache_root
+        root = os.path.realpath(cache_root())
+        hint = ""
+        if os.path.realpath(path).startswith(root + os.sep):  # a converted entry, torn: it can be remade
+            hint = f"; it was converted into the model cache: delete {os.path.dirname(path)} to convert again"
+        raise ValueError(f"cannot read the weights file {path}: {e}{hint}") from None
 
 
 def check_dtype(requested: str) -> None:
