@@ -25,7 +25,7 @@ gguf = pytest.importorskip("gguf")
 FAMILIES = {
     "llama": ("llama", dict(arch="llama", tie=False)),
     "qwen2": ("qwen2", dict(arch="qwen2", tie=True)),
-    "qwen3": ("qwen3", dict(arch="qwen3", head_dim=128)),  # transformers reads no head_dim for qwen3
+    "qwen3": ("qwen3", dict(arch="qwen3", head_dim=32)),  # from attention.key_length (transformers assumed 128)
     "phi3": ("phi3", dict(arch="phi3")),
     # default layer pattern (every 6th layer global) and local base; the query scalar llama.cpp
     # assumes for every Gemma 3 but the 27B (a GGUF carries none): head_dim
@@ -66,7 +66,7 @@ def write_gguf(model_dir: str, path: str, arch: str, quant=None) -> None:
         w.add_rope_dimension_count(cfg.head_dim)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters) if arch == "gemma3" else cfg.rope_parameters
     if rope and rope.get("rope_type") == "llama3":  # llama.cpp: per-frequency divisors in a tensor
-        from llmsvc.models.gguf_rope import llama3_divisors
+        from llmsvc.models.gguf_config import llama3_divisors
         inv = 1.0 / rope["rope_theta"] ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
         w.add_tensor("rope_freqs.weight", llama3_divisors(
             inv, rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
@@ -77,6 +77,9 @@ def write_gguf(model_dir: str, path: str, arch: str, quant=None) -> None:
         w.add_rope_scaling_factor(rope["factor"])
         if "original_max_position_embeddings" in rope:
             w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if arch == "qwen3":
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     if arch == "gemma3":
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -166,7 +169,7 @@ def test_gguf_rope_scaling_is_kept(tmp_path, monkeypatch, family, rope):
 
 
 def test_gguf_rope_divisors_of_no_known_setting_are_refused(tmp_path, monkeypatch):
-    from llmsvc.models.gguf_rope import rope_from_gguf
+    from llmsvc.models.gguf_config import rope_from_gguf
 
     class Reader:  # a rope_freqs tensor of made-up divisors
         fields = {}

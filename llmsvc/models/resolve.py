@@ -164,18 +164,21 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    from llmsvc.models.gguf_rope import fix_converted_config
+    from llmsvc.models.gguf_config import fix_converted_config, shape_overrides
 
     src, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
     with tqdm(total=4, desc=f"Converting {name} (once)", unit="step") as bar:
         config = transformers.AutoConfig.from_pretrained(src, gguf_file=name)
+        for key, value in shape_overrides(gguf_path).items():
+            setattr(config, key, value)
         config.save_pretrained(out_dir)
         bar.update()
         tokenizer = transformers.AutoTokenizer.from_pretrained(src, gguf_file=name)
         tokenizer.save_pretrained(out_dir)
         _inline_chat_template(out_dir, tokenizer)
         bar.update()
-        model = transformers.AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(src, gguf_file=name, config=config,
+                                                                  dtype=torch.float32)
         config.architectures = [type(model).__name__]  # GGUF configs carry none
         config.save_pretrained(out_dir)
         cfg_path = os.path.join(out_dir, "config.json")

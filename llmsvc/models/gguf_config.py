@@ -1,4 +1,7 @@
-"""RoPE scaling that transformers' GGUF conversion drops, put back into the converted config.
+"""What transformers' GGUF conversion drops from a file's metadata, put back into its config.
+
+Shapes, before the weights load (else they do not fit): Qwen3's `attention.key_length` (its
+head_dim; transformers assumes 128) and Qwen3-MoE's `expert_feed_forward_length`.
 
 llama.cpp writes a model's RoPE scaling as `{arch}.rope.scaling.*` keys (linear, yarn) or, for
 Llama 3's scheme, as a `rope_freqs.weight` tensor of per-frequency divisors. transformers'
@@ -62,6 +65,24 @@ def rope_from_gguf(reader, arch: str, theta: float, head_dim: int) -> dict | Non
                 out[name] = float(value)
         return out
     raise ValueError(f"its RoPE scaling {kind!r} is not supported (linear, yarn, Llama 3's rope_freqs)")
+
+
+def shape_overrides(gguf_path: str) -> dict:
+    """Config attributes the file states and transformers' reader does not take."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    arch = reader.fields["general.architecture"].contents()
+    out = {}
+    if arch in ("qwen3", "qwen3moe"):
+        key_length = reader.fields.get(f"{arch}.attention.key_length")
+        if key_length is not None:
+            out["head_dim"] = int(key_length.contents())
+    if arch == "qwen3moe":
+        expert = reader.fields.get(f"{arch}.expert_feed_forward_length")
+        if expert is not None:
+            out["moe_intermediate_size"] = int(expert.contents())
+    return out
 
 
 def fix_converted_config(config: dict, gguf_path: str) -> dict:
