@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+# gRPC's C core writes its own lines to stderr (a failed TLS handshake at INFO, each time a
+# probe speaks plaintext), outside the server's log format: only its errors, unless the
+# operator asks for more. Read once, when grpc is first imported: before any import of it.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 COMMANDS = {
     "serve": ("llmsvc.server.cli", "start the gRPC server (default model when MODEL is omitted)"),

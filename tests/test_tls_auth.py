@@ -237,3 +237,25 @@ def test_cli_exits_2_on_bad_tls_config(tmp_path):
     args = p.parse_args(["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", str(tmp_path / "k"),
                          "--port", "0", "--host", "127.0.0.1"])
     assert cli.main(args) == 2
+
+
+def test_json_logs_stay_json_when_a_plaintext_probe_hits_a_tls_port(pki, tmp_path):
+    # gRPC's C core logged each failed handshake as its own (non-JSON) stderr line
+    import json
+    import subprocess
+    import sys
+
+    from tests.server_harness import make_tiny_served_model_dir
+    from tests.test_shutdown import ServeProcess
+    srv = ServeProcess(make_tiny_served_model_dir(tmp_path), "--log-format", "json",
+                       "--tls-cert", pki.files["server.pem"], "--tls-key", pki.files["server.key"])
+    try:
+        probe = subprocess.run([sys.executable, "-m", "llmsvc", "health", "--server", f"127.0.0.1:{srv._port}",
+                                "--timeout", "2"], capture_output=True, text=True, timeout=60)
+        assert probe.returncode == 2
+    finally:
+        srv.proc.terminate()
+        srv.proc.wait(60)
+        srv.close()
+    lines = [line for line in srv.lines if line.strip()]
+    assert lines and all(json.loads(line) for line in lines), [x for x in lines if not x.startswith("{")][:3]
