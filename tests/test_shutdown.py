@@ -173,13 +173,23 @@ def _sigterm_cuts_the_grace(srv: ServeProcess, call, msgs: list, logged: str) ->
     assert logged in "".join(srv.lines)
 
 
-def test_drain_rpc_drains_like_sigterm_and_flush_cache_reaches_the_core(tiny_dir, tmp_path):
+def _serve_with_admin(tiny_dir, tmp_path, grace: str):
+    """A serving server with --shutdown-grace `grace` and admin token "root": (server, admin
+    stub, the token's metadata)."""
     tokens = tmp_path / "admin-tokens"
     tokens.write_text("root\n")
-    srv = ServeProcess(tiny_dir, "--shutdown-grace", "600", "--admin-token-file", str(tokens))
+    srv = ServeProcess(tiny_dir, "--shutdown-grace", grace, "--admin-token-file", str(tokens))
     try:
         srv.wait_serving()
-        admin, md = pb_grpc.AdminServiceStub(srv.channel), (("authorization", "Bearer root"),)
+    except BaseException:
+        srv.close()
+        raise
+    return srv, pb_grpc.AdminServiceStub(srv.channel), (("authorization", "Bearer root"),)
+
+
+def test_drain_rpc_drains_like_sigterm_and_flush_cache_reaches_the_core(tiny_dir, tmp_path):
+    srv, admin, md = _serve_with_admin(tiny_dir, tmp_path, "600")
+    try:
         prompt = pb.GenerateRequest(text="a prompt of a few blocks " * 4, stopping=pb.StoppingCriteria(max_tokens=1))
         cached = [list(srv.stub.Generate(prompt, timeout=60))[0].prompt.num_cached_tokens for _ in range(2)]
         assert cached[0] == 0 and cached[1] > 0
@@ -201,12 +211,8 @@ def test_drain_rpc_drains_like_sigterm_and_flush_cache_reaches_the_core(tiny_dir
 def test_sigterm_during_a_longer_drain_waits_at_most_the_shutdown_grace(tiny_dir, tmp_path):
     """A supervisor sizes its stop timeout to --shutdown-grace; a Drain RPC's longer grace must
     not outlast it once the supervisor signals."""
-    tokens = tmp_path / "admin-tokens"
-    tokens.write_text("root\n")
-    srv = ServeProcess(tiny_dir, "--shutdown-grace", "1", "--admin-token-file", str(tokens))
+    srv, admin, md = _serve_with_admin(tiny_dir, tmp_path, "1")
     try:
-        srv.wait_serving()
-        admin, md = pb_grpc.AdminServiceStub(srv.channel), (("authorization", "Bearer root"),)
         call = srv.stub.Generate(_stream(4000), timeout=120)  # longer than this test waits
         msgs = [next(call)]
         admin.Drain(pb.DrainRequest(grace_seconds=600), metadata=md, timeout=10)
