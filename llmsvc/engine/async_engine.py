@@ -57,8 +57,7 @@ class AsyncEngine(EngineThreadMixin):
         self._stats = EngineStats()
         self._dead: BaseException | None = None
         self._accepting = True
-        self._grace_cut = False  # end_grace(): shutdown() stops waiting for in-flight requests
-        self._grace_end = float("inf")  # monotonic time shutdown() stops waiting (cap_grace lowers it)
+        self._grace_end = float("inf")  # monotonic time shutdown() stops waiting (end_grace, cap_grace lower it)
         self._dead_event: asyncio.Event | None = None
         self.health_check_interval_s = 1.0  # idle engine thread polls engine.check_health() this often
 
@@ -95,7 +94,7 @@ class AsyncEngine(EngineThreadMixin):
 
     def end_grace(self) -> None:
         """Cut a running (or later) shutdown's grace period short: in-flight requests are aborted now."""
-        self._grace_cut = True
+        self.cap_grace(0.0)
 
     def cap_grace(self, seconds: float) -> None:
         """A running (or later) shutdown waits at most `seconds` from now for in-flight requests."""
@@ -106,7 +105,7 @@ class AsyncEngine(EngineThreadMixin):
         abort the rest, stop."""
         self._accepting = False
         self._grace_end = min(self._grace_end, time.monotonic() + grace)
-        while self._streams and self.is_healthy and time.monotonic() < self._grace_end and not self._grace_cut:
+        while self._streams and self.is_healthy and time.monotonic() < self._grace_end:
             await asyncio.sleep(0.02)
         if self._streams and self.is_healthy:
             self.abort(list(self._streams), reason="server shutting down")

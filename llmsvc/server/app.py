@@ -24,9 +24,9 @@ from llmsvc.outputs import EngineStats
 from llmsvc.sampling_params import SamplingParams
 from llmsvc.server.admin import AdminService
 from llmsvc.server.auth import ADMIN_PREFIXES, BearerTokenInterceptor
-from llmsvc.server.rpc_wrap import DecodeGuardInterceptor
 from llmsvc.server.health import Health, add_reflection
 from llmsvc.server.metrics import EngineSnapshot, MetricsHttpServer, ServerMetrics
+from llmsvc.server.rpc_wrap import DecodeGuardInterceptor
 from llmsvc.server.servicer import LlmService, ServerState
 from llmsvc.server.tls import TlsConfig
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
