@@ -259,18 +259,16 @@ class MPClient(EngineCoreClient):
                 pass
         # still loading, it reads no commands: nothing of its work is lost by stopping it now
         self.proc.join(self.shutdown_timeout_s if self._ready else 0.5)
-        if self.proc.exitcode is None and not self._ready:
-            self.proc.terminate()
-            self.proc.join(2.0)
-        if self.proc.exitcode is None:  # hung (a stopped or stuck worker): its workers go with it
+        if self.proc.exitcode is None:  # loading, or hung (a stopped or stuck worker): its workers go too
             workers = descendants(self.proc.pid)
             for stop in (self.proc.terminate, self.proc.kill):
                 if self.proc.exitcode is None:
                     stop()
                     self.proc.join(2.0)
             left = kill_all(workers)
-            logger.error("engine core did not stop within %.0f s: killed it%s", self.shutdown_timeout_s,
-                         f" and {left} process(es) it had started" if left else "")
+            if self._ready:
+                logger.error("engine core did not stop within %.0f s: killed it%s", self.shutdown_timeout_s,
+                             f" and {left} process(es) it had started" if left else "")
         self._death_writer.close()
         self._cmd.close(linger=0)
         self._out.close(linger=0)
