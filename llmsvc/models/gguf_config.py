@@ -67,11 +67,8 @@ def rope_from_gguf(reader, arch: str, theta: float, head_dim: int) -> dict | Non
     raise ValueError(f"its RoPE scaling {kind!r} is not supported (linear, yarn, Llama 3's rope_freqs)")
 
 
-def shape_overrides(gguf_path: str) -> dict:
-    """Config attributes the file states and transformers' reader does not take."""
-    import gguf
-
-    reader = gguf.GGUFReader(gguf_path)
+def shape_overrides(reader) -> dict:
+    """Config attributes the file (a gguf.GGUFReader) states and transformers' reader does not take."""
     arch = reader.fields["general.architecture"].contents()
     out = {}
     if arch in ("qwen3", "qwen3moe"):
@@ -85,12 +82,9 @@ def shape_overrides(gguf_path: str) -> dict:
     return out
 
 
-def fix_converted_config(config: dict, gguf_path: str) -> dict:
+def fix_converted_config(config: dict, reader) -> dict:
     """config.json of a converted GGUF with the file's RoPE scaling (and, for Gemma 3, the
     attention scale llama.cpp uses: hidden / heads for the 62-layer 27B, else head_dim)."""
-    import gguf
-
-    reader = gguf.GGUFReader(gguf_path)
     arch = reader.fields["general.architecture"].contents()
     rope = dict(config.get("rope_parameters") or {})
     nested = arch == "gemma3" and "full_attention" in rope  # Gemma 3: one entry per layer type

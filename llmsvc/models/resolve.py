@@ -159,6 +159,7 @@ def _file_lock(path: str):
 def convert_gguf(gguf_path: str, out_dir: str) -> None:
     """Write config.json, generation_config.json, model.safetensors (float32; tied
     lm_head omitted) and the tokenizer files of `gguf_path` into out_dir."""
+    import gguf
     import torch
     import transformers
     from safetensors.torch import save_file
@@ -169,7 +170,8 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     src, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
     with tqdm(total=4, desc=f"Converting {name} (once)", unit="step") as bar:
         config = transformers.AutoConfig.from_pretrained(src, gguf_file=name)
-        for key, value in shape_overrides(gguf_path).items():
+        reader = gguf.GGUFReader(gguf_path)  # parsed once: it reads the whole vocabulary
+        for key, value in shape_overrides(reader).items():
             setattr(config, key, value)
         config.save_pretrained(out_dir)
         bar.update()
@@ -182,7 +184,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
         config.architectures = [type(model).__name__]  # GGUF configs carry none
         config.save_pretrained(out_dir)
         cfg_path = os.path.join(out_dir, "config.json")
-        fixed = fix_converted_config(read_json(cfg_path), gguf_path)  # RoPE scaling transformers drops
+        fixed = fix_converted_config(read_json(cfg_path), reader)  # RoPE scaling transformers drops
         with open(cfg_path, "w") as f:
             json.dump(fixed, f, indent=2)
         bar.update()
