@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,13 @@ def test_bad_kwargs_are_rejected_not_ignored():
         build_generate_request("x", sampling={"json_schema": "{}", "regex": "a"})
     with pytest.raises(TypeError, match="at most one output constraint, got regex and json_object"):
         build_generate_request("x", sampling=pb.SamplingParams(regex="a"), json_object=True)
+    # protobuf's own errors ("must assign iterable", "Value out of range") name the field
+    with pytest.raises(TypeError, match="stop_token_ids=5"):
+        build_generate_request("x", stop_token_ids=5)
+    with pytest.raises(ValueError, match="seed=-1"):
+        build_generate_request("x", seed=-1)
+    with pytest.raises(TypeError, match="temperature='hot'"):
+        build_generate_request("x", sampling={"temperature": "hot"})
 
 
 def test_sections_given_whole_take_the_protos_shapes_and_keywords_override_them():
@@ -273,6 +281,58 @@ def test_async_client(server):
 
     assert asyncio.run(main())
     assert server.service.cancelled_event.wait(5) and "async-cancel" in server.service.cancelled
+
+
+def test_async_call_ended_on_this_side_raises_cancelled_and_a_dropped_stream_is_cancelled(server):
+    # grpc.aio ends a call cancelled on this side (cancel() from another task, the channel
+    # closed) with asyncio.CancelledError in the task reading it; that task was not cancelled,
+    # so it gets Cancelled, as from the blocking client. A stream dropped unread cancels its call.
+    async def read(stream, first: asyncio.Event):
+        async for _ in stream:
+            first.set()
+
+    async def cancelled_elsewhere(c, end):
+        stream, first = c.generate_stream("wait"), asyncio.Event()
+        task = asyncio.create_task(read(stream, first))
+        await asyncio.wait_for(first.wait(), 5)
+        await end(stream)
+        with pytest.raises(errors.Cancelled) as ei:
+            await task
+        assert ei.value.code == grpc.StatusCode.CANCELLED and ei.value.request_id.startswith("srv-")
+
+    async def main():
+        async with AsyncClient(server.target, timeout=10) as c:
+            async def cancel(stream):
+                stream.cancel()
+            await cancelled_elsewhere(c, cancel)
+            # the reading task cancelled itself still sees CancelledError
+            stream, first = c.generate_stream("wait"), asyncio.Event()
+            task = asyncio.create_task(read(stream, first))
+            await asyncio.wait_for(first.wait(), 5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            server.service.cancelled_event.clear()
+            stream = c.generate_stream("wait", request_id="async-dropped")
+            assert await stream.wait_request_id() == "async-dropped"
+            for _ in range(100):  # the fake service registers the call after its headers went out
+                if "async-dropped" in server.service.in_flight:
+                    break
+                await asyncio.sleep(0.05)
+            del stream
+            gc.collect()
+            for _ in range(100):
+                if "async-dropped" in server.service.cancelled:
+                    break
+                await asyncio.sleep(0.05)
+            assert "async-dropped" in server.service.cancelled
+        c = AsyncClient(server.target, timeout=10)
+
+        async def close(_stream):
+            await c.close()
+        await cancelled_elsewhere(c, close)
+
+    asyncio.run(main())
 
 
 def test_client_imports_neither_torch_nor_engine_nor_server():

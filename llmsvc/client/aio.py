@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ import grpc.aio
 
 from llmsvc.client import channel as ch
 from llmsvc.client.client import _UNSET, ClientBase
-from llmsvc.client.errors import from_rpc_error
+from llmsvc.client.errors import Cancelled, from_rpc_error
 from llmsvc.client.request import (build_detokenize_request, build_drain_request, build_generate_request,
                                    build_tokenize_request)
 from llmsvc.client.result import GenerateResult, ResultBuilder
@@ -22,11 +23,29 @@ from llmsvc.v1 import llmsvc_pb2 as pb
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
 
 
+def _task_cancelled() -> bool:
+    """True when the running task itself is being cancelled (Python 3.11+ can tell; before
+    that every CancelledError is taken as the task's)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return task is None or cancelling is None or cancelling() > 0
+
+
+def _local_cancel(request_id: str | None = None) -> Cancelled:
+    """grpc.aio ends a call cancelled on this side (`cancel()`, the channel closed) with
+    asyncio.CancelledError in whichever task awaits it. Unless that task is the one being
+    cancelled, the call ended, not the task: raise what the blocking client raises."""
+    return Cancelled("Locally cancelled by application!", code=grpc.StatusCode.CANCELLED,
+                     request_id=request_id)
+
+
 class AsyncGenerateStream:
     """An in-flight streamed Generate: `async for` it for GenerateResponse deltas.
 
     `await wait_request_id()` returns the id before any token (from the server's initial
-    metadata when the server made it). Leaving the iteration early cancels the call.
+    metadata when the server made it). Leaving the iteration early, `cancel()`, or dropping
+    the stream unread cancels the call, which aborts the request on the server; a call
+    cancelled from another task ends this one's iteration with `Cancelled`.
     """
 
     def __init__(self, call: grpc.aio.UnaryStreamCall, request_id: str | None):
@@ -34,12 +53,27 @@ class AsyncGenerateStream:
         self.request_id = request_id or None
         self._builder = ResultBuilder(request_id or "")
 
+    def __del__(self) -> None:
+        # grpc.aio sends the request at once and keeps the call alive on its own: a stream
+        # dropped before it was read would otherwise generate until max_tokens
+        call = getattr(self, "_call", None)
+        if call is not None:
+            try:
+                if not call.done():
+                    call.cancel()
+            except Exception:  # noqa: BLE001 - the loop may be gone at interpreter exit
+                pass
+
     async def wait_request_id(self) -> str | None:
         if self.request_id is None:
             try:
                 self.request_id = ch.request_id_from_metadata(await self._call.initial_metadata())
             except grpc.RpcError as err:
                 raise from_rpc_error(err) from None
+            except asyncio.CancelledError:
+                if _task_cancelled():
+                    raise
+                raise _local_cancel() from None
         return self.request_id
 
     async def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]:
@@ -56,6 +90,10 @@ class AsyncGenerateStream:
                 except Exception:  # noqa: BLE001 - the call's own error is what matters
                     pass
             raise from_rpc_error(err, self.request_id) from None
+        except asyncio.CancelledError:
+            if _task_cancelled():
+                raise
+            raise _local_cancel(self.request_id) from None
         finally:
             self._call.cancel()  # no-op once the call has completed
 
@@ -88,6 +126,7 @@ class AsyncClient(ClientBase):
                  max_retries: int = 0):
         super().__init__(target, timeout=timeout, credentials=credentials, token=token,
                          compression=compression, metadata=metadata)
+        self.max_retries = max_retries
         opts = ch.channel_options(max_retries, options)
         if self._creds is None:
             self._channel = grpc.aio.insecure_channel(target, options=opts)
@@ -181,6 +220,10 @@ class AsyncClient(ClientBase):
                 yield health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
+        except asyncio.CancelledError:
+            if _task_cancelled():
+                raise
+            raise _local_cancel() from None
         finally:
             call.cancel()
 

@@ -46,22 +46,31 @@ def _fill(msg, values: Mapping[str, Any]) -> None:
             raise TypeError(f"{msg.DESCRIPTOR.name} has no field {name!r}")
         if name in _CONSTRAINTS and msg.DESCRIPTOR.name == "SamplingParams":
             _set_constraint(msg, name, value)
-        elif field.message_type is not None and field.message_type.GetOptions().map_entry:
-            getattr(msg, name).clear()
-            getattr(msg, name).update(value)
-        elif field.is_repeated:
-            if isinstance(value, (str, bytes)):  # stop="###" means stop=["###"]
-                value = [value]
-            del getattr(msg, name)[:]
-            getattr(msg, name).extend(value)
-        elif field.message_type is not None:
+        elif field.message_type is not None and not field.message_type.GetOptions().map_entry:
             sub = getattr(msg, name)
             if isinstance(value, Mapping):
                 _fill(sub, value)
             else:
                 sub.CopyFrom(value)
         else:
-            setattr(msg, name, value)
+            try:
+                _set_value(msg, field, name, value)
+            except (TypeError, ValueError) as err:  # protobuf's words name neither field nor value
+                raise type(err)(f"{name}={value!r}: {err}") from None
+
+
+def _set_value(msg, field, name: str, value: Any) -> None:
+    """A scalar, repeated or map field, replacing what it held."""
+    if field.message_type is not None:  # a map
+        getattr(msg, name).clear()
+        getattr(msg, name).update(value)
+    elif field.is_repeated:
+        if isinstance(value, (str, bytes)):  # stop="###" means stop=["###"]
+            value = [value]
+        del getattr(msg, name)[:]
+        getattr(msg, name).extend(value)
+    else:
+        setattr(msg, name, value)
 
 
 def _set_constraint(sampling: pb.SamplingParams, name: str, value: Any) -> None:
