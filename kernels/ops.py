@@ -79,7 +79,7 @@ def _use_triton(t: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _use_triton(x):
         return _tri.rms_norm(x, weight, eps)
-    if _cpu_ew.supports(x, weight):
+    if _cpu_ew.supports_norm(x, weight):
         return _cpu_ew.rms_norm(x, weight, eps)
     return _ref.rms_norm(x, weight, eps)
 
@@ -88,7 +88,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(x):
         return _tri.fused_add_rms_norm(x, residual, weight, eps)
-    if _cpu_ew.supports(x, residual, weight):
+    if _cpu_ew.supports_norm(x, residual, weight):
         return _cpu_ew.fused_add_rms_norm(x, residual, weight, eps)
     return _ref.fused_add_rms_norm(x, residual, weight, eps)
 

@@ -55,6 +55,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key, value: [T, Hkv, D] written to the cache slots named by slot_mapping (in place)."""
     nb, bs, h, d = k_cache.shape
+    slot_mapping = slot_mapping.long()  # int32 too, as the native and Triton stores take
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
@@ -113,7 +114,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         n_dec = len(decode)
         nblk = (max(lens[i] for i in decode) + bs - 1) // bs
         if n_dec == len(lens) and n_dec == num_tokens:  # pure decode batch: rows are 0..B-1
-            rows, bt, ctx = None, block_tables[:, :nblk], seq_lens
+            rows, bt, ctx = None, block_tables[:n_dec, :nblk], seq_lens  # the table may have padding rows
         else:
             idx = torch.tensor(decode, device=query.device)
             rows, bt, ctx = query_start_loc[idx].long(), block_tables[idx, :nblk], seq_lens[idx]

@@ -60,6 +60,17 @@ def test_decode(dtype, hq, hkv):
     _check(PagedBatch(seqs, hq, hkv, 64, dtype=dtype, seed=hq), dtype)
 
 
+def test_block_table_with_padding_rows():
+    # a table may have more rows than the batch has sequences (a captured, padded batch): both
+    # the native kernel and the reference read only the sequences' rows
+    batch = PagedBatch([(5, 1), (17, 1), (33, 1)], 6, 2, 64, seed=3)
+    q, k, v, bt, qsl, lens, scale = batch.clean_args()
+    padded = torch.cat([bt, bt[:1]])
+    want = ref.paged_attention(q, k, v, bt, qsl, lens, scale)
+    torch.testing.assert_close(ref.paged_attention(q, k, v, padded, qsl, lens, scale), want)
+    torch.testing.assert_close(attention.paged_attention(q, k, v, padded, qsl, lens, scale), want, **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 128), (16, 1, 64), (20, 1, 64), (4, 2, 48), (8, 4, 32)])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -417,6 +428,20 @@ def test_silu_and_mul(dtype, t, d):
     torch.testing.assert_close(elementwise.silu_and_mul(x), ref.silu_and_mul(x), **EW_TOL[dtype])
 
 
+def test_silu_and_mul_refuses_an_odd_width():
+    # [T, 2I]: gate and up halves; an odd width has no halves (it once returned floor(d/2) columns)
+    with pytest.raises(ValueError, match="must be even"):
+        elementwise.silu_and_mul(torch.randn(2, 7))
+
+
+def test_norms_wider_than_the_native_row_buffer_take_the_reference():
+    h = elementwise.MAX_NORM_HIDDEN + 4464
+    x, res, w = torch.randn(2, h), torch.randn(2, h), torch.rand(h) + 0.5
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+    for got, want in zip(ops.fused_add_rms_norm(x, res, w, 1e-6), ref.fused_add_rms_norm(x, res, w, 1e-6)):
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("dtype", EW_DTYPES)
 def test_silu_and_mul_far_gates_stay_finite(dtype):
     """silu(g) -> 0 for g far below 0 and -> g far above it: e^-g past fp32's range once gave NaN
@@ -518,10 +543,14 @@ def test_store_kv_writes_exactly_the_mapped_slots(dtype):
     kv = torch.randn(5, 3 * h * d, generator=g).to(dtype)  # strided rows, as from a fused qkv
     key, value = kv[:, :h * d].view(5, h, d), kv[:, h * d:2 * h * d].view(5, h, d)
     slots = torch.tensor([3, -1, 23, 0, 9])
+    k0, v0 = k_cache.clone(), v_cache.clone()
     ek, ev = k_cache.clone(), v_cache.clone()
     ref.store_kv(key, value, ek, ev, slots)
     attention.store_kv(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, ek) and torch.equal(v_cache, ev)
+    k32, v32 = k0.clone(), v0.clone()
+    ref.store_kv(key, value, k32, v32, slots.to(torch.int32))  # int32 slots, as the native store takes
+    assert torch.equal(k32, ek) and torch.equal(v32, ev)
     with pytest.raises(ValueError, match="outside the cache"):
         attention.store_kv(key, value, k_cache, v_cache, torch.tensor([0, 1, 2, 3, nb * bs]))
 

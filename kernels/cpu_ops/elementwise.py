@@ -24,6 +24,15 @@ def supports(*tensors: torch.Tensor) -> bool:
     return True
 
 
+# elementwise.c holds a row in fp32 in a stack buffer of at most this many floats: wider rows
+# go to the reference
+MAX_NORM_HIDDEN = 65536
+
+
+def supports_norm(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    return supports(x, *others) and x.shape[1] <= MAX_NORM_HIDDEN
+
+
 def _check(rc: int, op: str) -> None:
     if rc != 0:
         raise ValueError(f"CPU {op}: arguments rejected")
@@ -52,6 +61,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     t, d2 = x.shape
+    if d2 % 2:
+        raise ValueError(f"silu_and_mul: the last dimension ({d2}) holds gate and up halves, so must be even")
     out = torch.empty((t, d2 // 2), dtype=x.dtype)
     _check(load().llmsvc_silu_and_mul(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), out.data_ptr(),
                                       t, d2 // 2, torch.get_num_threads()), "silu_and_mul")
