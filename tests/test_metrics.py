@@ -182,6 +182,30 @@ def test_gauges_while_running_and_cancel_counts_abort():
         s.stop()
 
 
+def test_refusals_finish_no_completion_and_ttft_counts_calls_cancelled_after_it():
+    # as vLLM: request_success counts completions of requests the engine took (a call refused
+    # for its id or its constraint is no "abort"), and TTFT is observed at the first token
+    s = ServerThread(fake_engine_factory(step_delay=0.02), metrics_port=0)
+    try:
+        port = s.server.metrics_port
+        held = s.stub.Generate(gen("hold on", 200, request_id="dup"))
+        next(held)
+        with pytest.raises(grpc.RpcError) as ei:
+            list(s.stub.Generate(gen("same id", 4, request_id="dup")))
+        assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        with pytest.raises(grpc.RpcError) as ei:
+            list(s.stub.Generate(gen("bad regex", 4, sampling=pb.SamplingParams(regex="(a"))))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        held.cancel()
+        done = wait_for(port, lambda x: grpc_count(x, "CANCELLED") == 1
+                        and val(x, "llmsvc_num_requests_running") == 0)
+        assert val(done, "llmsvc_request_success_total", finish_reason="abort") == 1
+        assert val(done, "llmsvc_time_to_first_token_seconds_count") == 1
+        assert val(done, "llmsvc_e2e_request_latency_seconds_count") == 0  # finished requests only
+    finally:
+        s.stop()
+
+
 def test_preemptions_and_prefix_cache_hits_are_counted():
     # 8 blocks of 4 tokens: four requests of ~30 tokens each cannot all stay resident
     # step_delay: a request lasts ~30 steps x 20 ms, so all four overlap and must share the pool
@@ -222,8 +246,11 @@ def _out(comps, finished, metrics=None):
 def test_request_tracker_n2_deltas_and_idempotent_cancel():
     m = ServerMetrics()
     t = m.track(n=2)
+    t.admitted = True
+    first = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5, first_token_time=101.0,
+                           last_token_time=101.0)
     t.observe(_out([CompletionOutput(0, "a", [5], num_output_tokens=1),
-                    CompletionOutput(1, "b", [6], num_output_tokens=1)], False))
+                    CompletionOutput(1, "b", [6], num_output_tokens=1)], False, first))
     t.observe(_out([CompletionOutput(1, "c", [7], finish_reason="stop", num_output_tokens=2)], False))
     rm = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5, first_token_time=101.0,
                         last_token_time=105.0, finished_time=105.5)
@@ -243,6 +270,7 @@ def test_request_tracker_n2_deltas_and_idempotent_cancel():
     assert t.num_generated == 7 and t.reasons == {0: "length", 1: "stop"}
 
     t2 = m.track(n=3)
+    t2.admitted = True
     t2.observe(_out([CompletionOutput(2, "x", [1], finish_reason="stop", num_output_tokens=1)], False))
     t2.cancelled()
     t2.cancelled()

@@ -3,8 +3,9 @@
 Series (all `llmsvc_`):
 - per RPC (interceptor): grpc_requests_total{service, method, code}
 - per request (servicer, from RequestOutput.metrics, wall-clock seconds):
-  request_success_total{finish_reason} (one per completion; a cancelled call counts "abort"),
-  time_to_first_token_seconds, time_per_output_token_seconds, e2e_request_latency_seconds,
+  request_success_total{finish_reason} (one per completion of a request the engine took; a
+  cancelled call counts "abort", a refused one nothing), time_to_first_token_seconds (at the
+  first token, so calls cancelled afterwards count too), time_per_output_token_seconds, e2e_request_latency_seconds,
   request_queue_time_seconds, request_prefill_time_seconds (first scheduled to first token),
   request_decode_time_seconds (first token to last), request_prompt_tokens,
   request_generation_tokens (histograms); prompt_tokens_total (a request's whole prompt once it
@@ -133,6 +134,7 @@ class RequestTracker:
         self.reasons: dict[int, str] = {}  # completion index -> finish reason
         self.tokens: dict[int, int] = {}  # completion index -> output tokens so far (cumulative)
         self.done = False
+        self.admitted = False  # the engine took the request (set by the servicer)
         self.started = False  # the first output token arrived (its prompt is counted)
         self.final: RequestOutput | None = None  # the output that finished the request
 
@@ -142,6 +144,9 @@ class RequestTracker:
         if not self.started and any(c.num_output_tokens for c in out.outputs):
             self.started = True
             self._series(self.m.prompt_tokens_total).inc(len(out.prompt_token_ids))
+            rm = out.metrics  # at the first token, as vLLM: a call cancelled later still counts
+            if rm is not None and rm.first_token_time is not None:
+                self._series(self.m.ttft).observe(max(0.0, rm.first_token_time - rm.arrival_time))
         for comp in out.outputs:
             before = self.tokens.get(comp.index, 0)
             if comp.num_output_tokens > before:
@@ -159,8 +164,10 @@ class RequestTracker:
         return sum(self.tokens.values())
 
     def cancelled(self) -> None:
-        """The call ended before the final output (client cancel, deadline): the rest were aborted."""
-        if self.done:
+        """The call ended before the final output (client cancel, deadline, a failure after
+        admission): the rest were aborted. A request the engine never took (refused: queue
+        full, duplicate id, draining) finished nothing and counts no completion."""
+        if self.done or not self.admitted:
             return
         self.done = True
         for i in range(self.n):
@@ -183,7 +190,6 @@ class RequestTracker:
         if rm.first_scheduled_time is not None:
             series(m.queue).observe(max(0.0, rm.first_scheduled_time - rm.arrival_time))
         if rm.first_token_time is not None:
-            series(m.ttft).observe(max(0.0, rm.first_token_time - rm.arrival_time))
             if rm.first_scheduled_time is not None:
                 series(m.prefill).observe(max(0.0, rm.first_token_time - rm.first_scheduled_time))
             if rm.last_token_time is not None:

@@ -135,11 +135,15 @@ class LlmService(pb_grpc.LlmServiceServicer):
                          dict(context.invocation_metadata() or ()).get("traceparent"))
             # headers (the id, before prefill) once the engine took it: a refusal before then
             # is headers-free, so a client's retry policy can retry it (gRFC A6)
-            gen = self.engine.generate(rid, ids, params, prompt=prompt, priority=request.priority,
-                                       cache_salt=cache_salt, lora_name=lora_name,
-                                       on_admitted=lambda: context.send_initial_metadata((("x-request-id", rid),)))
             if self.metrics is not None:  # the key lora_name carries the adapter ("": the base model)
                 tracker = self.metrics.track(params.n, {**request.labels, "lora_name": lora_name or ""})
+
+            async def on_admitted():
+                if tracker is not None:
+                    tracker.admitted = True
+                await context.send_initial_metadata((("x-request-id", rid),))
+            gen = self.engine.generate(rid, ids, params, prompt=prompt, priority=request.priority,
+                                       cache_salt=cache_salt, lora_name=lora_name, on_admitted=on_admitted)
             try:
                 if request.stream:
                     async for out in gen:
@@ -174,7 +178,10 @@ class LlmService(pb_grpc.LlmServiceServicer):
                 logger.info("request %s cancelled by the client or its deadline", rid)
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes a status
-            if tracker is not None:
+            # a constraint that fails to compile is refused after admission (the compile runs
+            # beside the queue); like a refusal before it, it finished no completion
+            if tracker is not None and (tracker.started or
+                                        errors.to_service_error(e).code != grpc.StatusCode.INVALID_ARGUMENT):
                 tracker.cancelled()
             if isinstance(e, grpc.aio.AbortError) or type(e).__name__ == "AbortError":
                 code = final_code(context, e)
