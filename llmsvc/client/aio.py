@@ -56,13 +56,17 @@ class AsyncGenerateStream:
     def __del__(self) -> None:
         # grpc.aio sends the request at once and keeps the call alive on its own: a stream
         # dropped before it was read would otherwise generate until max_tokens
+        # (through the call's loop: a collection may run on another thread)
         call = getattr(self, "_call", None)
-        if call is not None:
-            try:
-                if not call.done():
+        loop = getattr(call, "_loop", None)
+        try:
+            if call is not None and not call.done():
+                if loop is None:
                     call.cancel()
-            except Exception:  # noqa: BLE001 - the loop may be gone at interpreter exit
-                pass
+                elif not loop.is_closed():
+                    loop.call_soon_threadsafe(call.cancel)
+        except Exception:  # noqa: BLE001 - the loop may be gone at interpreter exit
+            pass
 
     async def wait_request_id(self) -> str | None:
         if self.request_id is None:
