@@ -61,6 +61,8 @@ class MultiprocExecutor(Executor):
     # a call to the workers after start-up that takes longer is a hung worker (vLLM's
     # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, also 300): the engine fails instead of waiting forever
     call_timeout_s = 300.0
+    # an idle multi-node group is pinged this often: a rank on another machine has no sentinel here
+    remote_ping_s = 2.0
 
     def __init__(self, config: EngineConfig, world_size: int = 1) -> None:
         _exit_if_reimported_main()
@@ -90,6 +92,7 @@ class MultiprocExecutor(Executor):
         self.conns = []
         self._closed = False
         self._pending: deque[_ReplyFuture] = deque()  # non-blocking calls sent, reply not read yet
+        self._last_send = time.monotonic()
         t0 = time.perf_counter()
         for local_rank in range(local):
             parent, child = ctx.Pipe()
@@ -158,6 +161,7 @@ class MultiprocExecutor(Executor):
         dead = self._dead()
         if dead:
             raise ExecutorError(dead)
+        self._last_send = time.monotonic()
         try:
             self.conns[0].send_bytes(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL))
         except (BrokenPipeError, OSError) as e:
@@ -208,6 +212,12 @@ class MultiprocExecutor(Executor):
         dead = self._dead()
         if dead:
             raise ExecutorError(dead)
+        # Ranks on other machines: rank 0 broadcasts a no-op to the group. Its broadcast fails
+        # (and rank 0 exits) when a remote rank went away, and outlasts call_timeout_s when one
+        # hangs, so an idle node 0 notices within seconds, as it does its own workers' deaths.
+        if (self.nnodes > 1 and self.ranks[0] == 0 and not self._pending and not self._closed
+                and time.monotonic() - self._last_send >= self.remote_ping_s):
+            self._call("ping")
 
     def shutdown(self) -> None:
         if self._closed:

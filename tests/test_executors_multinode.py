@@ -6,12 +6,14 @@ or the real server (SIGKILLed: node 1 must exit non-zero on its own)."""
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
 from executor_driver import greedy_generate
 from executor_procs import LoggedProcess, descendants, llmsvc_cmd, wait_gone, worker_pids
 from executors import create_executor
+from executors.base import ExecutorError
 from executors.multiproc import _free_port
 from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from llmsvc.models.resolve import resolve_model_config
@@ -56,6 +58,30 @@ def test_two_nodes_match_uniproc_and_node1_exits_0_after_node0_shutdown(tiny_dir
         assert node1.proc.wait(30) == 0, node1.log_tail()
         assert wait_gone(node1_tree) == []
         assert "node 0 shut the group down" in "".join(node1.lines)
+    finally:
+        node1.kill()
+
+
+def test_idle_node0_notices_a_remote_rank_that_died(tiny_dir):
+    # node 0 has no process sentinel for a rank on another machine: its idle health check
+    # pings the group, and the broadcast to the dead rank fails
+    port = _free_port("127.0.0.1")
+    node1 = headless_node(tiny_dir, port)
+    try:
+        ex = create_executor(config(tiny_dir, port, tp=2, nnodes=2))
+        try:
+            node1.wait_for(r"headless node 1/2: ranks \[1\] of 2 ready")
+            ex.initialize_kv_cache(ex.determine_num_kv_blocks())
+            ex.check_health()  # all there
+            node1.proc.send_signal(signal.SIGKILL)  # the node and its worker (death pipe) go
+            node1.proc.wait(10)
+            deadline = time.monotonic() + 30
+            with pytest.raises(ExecutorError):
+                while time.monotonic() < deadline:
+                    ex.check_health()  # the engine core calls it about once a second while idle
+                    time.sleep(0.5)
+        finally:
+            ex.shutdown()
     finally:
         node1.kill()
 

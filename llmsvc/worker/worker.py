@@ -152,6 +152,9 @@ class Worker:
     def remove_lora(self, slot: int) -> None:
         self.runner.lora.clear(slot)
 
+    def ping(self) -> None:
+        """Nothing: the call's broadcast is node 0's check that every rank is still there."""
+
     def execute_stats(self) -> dict:
         """Since start: {"num_steps", "execute_time_s"} (the worker's own share of each step),
         "host_gap_s" (summed waits between consecutive steps) and "host_gap_median_s" (median of
