@@ -12,7 +12,8 @@ from llmsvc.engine.chat_roles import developer_as_system
 from llmsvc.outputs import CONTEXT, LENGTH, RequestOutput
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
 
-_GEN_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_GEN_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "max_tokens")  # max_tokens: generation_config's max_new_tokens
 
 
 class LLM:

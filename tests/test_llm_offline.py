@@ -18,7 +18,7 @@ def fake_llm(monkeypatch):
         config.model_config.max_model_len = config.model_config.max_model_len or 2048
         config.model_config.vocab_size = len(tok)
         config.model_config.eos_token_ids = [2]
-        config.model_config.generation_defaults = {"temperature": 0.5, "top_p": 0.9}
+        config.model_config.generation_defaults = seen.get("defaults", {"temperature": 0.5, "top_p": 0.9})
         seen["config"] = config
         return cls(config, FakeExecutor(config, num_blocks=256, token_fn=lambda t: 300 + len(t) % 50), tok)
 
@@ -53,6 +53,14 @@ def test_default_params_use_generation_config_and_n(fake_llm):
     assert d.temperature == 0.5 and d.top_p == 0.9 and d.max_tokens == 16
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(n=2, max_tokens=2), use_tqdm=False)
     assert [c.index for c in out.outputs] == [0, 1]
+    llm.shutdown()
+    # every sampling default generation_config gives, max_new_tokens as max_tokens (vLLM's)
+    fake_llm["defaults"] = {"presence_penalty": 0.5, "frequency_penalty": 0.25, "max_tokens": 5}
+    llm = LLM()
+    d = llm.get_default_sampling_params()
+    assert (d.presence_penalty, d.frequency_penalty, d.max_tokens, d.temperature) == (0.5, 0.25, 5, 1.0)
+    (out,) = llm.generate([[5, 6, 7]], use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
 
 
 def test_chat_applies_template(fake_llm):

@@ -84,6 +84,26 @@ def test_hf_directory_resolution(tmp_path):
     assert mc.max_model_len == 256
 
 
+def test_eos_ids_are_generation_configs_else_config_jsons_plus_the_tokenizers(tmp_path):
+    # as vLLM: generation_config.json's eos_token_id (HF generate's), else config.json's; the
+    # engine adds the tokenizer's EOS (a chat fine-tune whose tokenizer ends turns with
+    # <|im_end|> while config.json still names <|endoftext|>)
+    from types import SimpleNamespace
+
+    from llmsvc.config import EngineConfig
+    from llmsvc.structured.build import model_eos_token_ids
+    d = make_tiny_model_dir(tmp_path, "llama", eos_token_id=9)
+    assert resolve_model_config(ModelConfig(model=d)).eos_token_ids == [9]
+    with open(os.path.join(d, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2, 7, 2], "temperature": 0.7}, f)
+    mc = resolve_model_config(ModelConfig(model=d))
+    assert mc.eos_token_ids == [2, 7]  # config.json's 9 does not end generation: HF and vLLM run past it
+    config = EngineConfig(model_config=mc)
+    assert model_eos_token_ids(config, SimpleNamespace(eos_token_id=5)) == [2, 7, 5]
+    assert model_eos_token_ids(config, SimpleNamespace(eos_token_id=7)) == [2, 7]
+    assert model_eos_token_ids(config, SimpleNamespace(eos_token_id=None)) == [2, 7]
+
+
 def test_generation_config_source_and_override(tmp_path):
     """--generation-config auto | vllm | a path, and --override-generation-config on top; the
     model's eos ids stay whatever the sampling defaults' source."""

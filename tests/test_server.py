@@ -260,6 +260,31 @@ def test_tokenize_detokenize_model_info(srv):
     assert info.default_sampling.temperature == 1.0 and info.default_sampling.n == 1
 
 
+def test_unset_max_tokens_takes_generation_configs_max_new_tokens():
+    # as vLLM: generation_config's max_new_tokens caps a request that sets no max_tokens (where
+    # the prompt leaves room for it); GetModelInfo shows it in default_stopping
+    base = fake_engine_factory()
+
+    def make():
+        engine = base()
+        engine.config.model_config.generation_defaults = {"max_tokens": 3}
+        return engine
+    s = ServerThread(make)
+    try:
+        assert s.stub.GetModelInfo(pb.GetModelInfoRequest()).default_stopping.max_tokens == 3
+
+        def finish(**kw):
+            (m,) = list(s.stub.Generate(pb.GenerateRequest(text="hello", **kw)))
+            return len(m.token_ids), m.finish.reason
+        assert finish() == (3, pb.FinishInfo.REASON_LENGTH)
+        assert finish(stopping=ST(max_tokens=5)) == (5, pb.FinishInfo.REASON_LENGTH)
+        assert finish(stopping=ST(min_tokens=4)) == (4, pb.FinishInfo.REASON_LENGTH)
+        (m,) = list(s.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 254))))  # no room for 3: to the end
+        assert (len(m.token_ids), m.finish.reason) == (2, pb.FinishInfo.REASON_CONTEXT)
+    finally:
+        s.stop()
+
+
 def test_chat_generate(srv):
     chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="hi")])
     (m,) = list(srv.stub.Generate(pb.GenerateRequest(chat=chat, stopping=ST(max_tokens=3),

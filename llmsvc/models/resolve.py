@@ -247,10 +247,11 @@ def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
         raise ValueError(f"unsupported architecture {architecture or hf_config.model_type!r}; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     gen = read_json(os.path.join(model_dir, "generation_config.json"))
-    eos: list[int] = []
-    for tid in _ids(hf_config.eos_token_id) + _ids(gen.get("eos_token_id")):
-        if tid not in eos:
-            eos.append(tid)
+    # generation_config.json's EOS ids, else config.json's, as HF generate and vLLM take them
+    # (a config.json id that generation_config.json leaves out does not end generation there);
+    # the tokenizer's EOS joins them where the tokenizer is loaded (model_eos_token_ids)
+    eos = list(dict.fromkeys(_ids(gen["eos_token_id"]) if gen.get("eos_token_id") is not None
+                             else _ids(hf_config.eos_token_id)))
     defaults = generation_defaults(gen, mc.generation_config, mc.override_generation_config)
 
     limit, what = int(hf_config.max_position_embeddings), "max_position_embeddings"

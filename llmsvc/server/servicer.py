@@ -27,7 +27,8 @@ from llmsvc.server.prompt import resolve_prompt
 from llmsvc.server.responses import ResponseBuilder
 from llmsvc.server.rpc_wrap import deadline_passed, final_code
 from llmsvc.server.validation import (ModelLimits, build_sampling_params, check_abort_reason, check_labels,
-                                      check_prompt_fits, check_request_id, check_token_ids)
+                                      check_prompt_fits, check_request_id, check_token_ids,
+                                      fill_default_max_tokens)
 from llmsvc.v1 import llmsvc_pb2 as pb
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
 
@@ -130,6 +131,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
             params = build_sampling_params(request, self.limits)
             prompt, ids = await off_loop_if_large(request, resolve_prompt, request, self.tokenizer, self.limits)
             check_prompt_fits(params, len(ids), self.limits)
+            fill_default_max_tokens(params, len(ids), self.limits)
             builder = ResponseBuilder(rid, request, params, self.tokenizer)
             logger.debug("request %s admitted: %d prompt tokens, traceparent=%s", rid, len(ids),
                          dict(context.invocation_metadata() or ()).get("traceparent"))
@@ -278,7 +280,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
             model_id=mc.model_source or mc.model_dir or "", served_model_name=mc.served_model_name,
             architecture=mc.architecture, dtype=mc.dtype, quantization=mc.quantization,
             max_model_len=self.limits.max_model_len,
-            vocab_size=mc.vocab_size, eos_token_ids=list(mc.eos_token_ids),
+            vocab_size=mc.vocab_size, eos_token_ids=list(self.engine.engine.eos_token_ids),
             has_chat_template=has_chat_template(self.tokenizer),
             supported_constraints=list(self.limits.supported_constraints))
         if mc.bos_token_id is not None:
@@ -287,6 +289,9 @@ class LlmService(pb_grpc.LlmServiceServicer):
             resp.pad_token_id = mc.pad_token_id
         d = self.limits.default_sampling()
         resp.default_sampling.CopyFrom(pb.SamplingParams(n=1, **d))
+        default_max = self.limits.generation_defaults.get("max_tokens")
+        if default_max:
+            resp.default_stopping.max_tokens = int(default_max)
         for entry in self.engine.lora_entries():
             resp.lora_adapters.add(name=entry.name, path=entry.path, rank=entry.rank)
         return resp

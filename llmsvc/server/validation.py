@@ -165,6 +165,16 @@ def build_sampling_params(req, limits: ModelLimits) -> SamplingParams:
     return params
 
 
+def fill_default_max_tokens(params: SamplingParams, num_prompt_tokens: int, limits: ModelLimits) -> None:
+    """An unset max_tokens takes generation_config's max_new_tokens (at least min_tokens) where
+    the prompt leaves room for it, as vLLM caps it; else it stays unset (to max_model_len)."""
+    default = limits.generation_defaults.get("max_tokens")
+    if params.max_tokens is None and default:
+        default = max(int(default), params.min_tokens)
+        if num_prompt_tokens + default < limits.max_model_len:
+            params.max_tokens = default
+
+
 def check_prompt_fits(params: SamplingParams, num_prompt_tokens: int, limits: ModelLimits) -> None:
     """Prompt (+ min_tokens, + explicit max_tokens) must fit in max_model_len (the engine's rule)."""
     with engine_rules():

@@ -6,10 +6,13 @@ from llmsvc.config import EngineConfig
 
 
 def model_eos_token_ids(config: EngineConfig, tokenizer) -> list[int]:
-    """The model's EOS ids (generation_config / config), else the tokenizer's."""
+    """The ids that end generation: the model's (generation_config, else config.json) and the
+    tokenizer's EOS, as vLLM stops on both (a chat fine-tune whose tokenizer ends turns with
+    <|im_end|> while its config still names <|endoftext|> stops at the end of a turn)."""
     eos = list(config.model_config.eos_token_ids)
-    if not eos and getattr(tokenizer, "eos_token_id", None) is not None:
-        eos = [tokenizer.eos_token_id]
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int) and tok_eos not in eos:
+        eos.append(tok_eos)
     return eos
 
 

@@ -386,7 +386,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "served_model_name", "architecture", "dtype", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "pad_token_id", "has_chat_template", "default_sampling", "supported_constraints", "lora_adapters", "quantization")
+    __slots__ = ("model_id", "served_model_name", "architecture", "dtype", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "pad_token_id", "has_chat_template", "default_sampling", "supported_constraints", "lora_adapters", "quantization", "default_stopping")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +401,7 @@ class GetModelInfoResponse(_message.Message):
     SUPPORTED_CONSTRAINTS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_STOPPING_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     served_model_name: str
     architecture: str
@@ -415,7 +416,8 @@ class GetModelInfoResponse(_message.Message):
     supported_constraints: _containers.RepeatedScalarFieldContainer[str]
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
     quantization: str
-    def __init__(self, model_id: _Optional[str] = ..., served_model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., supported_constraints: _Optional[_Iterable[str]] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., quantization: _Optional[str] = ...) -> None: ...
+    default_stopping: StoppingCriteria
+    def __init__(self, model_id: _Optional[str] = ..., served_model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., supported_constraints: _Optional[_Iterable[str]] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., quantization: _Optional[str] = ..., default_stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "path", "rank")
