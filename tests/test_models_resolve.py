@@ -196,6 +196,20 @@ def test_longrope_caps_max_model_len_at_the_original_context(tmp_path):
         resolve_model_config(ModelConfig(model=d, max_model_len=129))
 
 
+def test_a_remote_code_config_is_refused_without_transformers_advice(tmp_path):
+    d = make_tiny_model_dir(tmp_path, "llama")
+    path = os.path.join(d, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(model_type="my_custom_lm", architectures=["MyCustomLM"],
+               auto_map={"AutoConfig": "configuration_custom.MyConfig"})
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="runs no code from model directories") as ei:
+        resolve_model_config(ModelConfig(model=d))
+    assert "trust_remote_code" not in str(ei.value) and "LlamaForCausalLM" in str(ei.value)
+
+
 def test_unknown_architecture_lists_every_supported_one(tmp_path):
     d = make_tiny_model_dir(tmp_path, "llama")
     with open(os.path.join(d, "config.json")) as f:

@@ -82,7 +82,18 @@ def load_hf_config(model_dir: str, cache_dir: str | None) -> HFConfig:
             return HFConfig(data["values"], data["aliases"])
     from transformers import AutoConfig
 
-    config = HFConfig.from_transformers(AutoConfig.from_pretrained(model_dir))
+    try:
+        hf = AutoConfig.from_pretrained(model_dir)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        # transformers' advice (pass trust_remote_code=True) names no option of ours: llmsvc runs
+        # no code from model directories, only the architectures it implements
+        from llmsvc.models.loader_names import SUPPORTED_ARCHITECTURES
+        raise ValueError(f"{model_dir}: config.json names a model type transformers does not know and "
+                         "custom code for it (auto_map); llmsvc runs no code from model directories. "
+                         f"Supported: {', '.join(SUPPORTED_ARCHITECTURES)}") from None
+    config = HFConfig.from_transformers(hf)
     if path is not None:
         json_cache.write(path, {"values": config._values, "aliases": config._aliases})
     return config
