@@ -34,10 +34,10 @@ def config(model_dir, port: int = 0, tp: int = 1, nnodes: int = 1) -> EngineConf
                         device="cpu")
 
 
-def headless_node(model_dir: str, port: int) -> LoggedProcess:
-    return LoggedProcess(llmsvc_cmd("serve", model_dir, "--device", "cpu", "--tensor-parallel-size", "2",
+def headless_node(model_dir: str, port: int, *extra: str, tp: int = 2) -> LoggedProcess:
+    return LoggedProcess(llmsvc_cmd("serve", model_dir, "--device", "cpu", "--tensor-parallel-size", str(tp),
                                     "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-                                    "--master-port", str(port)))
+                                    "--master-port", str(port), *extra))
 
 
 def test_two_nodes_match_uniproc_and_node1_exits_0_after_node0_shutdown(tiny_dir):
@@ -82,6 +82,23 @@ def test_idle_node0_notices_a_remote_rank_that_died(tiny_dir):
                     time.sleep(0.5)
         finally:
             ex.shutdown()
+    finally:
+        node1.kill()
+
+
+@pytest.mark.parametrize("extra,tp,field", [(("--dtype", "bfloat16"), 2, "dtype"),
+                                           ((), 4, "tensor_parallel_size")])
+def test_a_node_started_with_other_options_fails_both_nodes_naming_them(tiny_dir, extra, tp, field):
+    # a different TP size would otherwise hang the rendezvous, a different dtype fail inside a
+    # collective with gloo's words (or compute something else): each rank's configuration is
+    # checked against rank 0's before the process group forms
+    port = _free_port("127.0.0.1")
+    node1 = headless_node(tiny_dir, port, *extra, tp=tp)
+    try:
+        with pytest.raises(ExecutorError, match=f"differs from node 0's.*{field}: rank 0 has"):
+            create_executor(config(tiny_dir, port, tp=2, nnodes=2))
+        assert node1.proc.wait(60) != 0
+        assert f"{field}: rank 0 has" in "".join(node1.lines), node1.log_tail()
     finally:
         node1.kill()
 

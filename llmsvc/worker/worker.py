@@ -56,8 +56,14 @@ class Worker:
             import torch.distributed as dist
 
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=self.distributed_init_method,
-                                    rank=self.rank, world_size=self.world_size)
+            if self.config.parallel_config.nnodes > 1:  # ranks from other command lines: check them first
+                from llmsvc.worker.rendezvous import join_store
+                store = join_store(self.distributed_init_method, self.rank, self.world_size, self.config,
+                                   timeout_s=900.0)
+                dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
+            else:
+                dist.init_process_group(backend, init_method=self.distributed_init_method,
+                                        rank=self.rank, world_size=self.world_size)
             # control messages (SchedulerOutput broadcast, block-count agreement) go over gloo
             self.cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
             logger.info("rank %d/%d joined %s process group", self.rank, self.world_size, backend)
