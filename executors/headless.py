@@ -5,6 +5,7 @@ ranks [k*N/nnodes, (k+1)*N/nnodes) here. All ranks meet in one torch.distributed
 `tcp://master_addr:master_port` (node 0's rank 0 hosts the store). Node 0's rank 0 broadcasts each
 call to every rank, so this process only starts its workers and watches them:
 - node 0 shuts down gracefully -> our workers get the "shutdown" call and exit 0 -> exit code 0;
+- node 0's engine failed (a call failed or timed out) -> they get "abandon" and exit 1 -> exit code 1;
 - node 0 dies -> our workers' next collective fails, they exit non-zero -> exit code 1
   (an orchestrator restarts this node, as it restarts node 0);
 - `stop` set (SIGTERM) -> our workers are stopped -> exit code 0 (node 0 then fails and exits 1).

@@ -91,6 +91,7 @@ class MultiprocExecutor(Executor):
         self.procs: list[mp.Process] = []
         self.conns = []
         self._closed = False
+        self._failed = False  # a call failed: the group is abandoned, not shut down cleanly
         self._pending: deque[_ReplyFuture] = deque()  # non-blocking calls sent, reply not read yet
         self._last_send = time.monotonic()
         t0 = time.perf_counter()
@@ -127,6 +128,13 @@ class MultiprocExecutor(Executor):
         return None
 
     def _recv(self, conn, timeout: float | None, what: str):
+        try:
+            return self._recv_or_raise(conn, timeout, what)
+        except ExecutorError:
+            self._failed = True
+            raise
+
+    def _recv_or_raise(self, conn, timeout: float | None, what: str):
         deadline = None if timeout is None else time.monotonic() + timeout
         sentinels = [p.sentinel for p in self.procs]
         while True:
@@ -227,8 +235,11 @@ class MultiprocExecutor(Executor):
             future.cancel()
         self._pending.clear()
         if self._dead() is None and self.conns and self.ranks[0] == 0:  # only rank 0 reads calls
+            # after a failed call every rank exits 1: a headless node must not report a clean
+            # shutdown of a group whose node 0 failed (its supervisor would not restart it)
+            call = ("abandon" if self._failed else "shutdown", ())
             try:
-                self.conns[0].send_bytes(pickle.dumps(("shutdown", ()), protocol=pickle.HIGHEST_PROTOCOL))
+                self.conns[0].send_bytes(pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL))
             except OSError:
                 pass
         deadline = time.monotonic() + 5.0

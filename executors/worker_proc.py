@@ -91,6 +91,9 @@ def worker_main(config, rank: int, world_size: int, local_rank: int, init_method
             _broadcast(box, group, log)
             call = box[0]
         method, args = call
+        if method == "abandon":  # node 0's engine failed: the group ends as a failure on every node
+            log.error("node 0 abandoned the group after a failed call; exiting")
+            os._exit(1)
         try:
             result = getattr(worker, method)(*args)
         except BaseException:

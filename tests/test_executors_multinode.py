@@ -86,6 +86,26 @@ def test_idle_node0_notices_a_remote_rank_that_died(tiny_dir):
         node1.kill()
 
 
+def test_node1_exits_1_when_node0_shuts_down_after_a_failed_call(tiny_dir):
+    # node 0's engine failed (here a call outlasting its timeout, as with a hung rank): the
+    # group ends as a failure on every node, so node 1's supervisor restarts it
+    port = _free_port("127.0.0.1")
+    node1 = headless_node(tiny_dir, port)
+    try:
+        ex = create_executor(config(tiny_dir, port, tp=2, nnodes=2))
+        try:
+            node1.wait_for(r"headless node 1/2: ranks \[1\] of 2 ready")
+            ex.call_timeout_s = 1e-6
+            with pytest.raises(ExecutorError, match="timed out"):
+                ex.determine_num_kv_blocks()
+        finally:
+            ex.shutdown()
+        assert node1.proc.wait(30) == 1, node1.log_tail()
+        assert "node 0 abandoned the group" in "".join(node1.lines)
+    finally:
+        node1.kill()
+
+
 @pytest.mark.parametrize("extra,tp,field", [(("--dtype", "bfloat16"), 2, "dtype"),
                                            ((), 4, "tensor_parallel_size")])
 def test_a_node_started_with_other_options_fails_both_nodes_naming_them(tiny_dir, extra, tp, field):
