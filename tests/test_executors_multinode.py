@@ -106,6 +106,28 @@ def test_node1_exits_1_when_node0_shuts_down_after_a_failed_call(tiny_dir):
         node1.kill()
 
 
+def test_a_headless_node_whose_rank_is_stuck_exits_1_when_node0_dies(tiny_dir):
+    # a rank frozen (a stalled VM) while node 0 died can wait, once resumed, in a gloo collective
+    # that never returns; node 1 watches node 0's store and exits 1 when it stops answering.
+    # Here the rank stays stopped: neither its exit nor its collective's error can tell node 1
+    import os
+    port = _free_port("127.0.0.1")
+    node1 = headless_node(tiny_dir, port)
+    try:
+        ex = create_executor(config(tiny_dir, port, tp=2, nnodes=2))
+        node1.wait_for(r"headless node 1/2: ranks \[1\] of 2 ready")
+        (w1,) = worker_pids(node1.pid)
+        os.kill(w1, signal.SIGSTOP)
+        os.kill(ex.procs[0].pid, signal.SIGKILL)  # node 0's rank 0 (and the store it hosts) die
+        ex.procs[0].join(10)
+        ex.shutdown()
+        assert node1.proc.wait(60) == 1, node1.log_tail()
+        assert "stopped answering" in "".join(node1.lines)
+        assert wait_gone([w1]) == []
+    finally:
+        node1.kill()
+
+
 @pytest.mark.parametrize("extra,tp,field", [(("--dtype", "bfloat16"), 2, "dtype"),
                                            ((), 4, "tensor_parallel_size")])
 def test_a_node_started_with_other_options_fails_both_nodes_naming_them(tiny_dir, extra, tp, field):
