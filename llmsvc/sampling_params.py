@@ -126,8 +126,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.allowed_token_ids is not None:  # a set: the sampler expands it on every step
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         if self.bad_words is not None:

@@ -143,6 +143,14 @@ def test_cancel_mid_stream_frees_blocks(srv):
     assert list(srv.stub.Generate(gen(request_id="to-cancel")))  # id released after the abort
 
 
+def test_abort_takes_at_most_as_many_ids_as_the_server_holds_requests(srv):
+    # fake_engine_factory: 8 running + 4096 waiting; a million ids once stalled every stream
+    assert list(srv.stub.Abort(pb.AbortRequest(request_ids=["nope"] * 4104)).not_found) == ["nope"] * 4104
+    with pytest.raises(grpc.RpcError) as ei:
+        srv.stub.Abort(pb.AbortRequest(request_ids=["nope"] * 4105))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 4104 ids" in ei.value.details()
+
+
 def test_abort_rpc_ends_ok_with_partial_output(srv):
     call = srv.stub.Generate(gen(max_tokens=200, stream=True, request_id="to-abort"))
     first = next(call)

@@ -65,6 +65,11 @@ CASES = [
     (req(stopping=ST(stop=["s"] * 9)), "stopping.stop"),
     (req(stopping=ST(stop=["x" * 2000])), "stopping.stop[0]"),
     (req(stopping=ST(stop_token_ids=[1000])), "stopping.stop_token_ids[0]"),
+    # bounded like stop strings: each word is tokenized at admission
+    (req(sampling=S(bad_words=["ok", "x" * 2000])), "sampling.bad_words[1]"),
+    # at most one per vocabulary entry, refused before the ids are copied (a 10M-id request
+    # once slowed every step of the batch)
+    (req(sampling=S(allowed_token_ids=[7] * 260)), "sampling.allowed_token_ids"),
     (req(output=O(logprobs=6)), "output.logprobs"),
     (req(output=O(prompt_logprobs=99)), "output.prompt_logprobs"),
     (pb.GenerateRequest(), "prompt"),
@@ -101,6 +106,19 @@ def _details(err: ServiceError) -> dict:
     s = status_pb2.Status.FromString(md["grpc-status-details-bin"])
     assert s.code == err.code.value[0] and s.message == err.message
     return unpack_details(s)
+
+
+def test_allowed_token_ids_repeats_count_once():
+    params, _ = full_check(req(sampling=S(allowed_token_ids=[7, 3, 7, 7, 3])))
+    assert params.allowed_token_ids == [7, 3]
+
+
+def test_abort_ids_are_bounded():
+    from llmsvc.server.validation import check_abort_ids
+    check_abort_ids(["a"] * 10, 10)
+    with pytest.raises(ServiceError, match="at most 10 ids") as ei:
+        check_abort_ids(["a"] * 11, 10)
+    assert ei.value.field == "request_ids"
 
 
 def test_prompt_too_long_has_reason_and_metadata():

@@ -74,6 +74,9 @@ def check_sampling_params(params: SamplingParams, limits: RequestLimits) -> None
         raise InvalidRequestError("min_tokens", f"must be < max_model_len ({L}), got {params.min_tokens}")
     if params.bad_words and len(params.bad_words) > limits.max_stop_strings:
         raise InvalidRequestError("bad_words", f"at most {limits.max_stop_strings} words, got {len(params.bad_words)}")
+    for i, word in enumerate(params.bad_words or ()):  # tokenized at admission: bounded like a stop string
+        if len(word) > limits.max_stop_string_chars:
+            raise InvalidRequestError(f"bad_words[{i}]", f"must be at most {limits.max_stop_string_chars} characters")
     if len(params.stop) > limits.max_stop_strings:
         raise InvalidRequestError("stop", f"at most {limits.max_stop_strings} stop strings, got {len(params.stop)}")
     for i, stop in enumerate(params.stop):

@@ -27,7 +27,7 @@ from llmsvc.server.prompt import resolve_prompt
 from llmsvc.server.responses import ResponseBuilder
 from llmsvc.server.rpc_wrap import deadline_passed, final_code
 from llmsvc.server.validation import (ModelLimits, build_sampling_params, check_abort_reason, check_labels,
-                                      check_prompt_fits, check_request_id, check_token_ids,
+                                      check_abort_ids, check_prompt_fits, check_request_id, check_token_ids,
                                       fill_default_max_tokens)
 from llmsvc.v1 import llmsvc_pb2 as pb
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
@@ -39,6 +39,7 @@ EXECUTOR_NAMES = {"uniproc": "uniproc", "multiproc": "multiproc", "tp": "tensor_
 # requests bigger than this are tokenized/validated on a worker thread: a multi-MiB prompt takes
 # seconds to tokenize and must not stall the event loop (every other stream, health checks)
 INLINE_PROMPT_BYTES = 64 << 10
+MAX_ABORT_IDS = 128 + 4096  # Abort's id limit before the model is loaded: the default request capacity
 
 
 async def off_loop_if_large(request, fn, *args):
@@ -218,6 +219,8 @@ class LlmService(pb_grpc.LlmServiceServicer):
     async def Abort(self, request, context):
         try:
             check_abort_reason(request.reason)  # every aborted stream gets it back
+            sc = self.config.scheduler_config if self.config is not None else None
+            check_abort_ids(request.request_ids, sc.max_num_seqs + sc.max_waiting_requests if sc else MAX_ABORT_IDS)
         except Exception as e:  # noqa: BLE001
             await errors.abort(context, e)
         if self.engine is None:

@@ -79,6 +79,11 @@ def check_request_id(rid: str) -> None:
                                     "x-request-id response header)")
 
 
+def check_abort_ids(ids, limit: int) -> None:
+    if len(ids) > limit:
+        raise invalid("request_ids", f"at most {limit} ids (the requests the server holds at most), got {len(ids)}")
+
+
 def check_labels(labels) -> None:
     if len(labels) > MAX_LABELS:
         raise invalid("labels", f"at most {MAX_LABELS} labels, got {len(labels)}")
@@ -140,6 +145,9 @@ def engine_rules():
 def build_sampling_params(req, limits: ModelLimits) -> SamplingParams:
     """Check the sampling/stopping/output fields of `req`; prompt-length checks come later."""
     s, st, o = req.sampling, req.stopping, req.output
+    if limits.vocab_size and len(s.allowed_token_ids) > limits.vocab_size:  # before copying millions of ids
+        raise invalid("sampling.allowed_token_ids", f"at most vocab_size ({limits.vocab_size}) ids, "
+                                                    f"got {len(s.allowed_token_ids)}")
     structured_outputs = structured_outputs_from_proto(s, limits.supported_constraints)
     defaults = limits.default_sampling()
     kw = {name: getattr(s, name) if s.HasField(name) else defaults[name] for name in SAMPLING_FIELDS}
