@@ -239,6 +239,24 @@ def test_cli_exits_2_on_bad_tls_config(tmp_path):
     assert cli.main(args) == 2
 
 
+def test_a_key_that_is_not_the_certificates_is_a_configuration_error(pki, tmp_path):
+    # grpc reports a mismatched key or a garbage CA only as a port it cannot listen on (exit 1)
+    import argparse
+    f = pki.files
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_bytes(b"-----BEGIN CERTIFICATE-----\nnot base64 at all\n-----END CERTIFICATE-----\n")
+    for cert, key, ca, says in ((f["server.pem"], f["ca.pem"], None, "its private key"),  # a cert as the key
+                                (f["server.key"], f["server.pem"], None, "its private key"),  # swapped
+                                (f["server.pem"], f["server.key"], str(garbage), "--tls-client-ca")):
+        with pytest.raises(ValueError, match=says):
+            TlsConfig(cert, key, ca).server_credentials()
+        p = argparse.ArgumentParser()
+        cli.add_arguments(p)
+        args = ["--tls-cert", cert, "--tls-key", key, "--port", "0", "--host", "127.0.0.1"]
+        assert cli.main(p.parse_args(args + (["--tls-client-ca", ca] if ca else []))) == 2
+    TlsConfig(f["server.pem"], f["server.key"], f["ca.pem"]).server_credentials()  # the right ones pass
+
+
 def test_json_logs_stay_json_when_a_plaintext_probe_hits_a_tls_port(pki, tmp_path):
     # gRPC's C core logged each failed handshake as its own (non-JSON) stderr line
     import json

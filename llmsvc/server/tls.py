@@ -2,11 +2,13 @@
 
 `--tls-cert`/`--tls-key` (PEM) turn TLS on; both or neither. `--tls-client-ca` (PEM bundle)
 additionally requires every client to present a certificate signed by that CA (mTLS).
-Files are read once at startup; a missing or unreadable file is a startup error.
+Files are read once at startup; a missing, unreadable or unparsable file, or a key that is not
+the certificate's, is a startup error (grpc's own report of those is a failed bind).
 """
 from __future__ import annotations
 
 import os
+import ssl
 from dataclasses import dataclass
 
 import grpc
@@ -36,7 +38,24 @@ class TlsConfig:
     def server_credentials(self) -> grpc.ServerCredentials:
         key, cert = _read(self.key_file, "--tls-key"), _read(self.cert_file, "--tls-cert")
         ca = _read(self.client_ca_file, "--tls-client-ca") if self.client_ca_file else None
+        self._check_with_openssl()
         return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+    def _check_with_openssl(self) -> None:
+        """What grpc would only report as a port it cannot listen on: the PEMs parse, the key
+        is the certificate's, the CA bundle holds certificates."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_cert_chain(os.path.expanduser(self.cert_file), os.path.expanduser(self.key_file))
+        except (ssl.SSLError, ValueError) as e:
+            raise ValueError(f"--tls-cert {self.cert_file!r} / --tls-key {self.key_file!r}: not a certificate and "
+                             f"its private key ({e})") from None
+        if self.client_ca_file:
+            try:
+                ctx.load_verify_locations(cafile=os.path.expanduser(self.client_ca_file))
+            except (ssl.SSLError, ValueError) as e:
+                raise ValueError(f"--tls-client-ca {self.client_ca_file!r}: not a PEM bundle of CA certificates "
+                                 f"({e})") from None
 
 
 def _read(path: str, flag: str) -> bytes:
