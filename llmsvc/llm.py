@@ -68,7 +68,8 @@ class LLM:
                 or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
+        defaulted = sampling_params is None
+        if defaulted:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
@@ -90,6 +91,10 @@ class LLM:
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
                 text, token_ids = _prompt_parts(prompt, tok)
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                max_len = engine.max_model_len
+                if defaulted and params.max_tokens is not None and (
+                        params.max_tokens >= max_len or len(token_ids) + params.max_tokens > max_len):
+                    params.max_tokens = None  # a default that does not fit runs to the context, as over gRPC
                 rid = str(next(self._counter))
                 engine.add_request(rid, token_ids, params, prompt=text,
                                    priority=0 if priority is None else priority[i],

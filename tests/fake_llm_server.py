@@ -139,6 +139,8 @@ class FakeLlmService(pb_grpc.LlmServiceServicer):
     async def Tokenize(self, request, context):
         if request.WhichOneof("input") != "text":
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "chat tokenize not scripted")
+        if request.text == "slow":  # a unary call still in flight a while
+            await asyncio.sleep(5)
         return pb.TokenizeResponse(token_ids=[ord(c) for c in request.text],
                                    pieces=list(request.text) if request.return_pieces else [],
                                    max_model_len=8192)

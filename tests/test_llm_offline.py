@@ -61,6 +61,13 @@ def test_default_params_use_generation_config_and_n(fake_llm):
     assert (d.presence_penalty, d.frequency_penalty, d.max_tokens, d.temperature) == (0.5, 0.25, 5, 1.0)
     (out,) = llm.generate([[5, 6, 7]], use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
+    (out,) = llm.generate([[5] * 2045], use_tqdm=False)  # no room for the default: to the context
+    assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].finish_reason == "length"
+    llm.shutdown()
+    fake_llm["defaults"] = {"max_tokens": 5000}  # past max_model_len (2048)
+    llm = LLM()
+    (out,) = llm.generate([[5, 6, 7]], use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2045
 
 
 def test_chat_applies_template(fake_llm):
@@ -168,3 +175,23 @@ def test_vllm_engine_accessors(fake_llm):
     assert cached() > 0
     assert llm.reset_prefix_cache() is True
     assert cached() == 0
+
+
+def test_min_tokens_masks_the_tokenizers_eos_that_ends_generation(tmp_path):
+    # config.json names 5, the tokenizer's EOS is <|im_end|> (2): both end generation, so both
+    # are masked until min_tokens (the worker's mask once held config.json's ids only, and the
+    # tokenizer's EOS came out as an ordinary token inside min_tokens)
+    from model_utils import make_tiny_model_dir
+    tok = smollm2_tokenizer()
+    d = make_tiny_model_dir(tmp_path, eos_token_id=5)
+    tok.save_pretrained(d)
+    llm = LLM(model=d, max_num_seqs=2, max_num_batched_tokens=64, kv_cache_memory="16MiB", device="cpu")
+    try:
+        assert llm.llm_engine.eos_token_ids == [5, tok.eos_token_id]
+        for eos in (5, tok.eos_token_id):
+            p = SamplingParams(temperature=0.0, min_tokens=4, max_tokens=8, logit_bias={eos: 100.0})
+            (out,) = llm.generate([[10, 11, 12]], p, use_tqdm=False)
+            ids = out.outputs[0].token_ids
+            assert eos not in ids[:4] and ids[4] == eos and out.outputs[0].finish_reason == "stop", (eos, ids)
+    finally:
+        llm.shutdown()

@@ -85,23 +85,29 @@ def test_hf_directory_resolution(tmp_path):
 
 
 def test_eos_ids_are_generation_configs_else_config_jsons_plus_the_tokenizers(tmp_path):
-    # as vLLM: generation_config.json's eos_token_id (HF generate's), else config.json's; the
-    # engine adds the tokenizer's EOS (a chat fine-tune whose tokenizer ends turns with
-    # <|im_end|> while config.json still names <|endoftext|>)
-    from types import SimpleNamespace
-
-    from llmsvc.config import EngineConfig
-    from llmsvc.structured.build import model_eos_token_ids
+    # as vLLM: generation_config.json's eos_token_id (HF generate's), else config.json's, plus
+    # the tokenizer's EOS (a chat fine-tune whose tokenizer ends turns with <|im_end|> while
+    # config.json still names <|endoftext|>): one list, resolved before any tokenizer loads, so
+    # the stop check and the worker's min_tokens mask agree
     d = make_tiny_model_dir(tmp_path, "llama", eos_token_id=9)
+    gen_path, tok_cfg = os.path.join(d, "generation_config.json"), os.path.join(d, "tokenizer_config.json")
+    if os.path.exists(gen_path):
+        os.remove(gen_path)  # save_pretrained writes one from config.json
     assert resolve_model_config(ModelConfig(model=d)).eos_token_ids == [9]
-    with open(os.path.join(d, "generation_config.json"), "w") as f:
+    with open(gen_path, "w") as f:
         json.dump({"eos_token_id": [2, 7, 2], "temperature": 0.7}, f)
-    mc = resolve_model_config(ModelConfig(model=d))
-    assert mc.eos_token_ids == [2, 7]  # config.json's 9 does not end generation: HF and vLLM run past it
-    config = EngineConfig(model_config=mc)
-    assert model_eos_token_ids(config, SimpleNamespace(eos_token_id=5)) == [2, 7, 5]
-    assert model_eos_token_ids(config, SimpleNamespace(eos_token_id=7)) == [2, 7]
-    assert model_eos_token_ids(config, SimpleNamespace(eos_token_id=None)) == [2, 7]
+    assert resolve_model_config(ModelConfig(model=d)).eos_token_ids == [2, 7]  # config.json's 9 is not one
+    with open(tok_cfg, "w") as f:  # the id from added_tokens_decoder
+        json.dump({"eos_token": "<|im_end|>", "added_tokens_decoder": {"5": {"content": "<|im_end|>"}}}, f)
+    assert resolve_model_config(ModelConfig(model=d)).eos_token_ids == [2, 7, 5]
+    with open(tok_cfg, "w") as f:
+        json.dump({"eos_token": {"content": "</s>"}}, f)
+    with open(os.path.join(d, "tokenizer.json"), "w") as f:  # ... else from tokenizer.json
+        json.dump({"added_tokens": [{"id": 7, "content": "</s>"}], "model": {"vocab": {}}}, f)
+    assert resolve_model_config(ModelConfig(model=d)).eos_token_ids == [2, 7]
+    with open(os.path.join(d, "tokenizer.json"), "w") as f:
+        json.dump({"added_tokens": [], "model": {"vocab": {"</s>": 11}}}, f)
+    assert resolve_model_config(ModelConfig(model=d)).eos_token_ids == [2, 7, 11]
 
 
 def test_generation_config_source_and_override(tmp_path):

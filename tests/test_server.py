@@ -287,6 +287,8 @@ def test_unset_max_tokens_takes_generation_configs_max_new_tokens():
         assert finish() == (3, pb.FinishInfo.REASON_LENGTH)
         assert finish(stopping=ST(max_tokens=5)) == (5, pb.FinishInfo.REASON_LENGTH)
         assert finish(stopping=ST(min_tokens=4)) == (4, pb.FinishInfo.REASON_LENGTH)
+        (m,) = list(s.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 253))))  # room for 3 exactly
+        assert (len(m.token_ids), m.finish.reason) == (3, pb.FinishInfo.REASON_LENGTH)
         (m,) = list(s.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 254))))  # no room for 3: to the end
         assert (len(m.token_ids), m.finish.reason) == (2, pb.FinishInfo.REASON_CONTEXT)
     finally:

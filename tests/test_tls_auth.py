@@ -255,6 +255,18 @@ def test_a_key_that_is_not_the_certificates_is_a_configuration_error(pki, tmp_pa
         args = ["--tls-cert", cert, "--tls-key", key, "--port", "0", "--host", "127.0.0.1"]
         assert cli.main(p.parse_args(args + (["--tls-client-ca", ca] if ca else []))) == 2
     TlsConfig(f["server.pem"], f["server.key"], f["ca.pem"]).server_credentials()  # the right ones pass
+    # strength is grpc's business: a 1024-bit key it accepts passes; an encrypted key is refused
+    # at once (OpenSSL would prompt for its passphrase on a terminal)
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    weak = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    (tmp_path / "weak.pem").write_bytes(_pem(cert=_cert("localhost", weak, "localhost", weak, ca=False, server=True)))
+    (tmp_path / "weak.key").write_bytes(_pem(weak))
+    (tmp_path / "enc.key").write_bytes(weak.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                          serialization.BestAvailableEncryption(b"pw")))
+    TlsConfig(str(tmp_path / "weak.pem"), str(tmp_path / "weak.key")).server_credentials()
+    with pytest.raises(ValueError, match="encrypted"):
+        TlsConfig(str(tmp_path / "weak.pem"), str(tmp_path / "enc.key")).server_credentials()
 
 
 def test_json_logs_stay_json_when_a_plaintext_probe_hits_a_tls_port(pki, tmp_path):

@@ -144,6 +144,10 @@ class AsyncClient(ClientBase):
             return await method(request, **self._kw(timeout, metadata))
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
+        except asyncio.CancelledError:  # the channel was closed under the call
+            if _task_cancelled():
+                raise
+            raise _local_cancel() from None
 
     def generate_stream(self, prompt: str | Sequence[int] | None = None, *, messages=None,
                         request_id: str | None = None, timeout: float | None = _UNSET,

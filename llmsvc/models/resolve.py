@@ -230,7 +230,7 @@ def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
     every attention path)."""
     from llmsvc.models.hf_config import load_hf_config
     from llmsvc.models.loader_names import MODEL_TYPES, SUPPORTED_ARCHITECTURES
-    from llmsvc.models.tokenizer import read_chat_template
+    from llmsvc.models.tokenizer import read_chat_template, tokenizer_eos_id
 
     check_dtype(mc.dtype)  # before the model is looked for: the cheaper error first
     if mc.tokenizer is not None and not os.path.isdir(mc.tokenizer):
@@ -248,10 +248,14 @@ def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     gen = read_json(os.path.join(model_dir, "generation_config.json"))
     # generation_config.json's EOS ids, else config.json's, as HF generate and vLLM take them
-    # (a config.json id that generation_config.json leaves out does not end generation there);
-    # the tokenizer's EOS joins them where the tokenizer is loaded (model_eos_token_ids)
+    # (a config.json id that generation_config.json leaves out does not end generation there),
+    # and the tokenizer's EOS, as vLLM stops on it too: one list for the engine's stop check,
+    # the worker's min_tokens mask and the grammar's end
     eos = list(dict.fromkeys(_ids(gen["eos_token_id"]) if gen.get("eos_token_id") is not None
                              else _ids(hf_config.eos_token_id)))
+    tok_eos = tokenizer_eos_id(os.path.abspath(mc.tokenizer) if mc.tokenizer else model_dir)
+    if tok_eos is not None and tok_eos not in eos:
+        eos.append(tok_eos)
     defaults = generation_defaults(gen, mc.generation_config, mc.override_generation_config)
 
     limit, what = int(hf_config.max_position_embeddings), "max_position_embeddings"

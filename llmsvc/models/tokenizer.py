@@ -88,6 +88,37 @@ def _load(model_dir: str, cache_dir: str | None):
     return tokenizer
 
 
+def tokenizer_eos_id(tokenizer_dir: str) -> int | None:
+    """The tokenizer's EOS id, read from its files without loading it (the engine-core process
+    resolves the model before any tokenizer loads): tokenizer_config.json names the token, its
+    added_tokens_decoder or tokenizer.json's added tokens or vocabulary give the id. None where
+    they do not say (a sentencepiece-only tokenizer)."""
+    import json
+
+    def read(name: str) -> dict:
+        try:
+            with open(os.path.join(tokenizer_dir, name), encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+    eos = read("tokenizer_config.json").get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if not isinstance(eos, str):
+        return None
+    for tid, entry in (read("tokenizer_config.json").get("added_tokens_decoder") or {}).items():
+        if isinstance(entry, dict) and entry.get("content") == eos and str(tid).isdigit():
+            return int(tid)
+    data = read("tokenizer.json")
+    for entry in data.get("added_tokens") or ():
+        if isinstance(entry, dict) and entry.get("content") == eos and isinstance(entry.get("id"), int):
+            return entry["id"]
+    vocab = (data.get("model") or {}).get("vocab")
+    tid = vocab.get(eos) if isinstance(vocab, dict) else None
+    return tid if isinstance(tid, int) else None
+
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
                     "tokenizer_config.json")
 

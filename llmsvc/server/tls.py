@@ -45,15 +45,20 @@ class TlsConfig:
         """What grpc would only report as a port it cannot listen on: the PEMs parse, the key
         is the certificate's, the CA bundle holds certificates."""
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.set_ciphers("DEFAULT:@SECLEVEL=0")  # judge the files, not their strength: grpc takes weak keys
+
+        def no_passphrase():  # OpenSSL would prompt on a terminal; grpc cannot use an encrypted key
+            raise ValueError("the key is encrypted; llmsvc needs an unencrypted key")
         try:
-            ctx.load_cert_chain(os.path.expanduser(self.cert_file), os.path.expanduser(self.key_file))
-        except (ssl.SSLError, ValueError) as e:
+            ctx.load_cert_chain(os.path.expanduser(self.cert_file), os.path.expanduser(self.key_file),
+                                password=no_passphrase)
+        except (ssl.SSLError, ValueError, OSError) as e:
             raise ValueError(f"--tls-cert {self.cert_file!r} / --tls-key {self.key_file!r}: not a certificate and "
                              f"its private key ({e})") from None
         if self.client_ca_file:
             try:
                 ctx.load_verify_locations(cafile=os.path.expanduser(self.client_ca_file))
-            except (ssl.SSLError, ValueError) as e:
+            except (ssl.SSLError, ValueError, OSError) as e:
                 raise ValueError(f"--tls-client-ca {self.client_ca_file!r}: not a PEM bundle of CA certificates "
                                  f"({e})") from None
 

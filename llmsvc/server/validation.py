@@ -179,7 +179,7 @@ def fill_default_max_tokens(params: SamplingParams, num_prompt_tokens: int, limi
     default = limits.generation_defaults.get("max_tokens")
     if params.max_tokens is None and default:
         default = max(int(default), params.min_tokens)
-        if num_prompt_tokens + default < limits.max_model_len:
+        if default < limits.max_model_len and num_prompt_tokens + default <= limits.max_model_len:
             params.max_tokens = default
 
 

@@ -6,13 +6,12 @@ from llmsvc.config import EngineConfig
 
 
 def model_eos_token_ids(config: EngineConfig, tokenizer) -> list[int]:
-    """The ids that end generation: the model's (generation_config, else config.json) and the
-    tokenizer's EOS, as vLLM stops on both (a chat fine-tune whose tokenizer ends turns with
-    <|im_end|> while its config still names <|endoftext|> stops at the end of a turn)."""
+    """The ids that end generation: the resolved model's (generation_config, else config.json,
+    and the tokenizer's EOS as its files name it: resolve_model_config), which the worker's
+    min_tokens mask uses too; the loaded tokenizer's EOS only where the model names none."""
     eos = list(config.model_config.eos_token_ids)
-    tok_eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(tok_eos, int) and tok_eos not in eos:
-        eos.append(tok_eos)
+    if not eos and getattr(tokenizer, "eos_token_id", None) is not None:
+        eos = [tokenizer.eos_token_id]
     return eos
 
 
