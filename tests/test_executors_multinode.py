@@ -5,6 +5,8 @@ the in-test executor (greedy tokens == uniproc; its graceful shutdown ends node 
 or the real server (SIGKILLed: node 1 must exit non-zero on its own)."""
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import time
 
@@ -40,82 +42,69 @@ def headless_node(model_dir: str, port: int, *extra: str, tp: int = 2) -> Logged
                                     "--master-port", str(port), *extra))
 
 
+@contextlib.contextmanager
+def two_nodes(model_dir: str):
+    """Node 1 headless (the CLI) and node 0 as an in-test executor, one rank each; yields
+    (executor, node 1) once node 1's rank is ready; shuts both down after."""
+    port = _free_port("127.0.0.1")
+    node1 = headless_node(model_dir, port)
+    try:
+        ex = create_executor(config(model_dir, port, tp=2, nnodes=2))
+        try:
+            node1.wait_for(r"headless node 1/2: ranks \[1\] of 2 ready")
+            yield ex, node1
+        finally:
+            ex.shutdown()
+    finally:
+        node1.kill()
+
+
 def test_two_nodes_match_uniproc_and_node1_exits_0_after_node0_shutdown(tiny_dir):
     prompts = prompts_for(TINY_VOCAB, lens=(6, 19, 1))
     expected = run(config(tiny_dir), prompts, max_new=8)
-    port = _free_port("127.0.0.1")
-    node1 = headless_node(tiny_dir, port)
-    try:
-        ex = create_executor(config(tiny_dir, port, tp=2, nnodes=2))  # node 0: rank 0 here, rank 1 on node 1
-        try:
-            assert ex.ranks == [0] and ex.world_size == 2
-            node1.wait_for(r"headless node 1/2: ranks \[1\] of 2 ready")
-            node1_tree = descendants(node1.pid)
-            ex.initialize_kv_cache(ex.determine_num_kv_blocks())
-            assert greedy_generate(ex, prompts, max_new=8, chunk=5) == expected
-        finally:
-            ex.shutdown()
+    with two_nodes(tiny_dir) as (ex, node1):  # node 0: rank 0 here, rank 1 on node 1
+        assert ex.ranks == [0] and ex.world_size == 2
+        node1_tree = descendants(node1.pid)
+        ex.initialize_kv_cache(ex.determine_num_kv_blocks())
+        assert greedy_generate(ex, prompts, max_new=8, chunk=5) == expected
+        ex.shutdown()
         assert node1.proc.wait(30) == 0, node1.log_tail()
         assert wait_gone(node1_tree) == []
         assert "node 0 shut the group down" in "".join(node1.lines)
-    finally:
-        node1.kill()
 
 
 def test_idle_node0_notices_a_remote_rank_that_died(tiny_dir):
     # node 0 has no process sentinel for a rank on another machine: its idle health check
     # pings the group, and the broadcast to the dead rank fails
-    port = _free_port("127.0.0.1")
-    node1 = headless_node(tiny_dir, port)
-    try:
-        ex = create_executor(config(tiny_dir, port, tp=2, nnodes=2))
-        try:
-            node1.wait_for(r"headless node 1/2: ranks \[1\] of 2 ready")
-            ex.initialize_kv_cache(ex.determine_num_kv_blocks())
-            ex.check_health()  # all there
-            node1.proc.send_signal(signal.SIGKILL)  # the node and its worker (death pipe) go
-            node1.proc.wait(10)
-            deadline = time.monotonic() + 30
-            with pytest.raises(ExecutorError):
-                while time.monotonic() < deadline:
-                    ex.check_health()  # the engine core calls it about once a second while idle
-                    time.sleep(0.5)
-        finally:
-            ex.shutdown()
-    finally:
-        node1.kill()
+    with two_nodes(tiny_dir) as (ex, node1):
+        ex.initialize_kv_cache(ex.determine_num_kv_blocks())
+        ex.check_health()  # all there
+        node1.proc.send_signal(signal.SIGKILL)  # the node and its worker (death pipe) go
+        node1.proc.wait(10)
+        deadline = time.monotonic() + 30
+        with pytest.raises(ExecutorError):
+            while time.monotonic() < deadline:
+                ex.check_health()  # the engine core calls it about once a second while idle
+                time.sleep(0.5)
 
 
 def test_node1_exits_1_when_node0_shuts_down_after_a_failed_call(tiny_dir):
     # node 0's engine failed (here a call outlasting its timeout, as with a hung rank): the
     # group ends as a failure on every node, so node 1's supervisor restarts it
-    port = _free_port("127.0.0.1")
-    node1 = headless_node(tiny_dir, port)
-    try:
-        ex = create_executor(config(tiny_dir, port, tp=2, nnodes=2))
-        try:
-            node1.wait_for(r"headless node 1/2: ranks \[1\] of 2 ready")
-            ex.call_timeout_s = 1e-6
-            with pytest.raises(ExecutorError, match="timed out"):
-                ex.determine_num_kv_blocks()
-        finally:
-            ex.shutdown()
+    with two_nodes(tiny_dir) as (ex, node1):
+        ex.call_timeout_s = 1e-6
+        with pytest.raises(ExecutorError, match="timed out"):
+            ex.determine_num_kv_blocks()
+        ex.shutdown()
         assert node1.proc.wait(30) == 1, node1.log_tail()
         assert "node 0 abandoned the group" in "".join(node1.lines)
-    finally:
-        node1.kill()
 
 
 def test_a_headless_node_whose_rank_is_stuck_exits_1_when_node0_dies(tiny_dir):
     # a rank frozen (a stalled VM) while node 0 died can wait, once resumed, in a gloo collective
     # that never returns; node 1 watches node 0's store and exits 1 when it stops answering.
     # Here the rank stays stopped: neither its exit nor its collective's error can tell node 1
-    import os
-    port = _free_port("127.0.0.1")
-    node1 = headless_node(tiny_dir, port)
-    try:
-        ex = create_executor(config(tiny_dir, port, tp=2, nnodes=2))
-        node1.wait_for(r"headless node 1/2: ranks \[1\] of 2 ready")
+    with two_nodes(tiny_dir) as (ex, node1):
         (w1,) = worker_pids(node1.pid)
         os.kill(w1, signal.SIGSTOP)
         os.kill(ex.procs[0].pid, signal.SIGKILL)  # node 0's rank 0 (and the store it hosts) die
@@ -124,8 +113,6 @@ def test_a_headless_node_whose_rank_is_stuck_exits_1_when_node0_dies(tiny_dir):
         assert node1.proc.wait(60) == 1, node1.log_tail()
         assert "stopped answering" in "".join(node1.lines)
         assert wait_gone([w1]) == []
-    finally:
-        node1.kill()
 
 
 @pytest.mark.parametrize("extra,tp,field", [(("--dtype", "bfloat16"), 2, "dtype"),
