@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from llmsvc.config import EngineConfig, parse_memory  # noqa: F401 - parse_memory: public here too
 from llmsvc.engine.chat_roles import developer_as_system
+from llmsvc.engine.validation import default_max_tokens
 from llmsvc.outputs import CONTEXT, LENGTH, RequestOutput
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
 
@@ -91,10 +92,9 @@ class LLM:
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
                 text, token_ids = _prompt_parts(prompt, tok)
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                max_len = engine.max_model_len
-                if defaulted and params.max_tokens is not None and (
-                        params.max_tokens >= max_len or len(token_ids) + params.max_tokens > max_len):
-                    params.max_tokens = None  # a default that does not fit runs to the context, as over gRPC
+                if defaulted:  # a default that does not fit runs to the context, as over gRPC
+                    params.max_tokens = default_max_tokens(params.max_tokens, len(token_ids), params,
+                                                           engine.max_model_len)
                 rid = str(next(self._counter))
                 engine.add_request(rid, token_ids, params, prompt=text,
                                    priority=0 if priority is None else priority[i],

@@ -107,6 +107,17 @@ def check_prompt_fits(num_prompt_tokens: int, params: SamplingParams, limits: Re
             f"max_model_len ({L}); lower max_tokens to <= {L - num_prompt_tokens} or leave it unset")
 
 
+def default_max_tokens(default: int | None, num_prompt_tokens: int, params: SamplingParams,
+                       max_len: int) -> int | None:
+    """The max_tokens an unset one takes: generation_config's max_new_tokens (`default`, raised
+    to min_tokens) where the prompt leaves room for it, as vLLM caps it; else None (to the
+    context). Shared by the server and the offline LLM."""
+    if not default:
+        return None
+    default = max(int(default), params.min_tokens)
+    return default if default < max_len and num_prompt_tokens + default <= max_len else None
+
+
 MAX_CACHE_SALT_CHARS = 256
 
 

@@ -176,11 +176,9 @@ def build_sampling_params(req, limits: ModelLimits) -> SamplingParams:
 def fill_default_max_tokens(params: SamplingParams, num_prompt_tokens: int, limits: ModelLimits) -> None:
     """An unset max_tokens takes generation_config's max_new_tokens (at least min_tokens) where
     the prompt leaves room for it, as vLLM caps it; else it stays unset (to max_model_len)."""
-    default = limits.generation_defaults.get("max_tokens")
-    if params.max_tokens is None and default:
-        default = max(int(default), params.min_tokens)
-        if default < limits.max_model_len and num_prompt_tokens + default <= limits.max_model_len:
-            params.max_tokens = default
+    if params.max_tokens is None:
+        params.max_tokens = rules.default_max_tokens(limits.generation_defaults.get("max_tokens"),
+                                                     num_prompt_tokens, params, limits.max_model_len)
 
 
 def check_prompt_fits(params: SamplingParams, num_prompt_tokens: int, limits: ModelLimits) -> None:
