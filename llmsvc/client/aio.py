@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import grpc.aio
@@ -23,20 +23,17 @@ from llmsvc.v1 import llmsvc_pb2 as pb
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
 
 
-def _task_cancelled() -> bool:
-    """True when the running task itself is being cancelled (Python 3.11+ can tell; before
-    that every CancelledError is taken as the task's)."""
+def _cancelled_call(request_id: str | None = None) -> NoReturn:
+    """In an `except asyncio.CancelledError`: grpc.aio ends a call cancelled on this side
+    (`cancel()`, the channel closed) with CancelledError in whichever task awaits it. Unless
+    that task is itself being cancelled (which Python 3.11+ can tell; before, every one is taken
+    as the task's), the call ended, not the task: raise what the blocking client raises."""
     task = asyncio.current_task()
     cancelling = getattr(task, "cancelling", None)
-    return task is None or cancelling is None or cancelling() > 0
-
-
-def _local_cancel(request_id: str | None = None) -> Cancelled:
-    """grpc.aio ends a call cancelled on this side (`cancel()`, the channel closed) with
-    asyncio.CancelledError in whichever task awaits it. Unless that task is the one being
-    cancelled, the call ended, not the task: raise what the blocking client raises."""
-    return Cancelled("Locally cancelled by application!", code=grpc.StatusCode.CANCELLED,
-                     request_id=request_id)
+    if task is None or cancelling is None or cancelling() > 0:
+        raise  # noqa: PLE0704 - re-raises the CancelledError being handled
+    raise Cancelled("Locally cancelled by application!", code=grpc.StatusCode.CANCELLED,
+                    request_id=request_id) from None
 
 
 class AsyncGenerateStream:
@@ -75,9 +72,7 @@ class AsyncGenerateStream:
             except grpc.RpcError as err:
                 raise from_rpc_error(err) from None
             except asyncio.CancelledError:
-                if _task_cancelled():
-                    raise
-                raise _local_cancel() from None
+                _cancelled_call()
         return self.request_id
 
     async def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]:
@@ -95,9 +90,7 @@ class AsyncGenerateStream:
                     pass
             raise from_rpc_error(err, self.request_id) from None
         except asyncio.CancelledError:
-            if _task_cancelled():
-                raise
-            raise _local_cancel(self.request_id) from None
+            _cancelled_call(self.request_id)
         finally:
             self._call.cancel()  # no-op once the call has completed
 
@@ -145,9 +138,7 @@ class AsyncClient(ClientBase):
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         except asyncio.CancelledError:  # the channel was closed under the call
-            if _task_cancelled():
-                raise
-            raise _local_cancel() from None
+            _cancelled_call()
 
     def generate_stream(self, prompt: str | Sequence[int] | None = None, *, messages=None,
                         request_id: str | None = None, timeout: float | None = _UNSET,
@@ -229,9 +220,7 @@ class AsyncClient(ClientBase):
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         except asyncio.CancelledError:
-            if _task_cancelled():
-                raise
-            raise _local_cancel() from None
+            _cancelled_call()
         finally:
             call.cancel()
 
