@@ -76,8 +76,9 @@ def join_store(init_method: str, rank: int, world_size: int, config: EngineConfi
                 raise ValueError(f"rank {r}'s configuration differs from node 0's (start every node "
                                  "with the same model and options): " + "; ".join(diff))
             waiting.remove(r)
-        if waiting and time.monotonic() - last_log >= WAIT_LOG_S:
-            logger.info("waiting for ranks %s to join at %s", waiting, init_method)
-            last_log = time.monotonic()
-        time.sleep(0.05 if waiting else 0)
+        if waiting:
+            if time.monotonic() - last_log >= WAIT_LOG_S:
+                logger.info("waiting for ranks %s to join at %s", waiting, init_method)
+                last_log = time.monotonic()
+            time.sleep(0.05)
     return store
