@@ -102,12 +102,13 @@ def tokenizer_eos_id(tokenizer_dir: str) -> int | None:
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
-    eos = read("tokenizer_config.json").get("eos_token")
+    config = read("tokenizer_config.json")
+    eos = config.get("eos_token")
     if isinstance(eos, dict):
         eos = eos.get("content")
     if not isinstance(eos, str):
         return None
-    for tid, entry in (read("tokenizer_config.json").get("added_tokens_decoder") or {}).items():
+    for tid, entry in (config.get("added_tokens_decoder") or {}).items():
         if isinstance(entry, dict) and entry.get("content") == eos and str(tid).isdigit():
             return int(tid)
     data = read("tokenizer.json")

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 PREFIX = "llmsvc/fingerprint/"
 MISMATCH = "llmsvc/mismatch"
 WAIT_LOG_S = 30.0
+ADVICE = "start every node with the same model and options"
 _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "num_experts", "moe_intermediate_size")
 
@@ -62,19 +63,17 @@ def join_store(init_method: str, rank: int, world_size: int, config: EngineConfi
         diff = differences(ref, mine, rank)
         if diff:
             store.set(MISMATCH, f"node {config.parallel_config.node_rank}: " + "; ".join(diff))
-            raise ValueError("this node's configuration differs from node 0's (start every node with "
-                             "the same model and options): " + "; ".join(diff))
+            raise ValueError(f"this node's configuration differs from node 0's ({ADVICE}): " + "; ".join(diff))
         return store
     waiting, last_log = list(range(1, world_size)), time.monotonic()
     while waiting:
         if store.check([MISMATCH]):
-            raise ValueError("a rank's configuration differs from node 0's (start every node with the "
-                             f"same model and options): {store.get(MISMATCH).decode()}")
+            raise ValueError(f"a rank's configuration differs from node 0's ({ADVICE}): "
+                             f"{store.get(MISMATCH).decode()}")
         for r in [r for r in waiting if store.check([f"{PREFIX}{r}"])]:
             diff = differences(mine, json.loads(store.get(f"{PREFIX}{r}")), r)
             if diff:
-                raise ValueError(f"rank {r}'s configuration differs from node 0's (start every node "
-                                 "with the same model and options): " + "; ".join(diff))
+                raise ValueError(f"rank {r}'s configuration differs from node 0's ({ADVICE}): " + "; ".join(diff))
             waiting.remove(r)
         if waiting:
             if time.monotonic() - last_log >= WAIT_LOG_S:
