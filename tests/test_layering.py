@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # top to bottom; a module may import its own layer and any layer below it
 LAYERS = ["entry", "server", "client", "engine", "core", "structured", "executors", "worker", "models",
           "kernels", "shared"]
-SHARED = {"llmsvc.config", "llmsvc.sampling_params", "llmsvc.wire", "llmsvc.outputs"}
+SHARED = {"llmsvc.config", "llmsvc.sampling_params", "llmsvc.wire", "llmsvc.outputs", "llmsvc.engine_request"}
 TORCH_FREE = ["llmsvc.engine", "llmsvc.core", "llmsvc.client", "llmsvc.server", "executors", "llmsvc.v1",
               "llmsvc.structured"]
 
