@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from llmsvc.core.kv_events import KVEventJournal
+
 
 class DoubleFreeError(RuntimeError):
     pass
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, events: KVEventJournal | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -29,6 +31,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block_id
         self.num_evictions = 0
+        self.events = events  # records evictions and resets for cache-aware routers (None: nobody asks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -57,6 +60,8 @@ class BlockPool:
             if self.cached.get(h) == block_id:
                 del self.cached[h]
             self.num_evictions += 1
+            if self.events is not None:
+                self.events.removed(h)
 
     def touch(self, block_ids: list[int]) -> None:
         """A request starts sharing these (cached) blocks: ref_cnt += 1, out of the free queue."""
@@ -78,14 +83,16 @@ class BlockPool:
     def get_cached_block(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
 
-    def cache_block(self, block_id: int, block_hash: bytes) -> None:
-        """Register a full, held block under its hash (first writer wins on duplicates)."""
+    def cache_block(self, block_id: int, block_hash: bytes) -> bool:
+        """Register a full, held block under its hash (first writer wins on duplicates).
+        Returns whether it was registered now."""
         if not self.enable_caching or self.block_hash[block_id] is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return  # an identical block is already cached; this one stays anonymous
+            return False  # an identical block is already cached; this one stays anonymous
         self.block_hash[block_id] = block_hash
         self.cached[block_hash] = block_id
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is held."""
@@ -93,6 +100,8 @@ class BlockPool:
             return False
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def check_invariants(self) -> None:

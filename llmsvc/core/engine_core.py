@@ -20,6 +20,7 @@ from llmsvc.config import EngineConfig
 from llmsvc.core.async_scheduler import AsyncScheduler
 from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.core.kv_cache_manager import KVCacheManager
+from llmsvc.core.kv_events import KVEventPage
 from llmsvc.core.request import Request
 from llmsvc.core.scheduler import Scheduler
 from llmsvc.models.loader_names import kv_release_window
@@ -102,6 +103,11 @@ class EngineCore:
             return f"{users} request(s) in flight use it"
         self.executor.collective_rpc("remove_lora", lora_id - 1)
         return None
+
+    def take_kv_events(self, after_seq: int) -> KVEventPage:
+        """The prefix cache's events numbered after `after_seq` (llmsvc.core.kv_events); the
+        first call turns their recording on."""
+        return self.kv_cache_manager.events.take(after_seq)
 
     def abort_requests(self, request_ids, reason: str = ABORT) -> list[str]:
         """Finish these requests now (blocks freed, workers told next step); unknown ids ignored."""

@@ -23,6 +23,7 @@ import hashlib
 from array import array
 
 from llmsvc.core.block_pool import BlockPool
+from llmsvc.core.kv_events import KVEventJournal
 from llmsvc.core.request import Request
 
 NONE_HASH = b"\x00" * 32
@@ -57,7 +58,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window  # every layer's window (None: some layer sees everything)
         self.num_released: dict[str, int] = {}  # req_id -> leading blocks given back (window)
-        self.pool = BlockPool(num_blocks, enable_caching)
+        # stored / removed / cleared events of the prefix cache, recorded once a reader asks
+        self.events = KVEventJournal(block_size)
+        self.pool = BlockPool(num_blocks, enable_caching, self.events)
         self.req_to_blocks: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}  # req_id -> leading blocks already registered
         # prefix-cache counters, over the tokens of every request admitted
@@ -202,8 +205,10 @@ class KVCacheManager:
             return
         self._update_block_hashes(request)
         blocks = self.req_to_blocks[request.request_id]
+        hashes, bs = request.block_hashes, self.block_size
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+            if self.pool.cache_block(blocks[i], hashes[i]) and self.events.enabled:
+                self.events.stored(hashes[i], hashes[i - 1] if i else None, request.all_token_ids[i * bs:(i + 1) * bs])
         self.num_cached_block[request.request_id] = num_full
 
     def free(self, request: Request) -> None:

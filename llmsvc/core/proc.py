@@ -218,6 +218,6 @@ class EngineCoreLoop:
     def _utility(self, method: str, args: tuple):
         if method == "reset_prefix_cache":
             return self.core.kv_cache_manager.pool.reset_prefix_cache()
-        if method in ("add_lora", "remove_lora"):
+        if method in ("add_lora", "remove_lora", "take_kv_events"):
             return getattr(self.core, method)(*args)
         raise ValueError(f"unknown engine-core utility {method!r}")

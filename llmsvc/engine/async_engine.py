@@ -137,6 +137,11 @@ class AsyncEngine(EngineThreadMixin):
         engine to ask."""
         return bool(await self._engine_call("reset_prefix_cache"))
 
+    async def take_kv_events(self, after_seq: int):
+        """The engine's take_kv_events (the prefix cache's stored / removed / cleared events after
+        `after_seq`, llmsvc.core.kv_events.KVEventPage), between two steps."""
+        return await self._engine_call("take_kv_events", after_seq)
+
     async def add_lora(self, name: str, path: str):
         """The engine's add_lora (LoRAEntry; LoRAAdminError), between two steps."""
         return await self._engine_call("add_lora", name, path)
