@@ -1,7 +1,9 @@
 """SamplingParams: per-request sampling and stopping, named as in vLLM (torch-free).
 
-`verify()` raises ValueError naming the field and the allowed range; the server maps
-that to INVALID_ARGUMENT. Nothing is clamped silently.
+`verify()` raises SamplingParamsError (a ValueError) naming the field and the allowed range;
+the server maps that to INVALID_ARGUMENT. Nothing is clamped silently. It runs when the params
+are built, and again at admission (llmsvc.engine.admission) for params built with
+`unverified()`, which the gRPC doors use so that a request is verified once.
 """
 from __future__ import annotations
 
@@ -10,8 +12,20 @@ import json
 import math
 import numbers
 import operator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
+
+_SKIP_VERIFY: ContextVar[bool] = ContextVar("llmsvc_sampling_params_skip_verify", default=False)
+
+
+class SamplingParamsError(ValueError):
+    """A field out of range: `field` names it ("stop[1]", "logit_bias[7]"), `why` says what is allowed."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field} {why}")
+        self.field = field
+        self.why = why
 
 
 class RequestOutputKind(enum.Enum):
@@ -135,7 +149,18 @@ class SamplingParams:
         self._normalize_numbers()
         if self.top_k == -1:
             self.top_k = 0
-        self.verify()
+        if not _SKIP_VERIFY.get():
+            self.verify()
+
+    @classmethod
+    def unverified(cls, **kw) -> "SamplingParams":
+        """Built and normalized but not verified: for a door whose request goes to admission
+        next, which verifies it, so that verify() runs once per request."""
+        token = _SKIP_VERIFY.set(True)
+        try:
+            return cls(**kw)
+        finally:
+            _SKIP_VERIFY.reset(token)
 
     _INTS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "time_limit_ms",
              "stream_interval")
@@ -154,7 +179,7 @@ class SamplingParams:
         for name in self._FLOATS:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
-                raise ValueError(f"{name} must be a number, got {v!r}")
+                raise SamplingParamsError(name, f"must be a number, got {v!r}")
             setattr(self, name, float(v))
         if self.seed == -1:
             self.seed = None
@@ -172,7 +197,7 @@ class SamplingParams:
     def verify(self, max_logprobs: int | None = None) -> None:
         """Ranges; logprobs and prompt_logprobs up to max_logprobs (the engine's; None: any)."""
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"{name} {why}")
+            raise SamplingParamsError(name, why)
 
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
                      "temperature", "top_p", "min_p"):
@@ -241,8 +266,8 @@ def _integer(name: str, v):
     if v is None:
         return None
     if isinstance(v, bool):
-        raise ValueError(f"{name} must be an integer, got {v!r}")
+        raise SamplingParamsError(name, f"must be an integer, got {v!r}")
     try:
         return operator.index(v)
     except TypeError:
-        raise ValueError(f"{name} must be an integer, got {v!r}") from None
+        raise SamplingParamsError(name, f"must be an integer, got {v!r}") from None

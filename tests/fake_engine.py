@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 from llmsvc.core.errors import InvalidRequestError
+from llmsvc.engine.admission import AdmittedRequest
+from llmsvc.engine_request import EngineRequest
 from llmsvc.config import EngineConfig, ModelConfig, SchedulerConfig
 from llmsvc.outputs import ABORT, CONTEXT, LENGTH, CompletionOutput, EngineStats, RequestOutput
 from llmsvc.sampling_params import RequestOutputKind
@@ -46,6 +48,7 @@ class FakeEngine:
         self.fail_next_step: Exception | None = None
         self.reqs: dict[str, _Req] = {}
         self.aborted: list[str] = []
+        self.admitted: list[str] = []  # ids in the order admit() passed them
         self.threads: set[int] = set()
         self.steps = 0
         self.is_shutdown = False
@@ -54,15 +57,24 @@ class FakeEngine:
     def _touch(self) -> None:
         self.threads.add(threading.get_ident())
 
+    def admit(self, request: EngineRequest) -> AdmittedRequest:
+        """LLMEngine.admit's contract, with one rule: the prompt must not be empty."""
+        if not request.prompt_token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        self.admitted.append(request.request_id)
+        return AdmittedRequest(request)
+
+    def add_admitted(self, admitted: AdmittedRequest):
+        self._touch()
+        r = admitted.request
+        if r.request_id in self.reqs:
+            raise ValueError(f"duplicate {r.request_id}")
+        self.reqs[r.request_id] = _Req(r.request_id, list(r.prompt_token_ids), r.sampling_params, r.prompt,
+                                       {i: [] for i in range(r.sampling_params.n)})
+
     def add_request(self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, arrival_time=None,
                     cache_salt=None, lora_name=None):
-        self._touch()
-        if request_id in self.reqs:
-            raise ValueError(f"duplicate {request_id}")
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        self.reqs[request_id] = _Req(request_id, list(prompt_token_ids), params, prompt,
-                                     {i: [] for i in range(params.n)})
+        self.add_admitted(self.admit(EngineRequest(request_id, prompt_token_ids, params, prompt=prompt)))
 
     def abort_request(self, ids):
         self._touch()

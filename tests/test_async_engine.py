@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from llmsvc.engine_request import EngineRequest
 from llmsvc.engine.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError, OutputBacklogError
 from llmsvc.core.errors import DuplicateRequestError, QueueFullError
 from llmsvc.engine.output_stream import merge_delta
@@ -44,7 +45,7 @@ def test_generate_streams_deltas_from_one_engine_thread():
 
     async def main():
         ae = await _started(fe)
-        outs = await asyncio.gather(*[_collect(ae.generate(f"r{i}", [10 * i + 1], SamplingParams(max_tokens=5)))
+        outs = await asyncio.gather(*[_collect(ae.generate(EngineRequest(f"r{i}", [10 * i + 1], SamplingParams(max_tokens=5))))
                                       for i in range(4)])
         await ae.shutdown()
         return outs
@@ -64,7 +65,7 @@ def test_engine_thread_sleeps_when_idle():
 
     async def main():
         ae = await _started(fe)
-        await _collect(ae.generate("a", [1], SamplingParams(max_tokens=2)))
+        await _collect(ae.generate(EngineRequest("a", [1], SamplingParams(max_tokens=2))))
         steps = fe.steps
         await asyncio.sleep(0.2)
         assert fe.steps == steps  # no spinning step() calls while idle
@@ -78,7 +79,7 @@ def test_slow_consumer_gets_coalesced_deltas():
 
     async def main():
         ae = await _started(fe)
-        agen = ae.generate("slow", [5], SamplingParams(max_tokens=20, n=2))
+        agen = ae.generate(EngineRequest("slow", [5], SamplingParams(max_tokens=20, n=2)))
         first = await agen.__anext__()
         assert not first.finished
         await _wait_for(lambda: "slow" not in ae._streams)  # the engine ran ahead while we did not read
@@ -112,13 +113,13 @@ def test_backlog_cap_aborts_request_and_raises():
 
     async def main():
         ae = await _started(fe, max_backlog_bytes=200)
-        agen = ae.generate("big", [1], SamplingParams(max_tokens=5000))
+        agen = ae.generate(EngineRequest("big", [1], SamplingParams(max_tokens=5000)))
         with pytest.raises(OutputBacklogError):
             async for _ in agen:
                 await asyncio.sleep(0.05)  # a slow reader
         assert fe.steps < 5000
         await _wait_for(lambda: "big" not in ae._streams)  # id released once the engine confirmed
-        other = await _collect(ae.generate("ok", [1], SamplingParams(max_tokens=3)))
+        other = await _collect(ae.generate(EngineRequest("ok", [1], SamplingParams(max_tokens=3))))
         await ae.shutdown()
         return other
 
@@ -133,15 +134,15 @@ def test_cancel_aborts_and_reserves_id_until_confirmed():
 
     async def main():
         ae = await _started(fe)
-        agen = ae.generate("c", [1], SamplingParams(max_tokens=50_000))
+        agen = ae.generate(EngineRequest("c", [1], SamplingParams(max_tokens=50_000)))
         await agen.__anext__()
         fe.gate.clear()  # hold the engine inside its next step
         await agen.aclose()  # the consumer goes away
         with pytest.raises(DuplicateRequestError):  # abort not confirmed yet: id still reserved
-            await ae.generate("c", [1], SamplingParams(max_tokens=1)).__anext__()
+            await ae.generate(EngineRequest("c", [1], SamplingParams(max_tokens=1))).__anext__()
         fe.gate.set()
         await _wait_for(lambda: "c" not in ae._streams)
-        again = await _collect(ae.generate("c", [1], SamplingParams(max_tokens=2)))
+        again = await _collect(ae.generate(EngineRequest("c", [1], SamplingParams(max_tokens=2))))
         await ae.shutdown()
         return again
 
@@ -156,7 +157,7 @@ def test_task_cancellation_aborts():
 
     async def main():
         ae = await _started(fe)
-        task = asyncio.create_task(_collect(ae.generate("t", [1], SamplingParams(max_tokens=5000))))
+        task = asyncio.create_task(_collect(ae.generate(EngineRequest("t", [1], SamplingParams(max_tokens=5000)))))
         await _wait_for(lambda: fe.steps > 3)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -173,7 +174,7 @@ def test_abort_by_id_ends_stream_with_abort_reason_and_partial_output():
 
     async def main():
         ae = await _started(fe)
-        agen = ae.generate("x", [1], SamplingParams(max_tokens=5000))
+        agen = ae.generate(EngineRequest("x", [1], SamplingParams(max_tokens=5000)))
         first = await agen.__anext__()
         not_found = ae.abort(["x", "nope"], reason="user asked")
         assert ae.abort(["x"]) == []  # idempotent while in flight
@@ -194,15 +195,15 @@ def test_duplicate_id_and_add_errors():
     async def main():
         ae = await _started(fe)
         fe.gate.clear()
-        agen = ae.generate("d", [1], SamplingParams(max_tokens=3))
+        agen = ae.generate(EngineRequest("d", [1], SamplingParams(max_tokens=3)))
         task = asyncio.create_task(agen.__anext__())
         await _wait_for(lambda: "d" in ae._streams)
         with pytest.raises(DuplicateRequestError):
-            await ae.generate("d", [2], SamplingParams()).__anext__()
+            await ae.generate(EngineRequest("d", [2], SamplingParams())).__anext__()
         fe.gate.set()
         await task
         with pytest.raises(InvalidRequestError):  # raised by the engine's add_request, passed through
-            await ae.generate("e", [], SamplingParams()).__anext__()
+            await ae.generate(EngineRequest("e", [], SamplingParams())).__anext__()
         assert "e" not in ae._streams
         await _collect(agen)
         await ae.shutdown()
@@ -218,11 +219,11 @@ def test_queue_full(max_running, cap):
     async def main():
         ae = await _started(fe, max_waiting_requests=cap)
         fe.gate.clear()
-        gens = [ae.generate(f"q{i}", [1], SamplingParams(max_tokens=2)) for i in range(max_running + cap)]
+        gens = [ae.generate(EngineRequest(f"q{i}", [1], SamplingParams(max_tokens=2))) for i in range(max_running + cap)]
         tasks = [asyncio.create_task(g.__anext__()) for g in gens]
         await _wait_for(lambda: len(ae._streams) == max_running + cap)
         with pytest.raises(QueueFullError):
-            await ae.generate("over", [1], SamplingParams()).__anext__()
+            await ae.generate(EngineRequest("over", [1], SamplingParams())).__anext__()
         fe.gate.set()
         await asyncio.gather(*tasks)
         for g in gens:
@@ -240,12 +241,12 @@ def test_queue_cap_counts_the_sequences_of_n_greater_than_1():
     async def main():
         ae = await _started(fe, max_waiting_requests=1)
         fe.gate.clear()
-        gens = [ae.generate("pair", [1], SamplingParams(max_tokens=2, n=2)),
-                ae.generate("one", [1], SamplingParams(max_tokens=2))]
+        gens = [ae.generate(EngineRequest("pair", [1], SamplingParams(max_tokens=2, n=2))),
+                ae.generate(EngineRequest("one", [1], SamplingParams(max_tokens=2)))]
         tasks = [asyncio.create_task(g.__anext__()) for g in gens]
         await _wait_for(lambda: len(ae._streams) == 2)
         with pytest.raises(QueueFullError, match="1 requests are waiting"):
-            await ae.generate("over", [1], SamplingParams()).__anext__()
+            await ae.generate(EngineRequest("over", [1], SamplingParams())).__anext__()
         fe.gate.set()
         await asyncio.gather(*tasks)
         for g in gens:
@@ -261,7 +262,7 @@ def test_engine_death_fails_streams_and_flips_health():
 
     async def main():
         ae = await _started(fe)
-        agens = [ae.generate(f"k{i}", [1], SamplingParams(max_tokens=5000)) for i in range(3)]
+        agens = [ae.generate(EngineRequest(f"k{i}", [1], SamplingParams(max_tokens=5000))) for i in range(3)]
         for g in agens:
             await g.__anext__()
         assert ae.is_healthy
@@ -271,7 +272,7 @@ def test_engine_death_fails_streams_and_flips_health():
                 await _collect(g)
         assert not ae.is_healthy and isinstance(ae.dead_error, FakeEngineError)
         with pytest.raises(EngineDeadError):
-            await ae.generate("new", [1], SamplingParams()).__anext__()
+            await ae.generate(EngineRequest("new", [1], SamplingParams())).__anext__()
         await ae.shutdown()
 
     run(main())
@@ -283,13 +284,13 @@ def test_shutdown_grace_then_abort():
 
     async def main():
         ae = await _started(fe)
-        short = asyncio.create_task(_collect(ae.generate("s", [1], SamplingParams(max_tokens=3))))
-        agen = ae.generate("long", [1], SamplingParams(max_tokens=100_000))
+        short = asyncio.create_task(_collect(ae.generate(EngineRequest("s", [1], SamplingParams(max_tokens=3)))))
+        agen = ae.generate(EngineRequest("long", [1], SamplingParams(max_tokens=100_000)))
         await agen.__anext__()
         await ae.shutdown(grace=0.3)
         rest = await _collect(agen)
         with pytest.raises(EngineStoppedError):
-            await ae.generate("late", [1], SamplingParams()).__anext__()
+            await ae.generate(EngineRequest("late", [1], SamplingParams())).__anext__()
         return await short, rest
 
     short, rest = run(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from llmsvc.engine_request import EngineRequest
 from llmsvc.core.burst import BurstWindow
 from llmsvc.engine.async_engine import AsyncEngine
 from llmsvc.sampling_params import SamplingParams
@@ -32,7 +33,7 @@ def _first_step(engine: RecordingEngine, gap_s: float) -> list[str]:
 
         async def one(rid, delay):
             await asyncio.sleep(delay)
-            async for _ in ae.generate(rid, [5], SamplingParams(max_tokens=20)):
+            async for _ in ae.generate(EngineRequest(rid, [5], SamplingParams(max_tokens=20))):
                 pass
 
         await asyncio.gather(one("a", 0.0), one("b", gap_s))

@@ -9,6 +9,7 @@ import pytest
 
 from engine_fakes import VOCAB, FakeExecutor, make_config, smollm2_tokenizer
 from executors.base import ExecutorError
+from llmsvc.engine_request import EngineRequest
 from llmsvc.core.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from llmsvc.engine.llm_engine import LLMEngine
 from llmsvc.engine.stats import StatsLogger
@@ -84,8 +85,9 @@ def test_validation_errors(tok):
 
 
 def test_max_logprobs_bounds_logprobs_and_prompt_logprobs(tok):
-    engine, _ = make_engine(tok)
-    engine.config.max_logprobs = 3
+    cfg = make_config(num_blocks=64)
+    cfg.max_logprobs = 3  # the engine's limits are read once, when it is built
+    engine = LLMEngine(cfg, FakeExecutor(cfg, num_blocks=64), tok)
     engine.add_request("ok", [1, 2], SamplingParams(max_tokens=1, logprobs=3, prompt_logprobs=3))
     for field in ("logprobs", "prompt_logprobs"):
         with pytest.raises(InvalidRequestError, match=r"\[0, 3\]") as ei:
@@ -232,7 +234,7 @@ def test_idle_engine_thread_logs_the_throughput_line(tok):
         ae = AsyncEngine(engine)
         ae.health_check_interval_s = 0.05
         await ae.start()
-        async for _ in ae.generate("a", [1, 2, 3], SamplingParams(max_tokens=4)):
+        async for _ in ae.generate(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=4))):
             pass
         n = len(lines)
         await asyncio.sleep(1.0)  # no request: the idle tick logs

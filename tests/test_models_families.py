@@ -146,6 +146,7 @@ def test_a_window_lets_requests_outgrow_the_pool(tmp_path, name, pool_bound):
     model with full attention is bound by the pool."""
     from llmsvc import LLM, SamplingParams
     from llmsvc.core.errors import PromptTooLongError
+    from llmsvc.engine_request import EngineRequest
 
     d = _model_dir(tmp_path, name)
     prompts = _prompts(1, [100], seed=5)
@@ -154,7 +155,7 @@ def test_a_window_lets_requests_outgrow_the_pool(tmp_path, name, pool_bound):
         try:
             assert llm.llm_engine.max_model_len == 88
             with pytest.raises(PromptTooLongError, match="the KV cache pool"):
-                llm.llm_engine.validate(prompts[0], SamplingParams(max_tokens=NEW_TOKENS))
+                llm.llm_engine.admit(EngineRequest("r", prompts[0], SamplingParams(max_tokens=NEW_TOKENS)))
         finally:
             llm.shutdown()
         return

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from llmsvc.engine_request import EngineRequest
 from llmsvc.server import cli, cli_types
 from llmsvc.server.app import BindError, LlmServer
 from llmsvc.server.validation import ModelLimits
@@ -158,7 +159,7 @@ def test_serve_exits_0_on_stop_and_1_on_engine_death():
         from llmsvc.sampling_params import SamplingParams
         server.async_engine.engine.fake_executor.fail_after = 0
         with pytest.raises(Exception):
-            async for _ in server.async_engine.generate("x", [1, 2], SamplingParams(max_tokens=5)):
+            async for _ in server.async_engine.generate(EngineRequest("x", [1, 2], SamplingParams(max_tokens=5))):
                 pass
 
     code, server = asyncio.run(_serve_until(fake_engine_factory(), kill_engine))

@@ -11,7 +11,9 @@ from llmsvc.engine.async_engine import EngineDeadError, OutputBacklogError
 from llmsvc.core.errors import DuplicateRequestError, PromptTooLongError, QueueFullError
 from llmsvc.server.errors import ServiceError, to_service_error
 from llmsvc.server.prompt import resolve_prompt
-from llmsvc.server.validation import ModelLimits, build_sampling_params, check_prompt_fits
+from llmsvc.engine.admission import Admission
+from llmsvc.server.v1_request import to_engine_request
+from llmsvc.server.validation import ModelLimits, build_sampling_params
 from llmsvc.v1 import llmsvc_pb2 as pb
 from tests.reliability_utils import unpack_details
 from tests.server_harness import tiny_tokenizer
@@ -35,10 +37,14 @@ def req(**kw) -> pb.GenerateRequest:
 
 
 def full_check(r: pb.GenerateRequest):
-    params = build_sampling_params(r, LIMITS)
-    _, ids = resolve_prompt(r, TOK, LIMITS)
-    check_prompt_fits(params, len(ids), LIMITS)
-    return params, ids
+    """The server's path without a server: this door's mapper, then the engine's admission."""
+    try:
+        admitted = Admission(LIMITS.request_limits, tokenizer=TOK).admit(to_engine_request(r, "r", TOK, LIMITS))
+    except ServiceError:
+        raise
+    except Exception as e:  # what the servicer does with an engine error
+        raise to_service_error(e) from None
+    return admitted.request.sampling_params, admitted.request.prompt_token_ids
 
 
 S, ST, O = pb.SamplingParams, pb.StoppingCriteria, pb.OutputOptions
@@ -159,7 +165,8 @@ def test_chat_without_template_is_failed_precondition():
 def test_defaults_from_generation_config_then_neutral():
     p, _ = full_check(req())
     assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.n) == (0.7, 50, 1.0, 0.0, 1.0, 1)
-    assert p.max_tokens is None and p.seed is None and p.logprobs is None and p.skip_special_tokens
+    assert p.max_tokens is None and p.logprobs is None and p.skip_special_tokens
+    assert 0 <= p.seed < 2 ** 62  # unseeded sampling: admission draws one (echoed in FinishInfo.seed)
     p, _ = full_check(req(sampling=S(temperature=0.0, top_k=-1, seed=7, n=2),
                           stopping=ST(max_tokens=4, stop=["x"], stop_token_ids=[5], ignore_eos=True),
                           output=O(logprobs=0, skip_special_tokens=False)))

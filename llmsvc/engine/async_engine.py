@@ -24,11 +24,13 @@ from collections import deque
 from typing import AsyncIterator, Awaitable, Callable
 
 from llmsvc.core.errors import DuplicateRequestError, QueueFullError
+from llmsvc.engine.commands import AbortRequests, AddRequest, Command, UtilityCall
 from llmsvc.engine.engine_thread import EngineThreadMixin
 from llmsvc.engine.errors import (  # noqa: F401 - importable from here too, as the servicer does
     AsyncEngineError, EngineDeadError, EngineStepError, EngineStoppedError, OutputBacklogError, is_worker_failure)
 from llmsvc.engine.output_stream import RequestStream
 from llmsvc.outputs import EngineStats, RequestOutput
+from llmsvc.engine_request import EngineRequest
 from llmsvc.sampling_params import RequestOutputKind, SamplingParams
 from llmsvc.structured.errors import COMPILE_TIMEOUT, ConstraintError
 
@@ -50,7 +52,7 @@ class AsyncEngine(EngineThreadMixin):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
-        self._commands: deque = deque()  # ("add", kwargs, future) | ("abort", ids) | ("call", (name, args), future)
+        self._commands: deque[Command] = deque()
         self._stop = False
         self._streams: dict[str, RequestStream] = {}  # event-loop side
         self._num_seqs = 0  # sum of the streams' n: the sequences they are in the engine
@@ -124,8 +126,8 @@ class AsyncEngine(EngineThreadMixin):
         self._num_seqs = 0
         with self._cond:  # commands the thread never took
             for cmd in self._swap_commands():
-                if cmd[0] != "abort" and not cmd[2].done():
-                    cmd[2].set_exception(EngineStoppedError("engine stopped"))
+                if not isinstance(cmd, AbortRequests) and not cmd.future.done():
+                    cmd.future.set_exception(EngineStoppedError("engine stopped"))
 
     def get_stats(self) -> EngineStats:
         """Stats as of the engine thread's last step (never blocks on the engine)."""
@@ -155,52 +157,49 @@ class AsyncEngine(EngineThreadMixin):
         registry = getattr(self.engine, "loras", None)
         return registry.entries() if registry is not None else []
 
-    def lookup_lora(self, name: str | None):
-        """The adapter a request names, checked before its prompt is tokenized (LoRANotFoundError)."""
-        registry = getattr(self.engine, "loras", None)
-        return registry.lookup(name) if registry is not None and name is not None else None
-
     async def _engine_call(self, name: str, *args):
         if self._dead is not None:
             raise EngineDeadError(f"engine loop died: {self._dead}")
         if self._thread is None or self._stop:
             raise EngineStoppedError("engine stopped")
         fut = self._loop.create_future()
-        self._send(("call", (name, args), fut))
+        self._send(UtilityCall(name, args, fut))
         return await fut
 
     # ---- requests ----------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       *, prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
-                       lora_name: str | None = None, on_admitted: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs (DELTA kind; coalesced when read slowly).
+    async def generate(self, request: EngineRequest, *,
+                       on_admitted: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
+        """Admit `request` (validated here, once), queue it and yield its outputs (DELTA kind;
+        coalesced when read slowly).
 
         `on_admitted` is awaited once the engine has taken the request (before its prefill and
         any structured-output compile wait): the server sends its response headers there, so
-        every refusal before it (queue full, draining, duplicate id) is a headers-free status
-        that gRPC's retry policy may retry.
+        every refusal before it (invalid, queue full, draining, duplicate id) is a headers-free
+        status that gRPC's retry policy may retry.
 
-        Raises on the first iteration: DuplicateRequestError, QueueFullError (llmsvc.core.errors), EngineDeadError,
-        EngineStoppedError, or whatever the engine's add_request raised (validation), or
-        ConstraintError when the structured-output constraint does not compile (in time): the
-        request waits in the engine (WAITING_FOR_FSM) while this awaits its compile, and is
-        aborted before it produced anything.
+        Raises on the first iteration: InvalidRequestError / PromptTooLongError /
+        LoRANotFoundError (admission), DuplicateRequestError, QueueFullError (llmsvc.core.errors),
+        EngineDeadError, EngineStoppedError, or ConstraintError when the structured-output
+        constraint does not compile (in time): the request waits in the engine (WAITING_FOR_FSM)
+        while this awaits its compile, and is aborted before it produced anything.
         Later: EngineDeadError, OutputBacklogError. Closing or cancelling the generator before
         the final output aborts the request (its id stays reserved until the engine confirms).
         """
-        compiled = self._submit_constraint(params)  # starts the compile now, off the engine thread
-        stream = self._admit(request_id, params.n)
+        self._check_running()
+        admitted = self.engine.admit(request)
+        params = admitted.request.sampling_params
         params.output_kind = RequestOutputKind.DELTA
+        compiled = self._submit_constraint(params)  # starts the compile now, off the engine thread
+        request_id = request.request_id
+        stream = self._admit(request_id, params.n)
         fut = self._loop.create_future()
-        self._send(("add", dict(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                                params=params, prompt=prompt, priority=priority, cache_salt=cache_salt,
-                                lora_name=lora_name, arrival_time=time.time()), fut))
+        self._send(AddRequest(admitted, fut))
         try:
             await fut
         except asyncio.CancelledError:  # the add still happens: abort it (queued after the add)
             self._abort_stream(stream, "client went away")
             raise
-        except BaseException:  # add_request refused it (or the engine died): never in the engine
+        except BaseException:  # add_admitted refused it (or the engine died): never in the engine
             if self._streams.get(request_id) is stream:
                 self._drop(request_id)
             raise
@@ -243,7 +242,7 @@ class AsyncEngine(EngineThreadMixin):
                 s.aborting, s.abort_reason = True, reason
                 found.append(rid)
         if found:
-            self._send(("abort", found))
+            self._send(AbortRequests(found))
         return not_found
 
     # ---- event-loop internals ------------------------------------------------------------
@@ -266,11 +265,13 @@ class AsyncEngine(EngineThreadMixin):
             raise ConstraintError(params.structured_outputs.kind, COMPILE_TIMEOUT,
                                   f"did not compile within {limit:g} s") from None
 
-    def _admit(self, request_id: str, n: int = 1) -> RequestStream:
+    def _check_running(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"engine loop died: {self._dead}")
         if not self._accepting or self._loop is None:
             raise EngineStoppedError("engine is not accepting requests")
+
+    def _admit(self, request_id: str, n: int = 1) -> RequestStream:
         if request_id in self._streams:
             raise DuplicateRequestError(request_id)  # in flight, or its abort is not confirmed yet
         # Waiting: in flight, but beyond what runs, in sequences (an n>1 request is n of them in
@@ -295,7 +296,7 @@ class AsyncEngine(EngineThreadMixin):
     def _abort_stream(self, stream: RequestStream, reason: str) -> None:
         if not stream.aborting and not stream.finished:
             stream.aborting, stream.abort_reason = True, reason
-            self._send(("abort", [stream.request_id]))
+            self._send(AbortRequests([stream.request_id]))
 
     def _send(self, cmd) -> None:
         with self._cond:

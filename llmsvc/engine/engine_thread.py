@@ -19,6 +19,7 @@ from collections import deque
 
 from executors.worker_proc import name_os_thread
 from llmsvc.core.burst import BurstWindow
+from llmsvc.engine.commands import AbortRequests, AddRequest, UtilityCall
 from llmsvc.engine.errors import EngineDeadError, is_worker_failure
 from llmsvc.outputs import EngineStats
 
@@ -62,40 +63,38 @@ class EngineThreadMixin:
         """Apply adds, aborts and calls in order. Returns whether any was an abort."""
         engine, had_abort = self.engine, False
         for cmd in cmds:
-            if cmd[0] == "abort":
-                engine.abort_request(cmd[1])
+            if isinstance(cmd, AbortRequests):
+                engine.abort_request(cmd.request_ids)
                 had_abort = True
-                continue
-            if cmd[0] == "call":
-                self._call(cmd[1], cmd[2])
-                continue
-            _, kw, fut = cmd
-            try:
-                engine.add_request(kw["request_id"], kw["prompt_token_ids"], kw["params"],
-                                   prompt=kw["prompt"], priority=kw["priority"], arrival_time=kw["arrival_time"],
-                                   cache_salt=kw.get("cache_salt"), lora_name=kw.get("lora_name"))
-            except Exception as e:  # validation: goes back to the caller
-                if is_worker_failure(e):  # the engine core died (seen on the send): all fail
-                    self._post(_set_future, fut, EngineDeadError(f"engine loop died: {e}"))
-                    raise
-                self._post(_set_future, fut, e)
+            elif isinstance(cmd, UtilityCall):
+                self._call(cmd)
             else:
-                self._post(_set_future, fut, None)
-                if burst is not None:
-                    burst.add(len(kw["prompt_token_ids"]))
+                self._add(cmd, burst)
         return had_abort
 
-    def _call(self, call: tuple, fut: asyncio.Future) -> None:
-        """engine.<name>(*args) for AsyncEngine's utility calls; its result or error goes to fut."""
-        name, args = call
+    def _add(self, cmd: AddRequest, burst: BurstWindow | None) -> None:
         try:
-            result = getattr(self.engine, name)(*args)
+            self.engine.add_admitted(cmd.admitted)
+        except Exception as e:  # a duplicate id, or a refusal of the core's: goes back to the caller
+            if is_worker_failure(e):  # the engine core died (seen on the send): all fail
+                self._post(_set_future, cmd.future, EngineDeadError(f"engine loop died: {e}"))
+                raise
+            self._post(_set_future, cmd.future, e)
+        else:
+            self._post(_set_future, cmd.future, None)
+            if burst is not None:
+                burst.add(len(cmd.admitted.request.prompt_token_ids))
+
+    def _call(self, call: UtilityCall) -> None:
+        """engine.<method>(*args) for AsyncEngine's utility calls; its result or error goes to the future."""
+        try:
+            result = getattr(self.engine, call.method)(*call.args)
         except Exception as e:
-            self._post(_set_future, fut, e)
+            self._post(_set_future, call.future, e)
             if is_worker_failure(e):  # the engine core died: so does this loop
                 raise
         else:
-            self._post(_set_future, fut, None, result)
+            self._post(_set_future, call.future, None, result)
 
     def _gather_burst(self, burst: BurstWindow) -> bool:
         """The engine was idle: take the rest of a burst before the first step. Returns whether
@@ -152,8 +151,8 @@ class EngineThreadMixin:
                 pending = self._swap_commands()
             err = EngineDeadError(f"engine loop died: {type(e).__name__}: {e}")
             for cmd in pending:
-                if cmd[0] != "abort":  # adds and calls wait on a future
-                    self._post(_set_future, cmd[2], err)
+                if not isinstance(cmd, AbortRequests):  # adds and calls wait on a future
+                    self._post(_set_future, cmd.future, err)
             self._dead = e
             self._post(self._on_dead, e)
         finally:

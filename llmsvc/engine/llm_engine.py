@@ -1,15 +1,14 @@
 """LLMEngine: the synchronous engine both front ends drive (offline LLM, the async server engine).
 
-add_request validates and queues; step() takes the engine core's next outputs (token ids) and
+add_request builds an EngineRequest (vLLM's spelling, for offline callers), admit() validates one
+(once: llmsvc.engine.admission), add_admitted() queues it; step() takes the engine core's next outputs (token ids) and
 turns them into RequestOutputs. The engine core sits behind an EngineCoreClient: in this process
 (config.engine_core "inline") or in its own (“process”), where it computes the next step while
 this one detokenizes. Not thread-safe: call it from one thread (the async engine's loop thread).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-import random
 import time
 from collections.abc import Iterable
 
@@ -17,13 +16,14 @@ from executors.base import Executor
 from llmsvc.config import EngineConfig
 from llmsvc.core.client import EngineCoreClient, InprocClient
 from llmsvc.core.engine_core import EngineCore
-from llmsvc.core.errors import DuplicateRequestError, InvalidRequestError, LoRAAdminError
+from llmsvc.core.errors import DuplicateRequestError, LoRAAdminError
 from llmsvc.engine.output_processor import OutputProcessor, ParentRequest, child_request_id
 from llmsvc.core.request import Request
 from llmsvc.engine.stats import StatsLogger
-from llmsvc.engine.bad_words import bad_words_token_ids
 from llmsvc.engine.lora_registry import LoRAEntry, LoRARegistry
-from llmsvc.engine.validation import RequestLimits, check_cache_salt, check_request
+from llmsvc.engine.admission import AdmittedRequest, Admission
+from llmsvc.engine.validation import RequestLimits
+from llmsvc.engine_request import EngineRequest
 from llmsvc.outputs import ABORT, STOP, EngineStats, RequestOutput
 from llmsvc.sampling_params import SamplingParams
 from llmsvc.structured.build import build_structured_output_manager, model_eos_token_ids, model_vocab_size
@@ -38,10 +38,6 @@ class LLMEngine:
         self.tokenizer = tokenizer
         mc = config.model_config
         self.vocab_size = model_vocab_size(config, tokenizer)
-        # seeds for unseeded sampling requests: drawn at admission so each one is echoed and can be
-        # replayed; the stream follows the configured seed, so a rerun of the same requests repeats.
-        # 62 bits: seed + index stays below the 2^63 a request may ask for
-        self._seed_rng = random.Random(mc.seed)
         self.eos_token_ids = model_eos_token_ids(config, tokenizer)
         # compiles constraints for validation and compile errors (AsyncEngine, LLM); inline it is
         # also the core's, so each constraint compiles once; a core process builds its own
@@ -55,6 +51,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer, config.scheduler_config.stream_interval)
         self.stats_logger = StatsLogger(config.log_stats_interval_s)
         self.loras = LoRARegistry(config.lora_config)
+        self.admission = Admission(self.request_limits, tokenizer=tokenizer, loras=self.loras,
+                                   structured=self.structured_output_manager is not None, seed=mc.seed)
         self._shutdown = False
 
     @classmethod
@@ -118,12 +116,10 @@ class LLMEngine:
                              max_stop_strings=self.config.max_stop_strings, max_logprobs=self.config.max_logprobs,
                              max_len_source="the KV cache pool" if pool_bound else "the maximum context length")
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError / PromptTooLongError for a request this engine cannot serve."""
-        check_request(prompt_token_ids, params, self.request_limits)
-        if params.structured_outputs is not None and self.structured_output_manager is None:
-            raise InvalidRequestError("structured_outputs", "structured output needs the llguidance package "
-                                      "and a fast (Rust) tokenizer; this engine has none")
+    def admit(self, request: EngineRequest) -> AdmittedRequest:
+        """Validate a request once, at admission (llmsvc.engine.admission); thread-safe enough
+        for AsyncEngine to call on its event loop while this engine steps on its thread."""
+        return self.admission.admit(request)
 
     def _check_unique(self, request_id: str, n: int) -> None:
         """DuplicateRequestError unless the request's id and its samples' ids are all free: two
@@ -145,27 +141,26 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, priority: int = 0, arrival_time: float | None = None,
                     cache_salt: str | None = None, lora_name: str | None = None) -> None:
-        prompt_token_ids = list(prompt_token_ids)
-        self.validate(prompt_token_ids, params)  # first: it bounds n
-        self._check_unique(request_id, params.n)
-        check_cache_salt(cache_salt)
-        lora = self.loras.lookup(lora_name)
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        if params.seed is None and not params.greedy:
-            params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(62))
-        if params.bad_words and params.bad_words_token_ids is None:
-            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer,
-                                                                                         params.bad_words))
-        parent = ParentRequest(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival_time,
-                               self.output_processor.stream_interval)
+        """vLLM's spelling for offline callers: builds the EngineRequest, admits and queues it."""
+        request = EngineRequest(request_id, prompt_token_ids, params, prompt=prompt, priority=priority,
+                                cache_salt=cache_salt, lora_name=lora_name,
+                                arrival_time=time.time() if arrival_time is None else arrival_time)
+        self.add_admitted(self.admit(request))
+
+    def add_admitted(self, admitted: AdmittedRequest) -> None:
+        """Queue a request that passed admit(): fan it out into its samples in the engine core."""
+        req = admitted.request
+        self._check_unique(req.request_id, req.sampling_params.n)
+        parent = ParentRequest(req.request_id, req.prompt, req.prompt_token_ids, req.sampling_params,
+                               self.tokenizer, req.arrival_time, self.output_processor.stream_interval)
         added: list[str] = []
         try:
             for child in parent.children:
-                self.core_client.add_request(Request(child.req_id, prompt_token_ids, child.params,
-                                                     eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
-                                                     priority=priority, cache_salt=cache_salt,
-                                                     lora_key=lora.key if lora else None,
-                                                     lora_id=lora.lora_id if lora else 0))
+                self.core_client.add_request(Request(child.req_id, req.prompt_token_ids, child.params,
+                                                     eos_token_ids=self.eos_token_ids,
+                                                     arrival_time=req.arrival_time, priority=req.priority,
+                                                     cache_salt=req.cache_salt, lora_key=admitted.lora_key,
+                                                     lora_id=admitted.lora_id))
                 added.append(child.req_id)
         except BaseException:
             self.core_client.abort_requests(added)

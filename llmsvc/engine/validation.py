@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmsvc.core.errors import InvalidRequestError, PromptTooLongError
-from llmsvc.sampling_params import SamplingParams
+from llmsvc.sampling_params import SamplingParams, SamplingParamsError
 
 MAX_SEED = 2 ** 63  # seeds are drawn and hashed as signed 64-bit integers
 
@@ -31,25 +31,22 @@ class RequestLimits:
     max_len_source: str = "the maximum context length"
 
 
-def _verify_error(e: ValueError) -> InvalidRequestError:
-    name, _, why = str(e).partition(" ")  # SamplingParams.verify(): "<field> <why>"
-    return InvalidRequestError(name, why)
-
-
 def make_sampling_params(**kw) -> SamplingParams:
-    """SamplingParams(**kw), its verify() failure raised as InvalidRequestError."""
+    """SamplingParams.unverified(**kw) for a door (admission verifies them); a field of the wrong
+    type raised as InvalidRequestError."""
     try:
-        return SamplingParams(**kw)
-    except ValueError as e:
-        raise _verify_error(e) from None
+        return SamplingParams.unverified(**kw)
+    except SamplingParamsError as e:
+        raise InvalidRequestError(e.field, e.why) from None
 
 
 def check_sampling_params(params: SamplingParams, limits: RequestLimits) -> None:
-    """The rules that need no prompt (the server runs them before tokenizing)."""
+    """The rules that need no prompt: SamplingParams.verify() with this engine's logprobs cap
+    (params may have changed since they were built), then the limits of the model."""
     try:
         params.verify(limits.max_logprobs)
-    except ValueError as e:
-        raise _verify_error(e) from None
+    except SamplingParamsError as e:
+        raise InvalidRequestError(e.field, e.why) from None
     if params.n > limits.max_n:
         raise InvalidRequestError("n", f"must be in [1, {limits.max_n}], got {params.n}")
     if params.seed is not None and params.seed >= MAX_SEED:
@@ -89,9 +86,9 @@ def check_sampling_params(params: SamplingParams, limits: RequestLimits) -> None
 
 
 def check_token_ids(name: str, ids, vocab_size: int) -> None:
-    if not vocab_size:
+    if not vocab_size or not ids or (min(ids) >= 0 and max(ids) < vocab_size):  # C-speed for long prompts
         return
-    for i, t in enumerate(ids):
+    for i, t in enumerate(ids):  # a bad id: find the first, to name its index
         if not 0 <= t < vocab_size:
             raise InvalidRequestError(f"{name}[{i}]", f"token id {t} is out of range [0, {vocab_size})")
 

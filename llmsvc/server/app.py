@@ -20,6 +20,7 @@ from typing import Callable
 import grpc
 
 from llmsvc.engine.async_engine import AsyncEngine
+from llmsvc.engine_request import EngineRequest
 from llmsvc.outputs import EngineStats
 from llmsvc.sampling_params import SamplingParams
 from llmsvc.server.admin import AdminService
@@ -175,7 +176,8 @@ class LlmServer:
     async def _warm_up(ae: AsyncEngine, config) -> None:
         mc = config.model_config
         tok = next((t for t in (mc.bos_token_id, *(mc.eos_token_ids or [])) if t is not None), 0)
-        async for _ in ae.generate("llmsvc-warmup", [tok], SamplingParams(max_tokens=1, temperature=0.0)):
+        warmup = EngineRequest("llmsvc-warmup", [tok], SamplingParams(max_tokens=1, temperature=0.0))
+        async for _ in ae.generate(warmup):
             pass
 
     async def _watch_engine(self, ae: AsyncEngine) -> None:

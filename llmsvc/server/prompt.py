@@ -8,7 +8,7 @@ from google.protobuf import json_format
 
 from llmsvc.engine.chat_roles import developer_as_system
 from llmsvc.server.errors import ServiceError, invalid
-from llmsvc.server.validation import ModelLimits, check_chat, check_token_ids
+from llmsvc.server.validation import ModelLimits, check_chat
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -89,7 +89,6 @@ def resolve_prompt(req, tokenizer, limits: ModelLimits) -> tuple[str | None, lis
         text, ids = None, list(req.token_ids.ids)
         if not ids:
             raise invalid("token_ids.ids", "prompt must not be empty")
-        check_token_ids("token_ids.ids", ids, limits.vocab_size)
     elif kind == "text":
         text = req.text
         if not text:

@@ -19,16 +19,14 @@ from dataclasses import dataclass, field
 import grpc
 
 from llmsvc.engine.output_stream import merge_delta
-from llmsvc.engine.validation import check_cache_salt
 from llmsvc.server import errors
 from llmsvc.server.logging_setup import request_id_var, request_labels_var
 from llmsvc.server.prompt import encode, has_chat_template, render_chat
-from llmsvc.server.prompt import resolve_prompt
 from llmsvc.server.responses import ResponseBuilder
 from llmsvc.server.rpc_wrap import deadline_passed, final_code
-from llmsvc.server.validation import (ModelLimits, build_sampling_params, check_abort_reason, check_labels,
-                                      check_abort_ids, check_prompt_fits, check_request_id, check_token_ids,
-                                      fill_default_max_tokens)
+from llmsvc.server.v1_request import to_engine_request
+from llmsvc.server.validation import (ModelLimits, check_abort_ids, check_abort_reason, check_labels,
+                                      check_request_id, check_token_ids)
 from llmsvc.v1 import llmsvc_pb2 as pb
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
 
@@ -125,14 +123,8 @@ class LlmService(pb_grpc.LlmServiceServicer):
             if remaining is not None and remaining <= 0:
                 raise errors.ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline expired before admission")
             check_labels(request.labels)
-            cache_salt = request.cache_salt if request.HasField("cache_salt") else None
-            check_cache_salt(cache_salt)
-            lora_name = request.lora_name if request.HasField("lora_name") else None
-            self.engine.lookup_lora(lora_name)  # before tokenizing: NOT_FOUND for an unknown name
-            params = build_sampling_params(request, self.limits)
-            prompt, ids = await off_loop_if_large(request, resolve_prompt, request, self.tokenizer, self.limits)
-            check_prompt_fits(params, len(ids), self.limits)
-            fill_default_max_tokens(params, len(ids), self.limits)
+            req = await off_loop_if_large(request, to_engine_request, request, rid, self.tokenizer, self.limits)
+            params, ids, lora_name = req.sampling_params, req.prompt_token_ids, req.lora_name
             builder = ResponseBuilder(rid, request, params, self.tokenizer)
             logger.debug("request %s admitted: %d prompt tokens, traceparent=%s", rid, len(ids),
                          dict(context.invocation_metadata() or ()).get("traceparent"))
@@ -145,8 +137,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
                 if tracker is not None:
                     tracker.admitted = True
                 await context.send_initial_metadata((("x-request-id", rid),))
-            gen = self.engine.generate(rid, ids, params, prompt=prompt, priority=request.priority,
-                                       cache_salt=cache_salt, lora_name=lora_name, on_admitted=on_admitted)
+            gen = self.engine.generate(req, on_admitted=on_admitted)  # admission validates it, once
             try:
                 if request.stream:
                     async for out in gen:

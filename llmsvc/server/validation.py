@@ -143,7 +143,8 @@ def engine_rules():
 
 
 def build_sampling_params(req, limits: ModelLimits) -> SamplingParams:
-    """Check the sampling/stopping/output fields of `req`; prompt-length checks come later."""
+    """The SamplingParams of `req`'s sampling/stopping/output fields, unverified: admission
+    (llmsvc.engine.admission) checks them, once, with the prompt."""
     s, st, o = req.sampling, req.stopping, req.output
     if limits.vocab_size and len(s.allowed_token_ids) > limits.vocab_size:  # before copying millions of ids
         raise invalid("sampling.allowed_token_ids", f"at most vocab_size ({limits.vocab_size}) ids, "
@@ -169,7 +170,6 @@ def build_sampling_params(req, limits: ModelLimits) -> SamplingParams:
             stream_interval=o.stream_interval or None,  # unset or 0: the server's
             structured_outputs=structured_outputs,
             **kw)
-        rules.check_sampling_params(params, limits.request_limits)
     return params
 
 
@@ -179,9 +179,3 @@ def fill_default_max_tokens(params: SamplingParams, num_prompt_tokens: int, limi
     if params.max_tokens is None:
         params.max_tokens = rules.default_max_tokens(limits.generation_defaults.get("max_tokens"),
                                                      num_prompt_tokens, params, limits.max_model_len)
-
-
-def check_prompt_fits(params: SamplingParams, num_prompt_tokens: int, limits: ModelLimits) -> None:
-    """Prompt (+ min_tokens, + explicit max_tokens) must fit in max_model_len (the engine's rule)."""
-    with engine_rules():
-        rules.check_prompt_fits(num_prompt_tokens, params, limits.request_limits)
