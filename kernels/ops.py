@@ -27,6 +27,7 @@ from kernels import reference_moe as _ref_moe
 from kernels.cpu_ops import attention as _cpu_attn
 from kernels.cpu_ops import decoder as _cpu_decoder
 from kernels.cpu_ops import elementwise as _cpu_ew
+from kernels.cpu_ops import int8 as _cpu_int8
 from kernels.cpu_ops import linear as _cpu_linear
 from kernels.triton_ops import HAS_TRITON, INTERPRET
 
@@ -179,9 +180,18 @@ def pack_gguf_blocks(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.T
     return _cpu_linear.pack_gguf_blocks(qweight, scale, offset)
 
 
+def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Called once after loading under `--quantization int8`: weight [N, K] quantized per output
+    channel and packed for `linear` (kernels/cpu_ops/int8.py), native GEMM or not."""
+    return _cpu_int8.pack(weight)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            packed: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); `packed` (from pack_linear_weight) selects the CPU packed GEMM."""
+    """F.linear(x, weight, bias); `packed` (from pack_linear_weight) selects the CPU packed GEMM,
+    an int8 blob (pack_int8_weight) the int8 GEMM, whose `weight` may be on the meta device."""
+    if packed is not None and packed.dtype == torch.int8:
+        return _cpu_int8.linear(x, packed, bias)
     if packed is not None and x.is_cpu:
         return _cpu_linear.linear(x, weight, bias, packed)
     return F.linear(x, weight, bias)

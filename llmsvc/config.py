@@ -20,8 +20,9 @@ DTYPES = ("float32", "bfloat16", "float16")  # ModelConfig.dtype names; torch's 
 # what --dtype accepts: "auto" is the checkpoint's own dtype, resolved by resolve_model_config
 DTYPE_CHOICES = ("auto", *DTYPES)
 # none: every weight dequantized to the compute dtype at load; gguf: a GGUF's Q4_0 ... Q8_0, Q4_K,
-# Q5_K and Q6_K linear weights multiplied as blocks on the CPU, in float32 (models/gguf_blocks.py)
-QUANTIZATION_CHOICES = ("none", "gguf")
+# Q5_K and Q6_K linear weights multiplied as blocks on the CPU, in float32 (models/gguf_blocks.py);
+# int8: linear weights quantized per channel at load, activations per token (CPU, models/int8_weights.py)
+QUANTIZATION_CHOICES = ("none", "gguf", "int8")
 MEMORY_SIZE_HELP = "K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000"
 
 

@@ -81,7 +81,8 @@ def gguf_file(model: str | None) -> str | None:
 
 def check_quantization(quantization: str, model: str | None, dtype: str, device: str) -> None:
     """ValueError unless `quantization` (one of QUANTIZATION_CHOICES) can serve this model:
-    "gguf" needs a .gguf model, the CPU and float32 (the blocks' GEMM computes in fp32)."""
+    "gguf" needs a .gguf model, the CPU and float32 (the blocks' GEMM computes in fp32); "int8"
+    needs the CPU (any float checkpoint, fp32 or bf16 compute)."""
     from llmsvc.config import QUANTIZATION_CHOICES
 
     if quantization not in QUANTIZATION_CHOICES:
@@ -94,6 +95,9 @@ def check_quantization(quantization: str, model: str | None, dtype: str, device:
         if dtype != "float32":
             raise ValueError(f"quantization 'gguf' computes in float32; dtype {dtype!r} does not "
                              f"(use --dtype float32 or auto)")
+    if quantization == "int8" and device == "cuda":
+        raise ValueError("--quantization int8 runs on the CPU only (its GEMMs are CPU kernels): "
+                         "use --device cpu, or --quantization none on CUDA")
 
 
 def resolve_model_dir(model: str | None = None) -> str:

@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="compute and KV-cache dtype; auto: the checkpoint's own (float16 runs as bfloat16 off CUDA)")
     opt("--quantization", str, "none", choices=list(QUANTIZATION_CHOICES),
         help="gguf: multiply a .gguf model's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K linear weights "
-             "as stored (CPU, float32: the logits of none, from a fraction of the weight bytes); none: "
+             "as stored (CPU, float32: the logits of none, from a fraction of the weight bytes); int8: "
+             "linear weights quantized per channel at load, activations per token, int8 GEMMs (CPU); none: "
              "dequantize every weight at load")
     opt("--max-model-len", positive_int, None, help="context length (default: the model's)")
     opt("--chat-template", str, None,

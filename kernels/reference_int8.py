@@ -1,0 +1,53 @@
+"""Torch reference of the int8 linear layer (`--quantization int8`): the CPU fallback where the
+native GEMM (kernels/cpu_ops/gemm_int8*.c) is not built, and the tests' ground truth.
+
+Weights: per output channel, symmetric: q_w[n, k] = round(W[n, k] / s_w[n]) in [-127, 127],
+s_w[n] = max_k |W[n, k]| / 127 (0 for an all-zero row).
+Activations: per token (row of x), symmetric, at run time, the same rule with
+s_a[m] = max_k |x[m, k]| / 127. Both ranges stop at 127 (not -128), so a product is at most
+127 * 127 in magnitude on every ISA path and the sign can be moved between operands.
+
+y[m, n] = fp32(sum_k q_a[m, k] q_w[n, k]) * s_a[m] * s_w[n] + bias[n], rounded once to x's
+dtype. The integer sum is exact here (float64 holds any K below 2^39) and in the native
+kernels (int32), so both agree on it bit for bit; only the fp32 epilogue may differ in the
+last place (fused multiply-add, the order of the two scale multiplies).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+QMAX = 127
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (q [M, K] int8, scale [M] fp32), per row, symmetric.
+
+    The native kernels compute exactly this in fp32: inv = 127 / amax (one division), then
+    round-half-even(x * inv) (not x / scale, which rounds differently)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, QMAX / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, amax / QMAX
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] (any float dtype, the checkpoint's) -> (q [N, K] int8, scale [N] fp32):
+    per output channel, the same rule as the activations."""
+    return quantize_rows(weight)
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K] fp32 or bf16 @ (qweight [N, K] int8 * wscale [N])^T + bias [N] -> [..., N] in
+    x's dtype, with x quantized per row first (the module docstring has the formula)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    qa, sa = quantize_rows(x2)
+    acc = (qa.double() @ qweight.double().t()).float()  # exact integer sums, rounded to fp32 once
+    y = acc * sa.unsqueeze(-1) * wscale.unsqueeze(0)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], qweight.shape[0])
