@@ -60,6 +60,22 @@ def _native_and_per_op(model_dir, dtype: str, steps) -> tuple[list[dict], list[d
     return out[0], out[1]
 
 
+# decoder.c's MLP_ROWS: an fp32 prefill step runs its MLP this many rows at a time
+MLP_ROWS = 128
+
+
+def _long_prefill_rows(model_dir, dtype: str) -> int:
+    """Rows of a prefill step that the one-call decoder takes on this CPU (at most the plan's
+    max_m: 256 for AMX bf16 tiles, 1024 elsewhere) and that is longer than an MLP_ROWS chunk,
+    with a partial last chunk: 300 = 2 x 128 + 44 where it fits, else 250 under AMX's 256."""
+    plan = load_our_model(model_dir, dtype=dtype).model._make_native_plan()
+    assert plan is not None
+    rows = min(300, plan.max_m)
+    rows -= 6 if rows % MLP_ROWS == 0 else 0
+    assert rows > MLP_ROWS, plan.max_m
+    return rows
+
+
 def _assert_same_logits(native: list[dict], per_op: list[dict]) -> None:
     assert len(native) == len(per_op)
     for native_step, per_op_step in zip(native, per_op):
@@ -84,13 +100,15 @@ def test_one_native_call_equals_the_per_op_layers(tmp_path, count_native, dtype,
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_prefill_longer_than_an_mlp_chunk_equals_the_per_op_layers(tmp_path, count_native, dtype):
-    # 300 rows: the native call runs the fp32 MLP in chunks of decoder.c's MLP_ROWS (128), the last
-    # one partial; the per-op path runs it whole
+    # ~300 rows: the native call runs the fp32 MLP in chunks of decoder.c's MLP_ROWS (128), the
+    # last one partial; the per-op path runs it whole
     if not _native_available(dtype):
         pytest.skip(f"no native {dtype} GEMM on this CPU")
     d = make_tiny_model_dir(tmp_path, "llama")
+    rows = _long_prefill_rows(d, dtype)
     g = torch.Generator().manual_seed(11)
-    prompts = {i: torch.randint(3, 300, (n,), generator=g).tolist() for i, n in enumerate([150, 140, 10])}
+    sizes = [rows // 2, rows - rows // 2 - 10, 10]  # 150, 140, 10 at 300 rows
+    prompts = {i: torch.randint(3, 300, (n,), generator=g).tolist() for i, n in enumerate(sizes)}
     native, per_op = _native_and_per_op(
         d, dtype, lambda runner: [runner.step(prompts), runner.step({i: [20 + i] for i in range(3)})])
     assert count_native == {"native": 2, "per_op": 0}
@@ -176,7 +194,7 @@ def test_profile_times_every_kind_of_call_and_changes_no_logit(tmp_path, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lora_adapters_in_the_native_call_equal_the_per_op_layers(tmp_path, count_native, dtype):
     """Two adapters (all projections at rank 4; q/v/down at rank 8) and base-model rows mixed in
-    every step, a 300-row prefill among them (the fp32 MLP's row chunks split the groups)."""
+    every step, a ~300-row prefill among them (the fp32 MLP's row chunks split the groups)."""
     import numpy as np
 
     from llmsvc.config import LoRAConfig
@@ -190,11 +208,13 @@ def test_lora_adapters_in_the_native_call_equal_the_per_op_layers(tmp_path, coun
                          "b": make_lora_adapter(d, str(tmp_path / "b"), rank=8, seed=2,
                                                 targets=("q_proj", "v_proj", "down_proj"))}, max_lora_rank=8)
     slot_of = {0: 0, 1: 1, 2: -1, 3: 0}  # sequence -> adapter slot (-1: the base model)
+    rows = _long_prefill_rows(d, dtype)
+    sizes = [rows // 2, 12, rows - rows // 2 - 17, 5]  # 150, 12, 133, 5 at 300 rows
 
     def steps(runner):
         manager = create_lora_manager(runner.model, config)
         g = torch.Generator().manual_seed(5)
-        batches = [{i: torch.randint(3, 300, (n,), generator=g).tolist() for i, n in enumerate([150, 12, 140, 5])},
+        batches = [{i: torch.randint(3, 300, (n,), generator=g).tolist() for i, n in enumerate(sizes)},
                    {0: [5], 1: [7, 8, 9], 2: [4], 3: [6]}, {i: [10 + i] for i in range(4)}]
         out = []
         for batch in batches:
