@@ -78,8 +78,8 @@ class StructuredOutputsParams:
     def verify(self) -> None:
         set_ = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
-            raise ValueError(f"structured_outputs must set exactly one of {', '.join(self.KINDS)}; "
-                             f"got {', '.join(set_) or 'none'}")
+            raise SamplingParamsError("structured_outputs", f"must set exactly one of {', '.join(self.KINDS)}; "
+                                      f"got {', '.join(set_) or 'none'}")
         kind = set_[0]
         value: Any = getattr(self, kind)
         if kind == "json":
@@ -87,19 +87,19 @@ class StructuredOutputsParams:
                 try:
                     value = json.loads(value)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+                    raise SamplingParamsError("structured_outputs.json", f"is not valid JSON: {e}") from None
             if not isinstance(value, (dict, bool)):
-                raise ValueError("structured_outputs.json must be a JSON Schema: an object or a "
-                                 f"boolean, got {type(value).__name__}")
+                raise SamplingParamsError("structured_outputs.json", "must be a JSON Schema: an object or a "
+                                          f"boolean, got {type(value).__name__}")
         elif kind == "choice":
             if not self.choice:
-                raise ValueError("structured_outputs.choice must list at least one string")
+                raise SamplingParamsError("structured_outputs.choice", "must list at least one string")
             if not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError("structured_outputs.choice entries must be non-empty strings")
+                raise SamplingParamsError("structured_outputs.choice", "entries must be non-empty strings")
         elif kind in ("regex", "grammar") and not isinstance(value, str):
-            raise ValueError(f"structured_outputs.{kind} must be a string")
+            raise SamplingParamsError(f"structured_outputs.{kind}", "must be a string")
         elif kind == "json_object" and value is not True:
-            raise ValueError("structured_outputs.json_object must be True when set")
+            raise SamplingParamsError("structured_outputs.json_object", "must be True when set")
 
 
 @dataclass

@@ -7,6 +7,7 @@ ErrorInfo{domain "llmsvc"}, RetryInfo). Messages never carry stack traces.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -16,6 +17,7 @@ from grpc_status import rpc_status
 from llmsvc.engine.async_engine import EngineDeadError, EngineStepError, EngineStoppedError, OutputBacklogError
 from llmsvc.core.errors import (DuplicateRequestError, InvalidRequestError, LoRAAdminError, LoRANotFoundError,
                                 PromptTooLongError, QueueFullError)
+from llmsvc.sampling_params import SamplingParamsError
 from llmsvc.structured.errors import ConstraintError
 
 logger = logging.getLogger(__name__)
@@ -119,8 +121,9 @@ _LORA_CODES = {"LORA_EXISTS": grpc.StatusCode.ALREADY_EXISTS, "LORA_SLOTS_FULL":
                "LORA_LOAD_FAILED": grpc.StatusCode.INVALID_ARGUMENT}
 
 
-def to_service_error(exc: BaseException) -> ServiceError:
-    """Map an exception from validation, the engine or AsyncEngine to its status."""
+def to_service_error(exc: BaseException, field_path: Callable[[str], str] = proto_field) -> ServiceError:
+    """Map an exception from validation, the engine or AsyncEngine to its status. `field_path`
+    names an engine field in the calling door's proto (llmsvc.v1's by default)."""
     if isinstance(exc, ServiceError):
         return exc
     if isinstance(exc, ConstraintError):
@@ -137,7 +140,7 @@ def to_service_error(exc: BaseException) -> ServiceError:
         return ServiceError(grpc.StatusCode.NOT_FOUND, exc.message, reason="LORA_NOT_FOUND", field="lora_name",
                             metadata={"lora_name": exc.name})
     if isinstance(exc, InvalidRequestError):
-        return invalid(proto_field(exc.field), exc.message)
+        return invalid(field_path(exc.field), exc.message)
     if isinstance(exc, DuplicateRequestError):
         return ServiceError(grpc.StatusCode.ALREADY_EXISTS, str(exc), reason="DUPLICATE_REQUEST_ID")
     if isinstance(exc, QueueFullError):
@@ -152,9 +155,10 @@ def to_service_error(exc: BaseException) -> ServiceError:
         return unavailable(f"engine is not running: {_first_line(exc)}", reason="ENGINE_DEAD")
     if isinstance(exc, EngineStoppedError):
         return unavailable("server is shutting down", reason="DRAINING")
-    if isinstance(exc, ValueError):  # SamplingParams.verify(): "<field> <why>"
-        field, _, why = str(exc).partition(" ")
-        return invalid(field or "request", why or str(exc))
+    if isinstance(exc, SamplingParamsError):  # SamplingParams.verify(), outside admission
+        return invalid(field_path(exc.field), exc.why)
+    if isinstance(exc, ValueError):
+        return invalid("request", str(exc))
     if type(exc).__name__ == "ExecutorError":
         return unavailable(f"engine is not running: {_first_line(exc)}", reason="ENGINE_DEAD")
     return ServiceError(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})", reason="INTERNAL")
@@ -171,9 +175,10 @@ def _first_line(exc: BaseException) -> str:
     return clip(str(exc).strip().split("\n", 1)[0], _MAX_CAUSE_CHARS)
 
 
-async def abort(context: grpc.aio.ServicerContext, exc: BaseException, request_id: str | None = None):
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException, request_id: str | None = None,
+                field_path: Callable[[str], str] = proto_field):
     """End the RPC with the mapped status (raises grpc's AbortError, as context.abort does)."""
-    err = to_service_error(exc)
+    err = to_service_error(exc, field_path)
     if err.code == grpc.StatusCode.INTERNAL and not isinstance(exc, ServiceError):
         logger.error("request %s failed", request_id, exc_info=exc)
     await context.abort_with_status(err.to_status(request_id))
