@@ -8,7 +8,9 @@ Options: TLS/mTLS (`tls`), bearer-token auth (`auth_tokens`; health and reflecti
 admin tokens (`admin_tokens`: without them AdminService answers PERMISSION_DENIED), a span per
 Generate call to OpenTelemetry (`tracer`, tracing.py),
 Prometheus metrics on their own HTTP port (`metrics_port`: None = off, 0 = any free port), with
-the GenerateRequest.labels keys in `metrics_label_keys` as Prometheus labels.
+the GenerateRequest.labels keys in `metrics_label_keys` as Prometheus labels, and vLLM's engine
+protocol beside llmsvc.v1 (`vllm_engine`, on by default: llmsvc.server.vllm_engine), in health and
+reflection too.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from llmsvc.server.metrics import EngineSnapshot, MetricsHttpServer, ServerMetri
 from llmsvc.server.rpc_wrap import DecodeGuardInterceptor
 from llmsvc.server.servicer import LlmService, ServerState
 from llmsvc.server.tls import TlsConfig
+from llmsvc.server.vllm_engine import SERVICE_NAME as VLLM_ENGINE_SERVICE, VllmEngineService, add_to_server
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("llmsvc.server")
@@ -68,7 +71,8 @@ class LlmServer:
                  tls: TlsConfig | None = None, auth_tokens: list[str] | None = None,
                  admin_tokens: list[str] | None = None, tracer=None,
                  metrics_port: int | None = None, metrics_host: str | None = None,
-                 metrics_label_keys: tuple[str, ...] = (), log_requests: bool = True) -> None:
+                 metrics_label_keys: tuple[str, ...] = (), log_requests: bool = True,
+                 vllm_engine: bool = True) -> None:
         self.engine_factory = engine_factory
         self.host, self.port = host, port
         self.backlog = dict(max_backlog_bytes=max_backlog_bytes, max_backlog_age_s=max_backlog_age_s)
@@ -78,7 +82,10 @@ class LlmServer:
         self.shutdown_grace = 30.0  # seconds in-flight requests get when serve() is stopped
         self._signal_grace: float | None = None  # shutdown_grace before a Drain RPC replaced it
         self.state = ServerState()
-        self.health = Health()
+        # vLLM's engine protocol beside llmsvc.v1 (vllm_engine=False: llmsvc.v1 alone)
+        self.vllm = VllmEngineService(self.state) if vllm_engine else None
+        self._extra_services = (VLLM_ENGINE_SERVICE,) if vllm_engine else ()
+        self.health = Health(self._extra_services)
         self.tls = tls
         self.auth = BearerTokenInterceptor(auth_tokens) if auth_tokens else None
         self.admin_auth = (BearerTokenInterceptor(admin_tokens, guarded_prefixes=ADMIN_PREFIXES)
@@ -92,6 +99,8 @@ class LlmServer:
         self.servicer.log_requests = log_requests
         self.servicer.metrics = self.metrics
         self.tracer = self.servicer.tracer = tracer  # tracing.RequestTracer or None
+        if self.vllm is not None:
+            self.vllm.metrics = self.metrics
         self.server: grpc.aio.Server | None = None
         self.async_engine: AsyncEngine | None = None
         self.engine_died = False
@@ -122,8 +131,10 @@ class LlmServer:
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         pb_grpc.add_LlmServiceServicer_to_server(self.servicer, self.server)
         pb_grpc.add_AdminServiceServicer_to_server(self.admin, self.server)
+        if self.vllm is not None:
+            add_to_server(self.vllm, self.server)
         self.health.add_to_server(self.server)
-        add_reflection(self.server)
+        add_reflection(self.server, self._extra_services)
         host = f"[{self.host}]" if ":" in self.host else self.host
         address = f"{host}:{self.port}"
         try:
@@ -167,6 +178,8 @@ class LlmServer:
             await self._warm_up(ae, config)
             self._counters_from = ae.get_stats()  # the warm-up's tokens are not the clients'
         self.servicer.attach(ae, engine.tokenizer, config)
+        if self.vllm is not None:
+            await self.vllm.attach(ae, engine.tokenizer, config)
         self.state.ready = True
         await self.health.ready()
         self._watch = asyncio.create_task(self._watch_engine(ae))
@@ -244,6 +257,8 @@ class LlmServer:
     async def _shutdown(self, grace: float) -> None:
         self.state.draining = True
         await self.health.draining()
+        if self.vllm is not None:  # a gateway reads the end of its KV-event stream as "route elsewhere"
+            await self.vllm.close("the server is draining")
         logger.info("draining (grace %.1f s)", grace)
         if self.async_engine is not None:
             if self._grace_cut:

@@ -94,6 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "graphs")
     opt("--block-size", positive_int, 16, help="tokens per KV block")
     opt("--no-prefix-caching", bool, help="disable prefix caching")
+    opt("--no-vllm-engine", bool, help="serve llmsvc.v1 alone: without vLLM's engine protocol "
+        "(vllm.grpc.engine.VllmEngine, which the SMG gateway drives workers with) on the same port")
     opt("--max-waiting-requests", non_negative_int, 4096,
         help="admission cap: requests in flight beyond those that can run; past it RESOURCE_EXHAUSTED "
              "(0: none wait)")
@@ -256,7 +258,8 @@ async def serve(args, security: dict | None = None, config=None) -> int:
                        max_waiting_requests=args.max_waiting_requests, metrics_port=metrics_port,
                        metrics_host=args.metrics_host,
                        metrics_label_keys=parse_label_keys(args.metrics_label_keys),
-                       log_requests=not args.disable_log_requests, **security)
+                       log_requests=not args.disable_log_requests, vllm_engine=not args.no_vllm_engine,
+                       **security)
     server.shutdown_grace = args.shutdown_grace
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

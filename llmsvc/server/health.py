@@ -38,22 +38,27 @@ class _HealthServicer(health_async.HealthServicer):
 class Health:
     """Health states: "" SERVING once the process is up; the service only when ready."""
 
-    def __init__(self) -> None:
+    def __init__(self, extra_services: tuple[str, ...] = ()) -> None:
         self.servicer = _HealthServicer()
+        # services that serve exactly when LlmService does (vLLM's engine protocol)
+        self.services = (SERVICE_NAME, *extra_services)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
 
     async def starting(self) -> None:
         await self.servicer.set("", SERVING)
-        await self.servicer.set(SERVICE_NAME, NOT_SERVING)
+        for name in self.services:
+            await self.servicer.set(name, NOT_SERVING)
 
     async def ready(self) -> None:
-        await self.servicer.set(SERVICE_NAME, SERVING)
+        for name in self.services:
+            await self.servicer.set(name, SERVING)
 
     async def not_serving(self) -> None:
-        """Engine died: the service is NOT_SERVING; the process itself still answers."""
-        await self.servicer.set(SERVICE_NAME, NOT_SERVING)
+        """Engine died: the services are NOT_SERVING; the process itself still answers."""
+        for name in self.services:
+            await self.servicer.set(name, NOT_SERVING)
 
     async def draining(self) -> None:
         await self.servicer.enter_graceful_shutdown()
@@ -89,14 +94,15 @@ def _add_v1_reflection_file(pool: descriptor_pool.DescriptorPool) -> None:
     pool.Add(fdp)
 
 
-def add_reflection(server: grpc.aio.Server) -> None:
-    """Reflection for LlmService, AdminService and Health, under v1alpha (grpcio-reflection) and v1.
+def add_reflection(server: grpc.aio.Server, extra_services: tuple[str, ...] = ()) -> None:
+    """Reflection for LlmService, AdminService, Health and `extra_services` (full names, whose
+    descriptors are in the default pool), under v1alpha (grpcio-reflection) and v1.
 
     v1 and v1alpha reflection messages are wire-identical (same field numbers), so the v1
     service is the v1alpha servicer behind a v1 method name; its descriptor is served too."""
     _add_v1_reflection_file(descriptor_pool.Default())
     names = (SERVICE_NAME, ADMIN_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME, REFLECTION_V1)
+             *extra_services, reflection.SERVICE_NAME, REFLECTION_V1)
     servicer = reflection_async.ReflectionServicer(names)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)  # v1alpha
     handler = grpc.stream_stream_rpc_method_handler(

@@ -1,0 +1,216 @@
+"""SubscribeKvEvents: the prefix cache's stored / removed / cleared blocks, for a gateway's
+cache-aware routing (smg.grpc.common.KvEventBatch).
+
+KVEventRelay is the one reader of the engine's event journal (llmsvc.core.kv_events): it polls
+`take_kv_events` (every POLL_S while someone subscribes, every IDLE_POLL_S otherwise, so the
+journal never overflows), turns each page into one KvEventBatch numbered 1, 2, 3, ... and hands
+it to every subscriber. It also keeps the blocks the cache holds now (hash -> tokens, parent),
+so a subscriber that starts without a cursor (start_sequence_number 0) first gets them all: one
+batch numbered as the last one sent, holding a `cleared` and then every live block, parents
+before children. A cursor the relay still has batches after is served by replaying them; one it
+has not (too old, or from before a restart) is refused with OUT_OF_RANGE, and a subscriber
+that falls QUEUE_BATCHES behind is ended with DATA_LOSS: either way the gateway starts over
+from 0. When the engine dies or the server stops, every stream ends (UNAVAILABLE), which is how
+a gateway learns within seconds to route elsewhere.
+
+Hashes: a block's hash is our chained prefix-cache hash (sha256 of the previous block's hash and
+this block's token ids), given as its first 8 bytes read as a signed big-endian int64; equal
+prefixes on any replica give equal hashes. Each stored block carries its token ids and
+block_size (the gateway hashes the tokens for its own index) and the hash of the block before it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+from llmsvc.core.kv_events import CLEARED, REMOVED, STORED
+from llmsvc.server.vllm_engine.proto import common_pb2 as cpb
+
+logger = logging.getLogger(__name__)
+POLL_S = 0.05
+IDLE_POLL_S = 1.0
+HISTORY_BATCHES = 1024  # batches kept for subscribers that reconnect with a cursor
+QUEUE_BATCHES = 4096  # batches a subscriber may fall behind before its stream ends (DATA_LOSS)
+
+
+def block_hash64(h: bytes) -> int:
+    return int.from_bytes(h[:8], "big", signed=True)
+
+
+class CursorError(Exception):
+    """A start_sequence_number this relay cannot continue from."""
+
+
+class StreamEnded(Exception):
+    """The relay stopped (engine dead, server stopping) or this subscriber fell behind."""
+
+    def __init__(self, why: str, data_loss: bool = False) -> None:
+        super().__init__(why)
+        self.data_loss = data_loss
+
+
+class Subscription:
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.ended: StreamEnded | None = None
+
+    def put(self, batch) -> None:
+        if self.ended is None and self.queue.qsize() >= QUEUE_BATCHES:
+            self.end(StreamEnded("this subscriber fell too far behind the KV events", data_loss=True))
+        elif self.ended is None:
+            self.queue.put_nowait(batch)
+
+    def end(self, why: StreamEnded) -> None:
+        if self.ended is None:
+            self.ended = why
+            self.queue.put_nowait(None)
+
+    async def next(self):
+        """The next batch; raises StreamEnded once the stream is over."""
+        batch = await self.queue.get()
+        if batch is None:
+            raise self.ended
+        return batch
+
+
+class KVEventRelay:
+    """`take(after_seq)`: an awaitable of the engine's KVEventPage (AsyncEngine.take_kv_events)."""
+
+    def __init__(self, take) -> None:
+        self._take = take
+        self._cursor = 0  # the journal's last event read
+        self._seq = 0  # the last batch number given
+        self._event_id = 0
+        self._history: deque = deque(maxlen=HISTORY_BATCHES)
+        self._live: dict[int, tuple[tuple[int, ...], int | None]] = {}  # hash -> (tokens, parent hash)
+        self._block_size = 0
+        self._subs: set[Subscription] = set()
+        self._task: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self._polling = asyncio.Lock()  # one take at a time: the cursor moves with each
+        self.ended: StreamEnded | None = None
+
+    async def start(self) -> None:
+        """Turn the engine's recording on (the first take) and begin polling."""
+        await self._poll_once()
+        self._task = asyncio.create_task(self._run(), name="kv-event-relay")
+
+    async def stop(self, why: str = "the server is stopping") -> None:
+        self._end_all(StreamEnded(why))
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def _end_all(self, why: StreamEnded) -> None:
+        self.ended = self.ended or why
+        for s in list(self._subs):
+            s.end(why)
+        self._subs.clear()
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), POLL_S if self._subs else IDLE_POLL_S)
+                except asyncio.TimeoutError:
+                    pass
+                self._wake.clear()
+                await self._poll_once()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the engine died or stopped: every stream ends
+            logger.info("KV event relay stopped: %s", e)
+            self._end_all(StreamEnded(f"the engine stopped ({type(e).__name__}); route elsewhere"))
+
+    async def _poll_once(self) -> None:
+        async with self._polling:
+            await self._poll_locked()
+
+    async def _poll_locked(self) -> None:
+        page = await self._take(self._cursor)
+        self._block_size = page.block_size
+        if page.first_seq > self._cursor + 1 and self._cursor:
+            # a gap: the journal dropped events this relay never read; what the cache holds is
+            # unknown from here, so say so (cleared) and start over with what comes
+            logger.warning("KV events %d-%d were lost; subscribers are told the cache was cleared",
+                           self._cursor + 1, page.first_seq - 1)
+            page.events.insert(0, (page.first_seq - 1, CLEARED))
+        if page.events:
+            self._cursor = page.events[-1][0]
+            self._publish(self._convert(page.events))
+
+    def _convert(self, events) -> list:
+        """Journal events -> KvCacheEvents (a run of stored blocks each following the one before
+        goes as one event); updates the live-block map."""
+        out, bs = [], self._block_size
+        for _, kind, *fields in events:
+            self._event_id += 1
+            if kind == STORED:
+                h, parent, tokens = block_hash64(fields[0]), fields[1], fields[2]
+                parent = block_hash64(parent) if parent is not None else None
+                self._live[h] = (tokens, parent)
+                last = out[-1] if out else None
+                if (last is not None and last.HasField("stored") and
+                        last.stored.blocks[-1].block_hash == parent):
+                    last.stored.blocks.add(block_hash=h, token_ids=tokens, block_size=bs)
+                    continue
+                ev = cpb.KvCacheEvent(event_id=self._event_id, stored=cpb.KvBlocksStored(
+                    blocks=[cpb.KvBlock(block_hash=h, token_ids=tokens, block_size=bs)]))
+                if parent is not None:
+                    ev.stored.parent_block_hash = parent
+                out.append(ev)
+            elif kind == REMOVED:
+                h = block_hash64(fields[0])
+                self._live.pop(h, None)
+                out.append(cpb.KvCacheEvent(event_id=self._event_id, removed=cpb.KvBlocksRemoved(block_hashes=[h])))
+            elif kind == CLEARED:
+                self._live.clear()
+                out.append(cpb.KvCacheEvent(event_id=self._event_id, cleared=cpb.KvCacheCleared()))
+        return out
+
+    def _publish(self, events: list) -> None:
+        self._seq += 1
+        batch = cpb.KvEventBatch(sequence_number=self._seq, timestamp=time.time(), events=events)
+        self._history.append(batch)
+        for s in self._subs:
+            s.put(batch)
+
+    def snapshot(self) -> cpb.KvEventBatch:
+        """Every live block, after a `cleared`, numbered as the last batch sent."""
+        batch = cpb.KvEventBatch(sequence_number=self._seq, timestamp=time.time())
+        batch.events.add(cleared=cpb.KvCacheCleared())
+        for h, (tokens, parent) in self._live.items():
+            ev = batch.events.add()
+            ev.stored.blocks.add(block_hash=h, token_ids=tokens, block_size=self._block_size)
+            if parent is not None:
+                ev.stored.parent_block_hash = parent
+        return batch
+
+    async def subscribe(self, start_seq: int) -> Subscription:
+        """A subscription whose queue starts with the snapshot (start_seq 0) or the batches after
+        start_seq, as of the engine's latest events. Raises CursorError for a cursor it cannot
+        continue, StreamEnded once stopped."""
+        if self.ended is not None:
+            raise self.ended
+        await self._poll_once()
+        if self.ended is not None:
+            raise self.ended
+        sub = Subscription()
+        if start_seq == 0:
+            sub.put(self.snapshot())
+        else:
+            oldest = self._history[0].sequence_number if self._history else self._seq + 1
+            if start_seq > self._seq or start_seq < oldest - 1:
+                raise CursorError(f"start_sequence_number {start_seq} is outside the batches kept "
+                                  f"({oldest - 1}..{self._seq}); subscribe with 0 for a snapshot")
+            for batch in self._history:
+                if batch.sequence_number > start_seq:
+                    sub.put(batch)
+        self._subs.add(sub)
+        self._wake.set()  # poll at the subscriber's pace from now on
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        self._subs.discard(sub)
