@@ -91,7 +91,7 @@ def weight_bytes(packed: torch.Tensor) -> int:
 def _native_isas() -> tuple[str, ...]:
     """The ISA paths the built library runs on this CPU (runtime detection in gemm_int8.c)."""
     lib = load()
-    if lib is None or not hasattr(lib, "llmsvc_gemm_i8_supported"):
+    if lib is None:
         return ()
     return tuple(name for code, name in enumerate(ISAS) if code and lib.llmsvc_gemm_i8_supported(code) == 1)
 
