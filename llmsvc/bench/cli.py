@@ -13,6 +13,7 @@ import time
 from llmsvc.bench.compare import (check_peer_args, parse_baselines, peer_systems, print_ratios, print_spreads,
                                    record_runs, vllm_peer)
 from llmsvc.bench.metrics import summarize
+from llmsvc.bench.openai_peer import ChatPrompts, check_endpoints, openai_systems, parse_endpoint, print_openai_ratios
 from llmsvc.bench.probe import RpcProbe, merged_summary, print_latency
 from llmsvc.bench.report import result_line
 from llmsvc.bench.repeat import System, alternate
@@ -48,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run peers on the same prompts, comma-separated: hf (transformers generate), "
                         "vllm (needs --vllm-python; docs/benchmarks.md)")
     p.add_argument("--vllm-python", default=None, metavar="PATH", help="the interpreter of a venv with vLLM")
+    p.add_argument("--openai", action="append", type=parse_endpoint, default=[], metavar="[NAME=]URL",
+                   help="also drive this OpenAI-compatible endpoint (e.g. SMG in front of llmsvc or of vLLM's "
+                        "gRPC worker) with the same prompts as streamed chat completions; repeatable. The "
+                        "first is compared with llmsvc's gRPC run and with the others (docs/benchmarks.md)")
     p.add_argument("--repeat", type=int, default=1, help="measure ours and each peer N times, taking turns, "
                    "and compare medians (use 3 for ratios on a shared machine)")
     p.add_argument("--hf-batch-size", type=int, default=64)
@@ -143,11 +148,15 @@ class Tally:
 
 
 def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict, tally: Tally,
-                 vllm=None) -> None:
+                 vllm=None, chat: ChatPrompts | None = None) -> None:
     from llmsvc.bench.runners import run_offline, run_serving
     from llmsvc.bench.server_proc import running_server, wait_serving
 
     prompts = build_prompts(w, vocab)
+    texts = None
+    if chat is not None:  # --openai: every system gets the prompts as chat (openai_peer.py)
+        texts = chat.texts(prompts)
+        prompts = chat.rendered(texts)
     offsets = arrival_offsets(w)
     res = results["workloads"].setdefault(w.name, {"workload": dataclasses.asdict(w)})
     print(f"\n== {w.name}: {w.num_requests} requests x {w.input_len} in / {w.output_len} out, "
@@ -186,6 +195,8 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
     if a.mode in ("serve", "both"):
         systems.append(System("serve", "llmsvc gRPC", lambda: serve(probe=True)[1]))
     systems += peer_systems(a, w, prompts, offsets, model_dir, vllm)
+    if texts is not None:
+        systems += openai_systems(a.openai, texts, prompts, w.output_len, offsets, w.concurrency)[0]
     runs = alternate(systems, a.repeat, lambda s, i, summary: tally.report(
         s.label + (f" [{i + 1}/{a.repeat}]" if a.repeat > 1 else ""), summary))
     record_runs(res, systems, runs)
@@ -211,6 +222,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
         print(f"  prefill throughput with / without prefix caching: {on:.0f} / {off['prefill_tok_s']:.0f} "
               f"tok/s = {res['prefix_caching_prefill_speedup']:.2f}x")
     print_ratios(w, res, a.baseline)
+    print_openai_ratios(res, getattr(a, "openai", []))
     if a.ceiling:
         from llmsvc.bench.ceiling import (arithmetic_dtype, ceiling, decode_step, gemm_flops,
                                           kv_bytes_per_token, memory_floor, param_counts, read_bandwidth)
@@ -303,7 +315,7 @@ def main(a) -> int:
     except ValueError as e:
         print(f"llmsvc bench: {e}", file=sys.stderr)
         return 2
-    if (why := check_peer_args(a)) is not None:
+    if (why := check_peer_args(a) or check_endpoints(getattr(a, "openai", []))) is not None:
         print(f"llmsvc bench: {why}", file=sys.stderr)
         return 2
     from llmsvc.config import ModelConfig
@@ -311,7 +323,9 @@ def main(a) -> int:
     from transformers import AutoTokenizer
 
     mc = resolve_model_config(ModelConfig(model=a.model))
-    vocab = ordinary_vocab(AutoTokenizer.from_pretrained(mc.model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(mc.model_dir)
+    vocab = ordinary_vocab(tokenizer)
+    chat = ChatPrompts(tokenizer) if getattr(a, "openai", None) else None
     results = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "workloads": {},
                "args": {k: v for k, v in vars(a).items() if not k.startswith("_")}}
     if hasattr(a, "_vllm_version"):
@@ -323,7 +337,7 @@ def main(a) -> int:
         vllm = stack.enter_context(vllm_peer(a, mc.model_dir))
         try:
             for w in workloads:
-                run_workload(a, w, mc.model_dir, vocab, results, tally, vllm)
+                run_workload(a, w, mc.model_dir, vocab, results, tally, vllm, chat)
         except PeerError as e:  # vLLM failed to start or died: its log's tail says why
             print(f"llmsvc bench: {e}", file=sys.stderr)
             return 1
