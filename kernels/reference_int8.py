@@ -28,7 +28,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     round-half-even(x * inv) (not x / scale, which rounds differently)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, QMAX / amax, torch.zeros_like(amax))
+    # a true division: `127 / tensor` in torch is reciprocal() * 127, another rounding
+    inv = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))
     q = torch.round(xf * inv.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, amax / QMAX
 
