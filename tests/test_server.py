@@ -323,14 +323,15 @@ def test_health_check_of_an_unknown_service_names_the_known_ones(srv):
     with pytest.raises(grpc.RpcError) as ei:
         h.Check(health_pb2.HealthCheckRequest(service="nope"))
     assert ei.value.code() == grpc.StatusCode.NOT_FOUND
-    assert ei.value.details() == f"unknown service 'nope'; known: '', {SERVICE!r}"
+    assert ei.value.details() == f"unknown service 'nope'; known: '', {SERVICE!r}, 'vllm.grpc.engine.VllmEngine'"
 
 
 def test_health_list_gives_every_known_service(srv):
     h = health_pb2_grpc.HealthStub(srv.channel)
     resp = h.List(health_pb2.HealthListRequest())
     assert {name: st.status for name, st in resp.statuses.items()} == {
-        "": health_pb2.HealthCheckResponse.SERVING, SERVICE: health_pb2.HealthCheckResponse.SERVING}
+        "": health_pb2.HealthCheckResponse.SERVING, SERVICE: health_pb2.HealthCheckResponse.SERVING,
+        "vllm.grpc.engine.VllmEngine": health_pb2.HealthCheckResponse.SERVING}
 
 
 def test_every_listed_service_resolves_by_reflection(srv):
