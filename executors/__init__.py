@@ -1,30 +1,17 @@
-"""Executors: how the engine core reaches the model. `create_executor` picks one by name."""
+"""Executors: how the engine core reaches the model. `create_executor` builds the one the
+config names, from the registry (executors/registry.py)."""
 from __future__ import annotations
 
 from executors.base import Executor, ExecutorError
+from executors.registry import executor_class, executor_names, register_executor
 from llmsvc.config import EngineConfig
-
-EXECUTORS = ("uniproc", "multiproc", "tp")
 
 
 def create_executor(config: EngineConfig) -> Executor:
-    """Build the executor named by config.parallel_config.executor (implementations import lazily:
-    importing this package does not import torch)."""
-    pc = config.parallel_config
-    name = pc.executor_kind
-    if name == "tp":
-        from executors.tensor_parallel import TensorParallelExecutor
-
-        return TensorParallelExecutor(config)
-    if name == "multiproc":
-        from executors.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config)
-    if name == "uniproc":
-        from executors.uniproc import UniprocExecutor
-
-        return UniprocExecutor(config)
-    raise ValueError(f"unknown executor {name!r}; choose one of {', '.join(EXECUTORS)}")
+    """Build the executor config.parallel_config names (a registered name or an Executor
+    subclass; registered implementations import lazily: importing this package does not
+    import torch)."""
+    return executor_class(config.parallel_config)(config)
 
 
-__all__ = ["Executor", "ExecutorError", "create_executor", "EXECUTORS"]
+__all__ = ["Executor", "ExecutorError", "create_executor", "executor_names", "register_executor"]

@@ -103,17 +103,14 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    executor: str = "uniproc"  # uniproc | multiproc | tp
+    # a name of executors/registry.py, or an Executor subclass (the offline LLM takes either);
+    # tensor_parallel_size > 1 builds the tensor-parallel one whatever name is given (a class is built as is)
+    executor: str | type = "uniproc"
     tensor_parallel_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 = pick a free port (single node)
     nnodes: int = 1
     node_rank: int = 0
-
-    @property
-    def executor_kind(self) -> str:
-        """The executor actually built: tensor-parallel whenever tensor_parallel_size > 1."""
-        return "tp" if self.tensor_parallel_size > 1 else self.executor
 
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")

@@ -20,11 +20,13 @@ _GEN_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penal
 class LLM:
     """An engine in this process, driven to completion by `generate`.
 
+    `executor`: a name of executors/registry.py or an `executors.base.Executor` subclass, which
+    is built with the EngineConfig (as vLLM's distributed_executor_backend takes a class).
     Extra keyword arguments go to the config sections that have such a field
     (e.g. block_size, num_kv_blocks_override, policy, enable_chunked_prefill, device,
     async_scheduling=True: schedule the next step while the model runs this one)."""
 
-    def __init__(self, model: str | None = None, dtype: str = "auto", executor: str = "uniproc",
+    def __init__(self, model: str | None = None, dtype: str = "auto", executor: str | type = "uniproc",
                  tensor_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 1024, kv_cache_memory: int | str | None = None,
                  enable_prefix_caching: bool = True, seed: int = 0, **kw) -> None:

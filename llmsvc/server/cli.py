@@ -17,6 +17,8 @@ import logging
 import os
 import signal
 
+from executors.registry import executor_names
+from executors.registry import flag_help as executor_flag_help
 from llmsvc.config import DTYPE_CHOICES, LOGPROBS_MODES, MEMORY_SIZE_HELP, QUANTIZATION_CHOICES
 from llmsvc.server import event_loop
 from llmsvc.server.cli_types import (LOG_LEVELS, env_default, env_name, fraction, json_object, log_level, lora_module,
@@ -44,10 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--engine-core", str, "process", choices=["process", "inline"],
         help="where the scheduler and executor run: process (their own process behind ZeroMQ; this one "
              "keeps gRPC, tokenizing and detokenizing) or inline (a thread of this process)")
-    opt("--executor", str, "auto", choices=["auto", "uniproc", "multiproc", "tp"],
-        help="where the model runs: uniproc (the engine core's process), multiproc (a worker process of its "
-             "own) or tp (--tensor-parallel-size ranks); auto: uniproc with --engine-core process, multiproc "
-             "with inline (either way the gRPC threads and the model never share a GIL)")
+    opt("--executor", str, "auto", choices=["auto", *executor_names()],
+        help=f"where the model runs: {executor_flag_help()}; auto: uniproc with --engine-core process, "
+             "multiproc with inline (either way the gRPC threads and the model never share a GIL)")
     opt("--tensor-parallel-size", positive_int, 1, help="ranks for --executor tp")
     opt("--nnodes", positive_int, 1, help="machines sharing the --tensor-parallel-size ranks (multi-node TP)")
     opt("--node-rank", non_negative_int, 0, help="this machine's index; 0 serves gRPC, the others run headless workers")

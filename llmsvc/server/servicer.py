@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from executors import registry as executor_registry
 from llmsvc.engine.output_stream import merge_delta
 from llmsvc.server import errors
 from llmsvc.server.logging_setup import request_id_var, request_labels_var
@@ -32,8 +33,6 @@ from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 API_VERSION = "llmsvc.v1"
-# ParallelConfig.executor_kind -> GetServerInfoResponse.executor
-EXECUTOR_NAMES = {"uniproc": "uniproc", "multiproc": "multiproc", "tp": "tensor_parallel"}
 # requests bigger than this are tokenized/validated on a worker thread: a multi-MiB prompt takes
 # seconds to tokenize and must not stall the event loop (every other stream, health checks)
 INLINE_PROMPT_BYTES = 64 << 10
@@ -301,7 +300,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
         c = self.config
         resp.MergeFrom(pb.GetServerInfoResponse(
             tensor_parallel_size=c.parallel_config.tensor_parallel_size,
-            executor=EXECUTOR_NAMES[c.parallel_config.executor_kind],
+            executor=executor_registry.wire_name(c.parallel_config),
             kv_block_size=c.cache_config.block_size, num_kv_blocks=st.num_kv_blocks,
             num_free_kv_blocks=st.num_free_kv_blocks, max_num_seqs=c.scheduler_config.max_num_seqs,
             max_num_batched_tokens=c.scheduler_config.max_num_batched_tokens, num_running=st.num_running,
