@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 
+from executors.registry import executor_names
 from llmsvc.bench.compare import (check_peer_args, parse_baselines, peer_systems, print_ratios, print_spreads,
                                    record_runs, vllm_peer)
 from llmsvc.bench.metrics import summarize
@@ -64,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of concurrency caps to sweep")
     p.add_argument("--json", default=None, help="write all results to this file")
     p.add_argument("--executors", default=None,
-                   help="comma list (uniproc,multiproc,tp): compare executors offline on one workload "
+                   help=f"comma list ({','.join(executor_names())}): compare executors offline on one workload "
                         "(llmsvc.bench.executors); --tensor-parallel-size > 1 sets tp's ranks")
     p.add_argument("--plot", default=None, help="write a PNG of the sweep (or throughput bars)")
     p.add_argument("--json-schema", type=readable_file, default=None, metavar="FILE",

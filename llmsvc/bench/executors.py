@@ -16,6 +16,7 @@ import pickle
 import sys
 import time
 
+from executors.registry import TENSOR_PARALLEL, executor_names
 from llmsvc.bench.metrics import summarize
 from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, get_workload, ordinary_vocab
 
@@ -52,7 +53,7 @@ class TimedExecutor:
 def engine_config(a, executor: str):
     from llmsvc.config import EngineConfig
 
-    tp = a.tensor_parallel_size if executor == "tp" else 1
+    tp = a.tensor_parallel_size if executor == TENSOR_PARALLEL else 1
     return EngineConfig.from_options(model=a.model, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory,
                                      max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                      executor=executor, tensor_parallel_size=tp, device=a.device,
@@ -88,7 +89,8 @@ def run_one(a, executor: str, w: Workload, prompts: list[list[int]]) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--executors", default="uniproc,multiproc,tp", help="comma list of uniproc, multiproc, tp")
+    p.add_argument("--executors", default=",".join(executor_names()),
+                   help=f"comma list of {', '.join(executor_names())} (default: all)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="ranks for tp (default: the smallest > 1 dividing the model's KV heads; 3 for SmolLM2)")
     p.add_argument("--workload", default="W2")
@@ -127,7 +129,7 @@ def main(a) -> int:
     from transformers import AutoTokenizer
 
     names = [n.strip() for n in a.executors.split(",") if n.strip()]
-    bad = [n for n in names if n not in ("uniproc", "multiproc", "tp")]
+    bad = [n for n in names if n not in executor_names()]
     if bad:
         print(f"unknown executor(s) {bad}", file=sys.stderr)
         return 2
