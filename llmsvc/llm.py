@@ -11,10 +11,9 @@ from llmsvc.config import EngineConfig, parse_memory  # noqa: F401 - parse_memor
 from llmsvc.engine.chat_roles import developer_as_system
 from llmsvc.engine.validation import default_max_tokens
 from llmsvc.outputs import CONTEXT, LENGTH, RequestOutput
-from llmsvc.sampling_params import RequestOutputKind, SamplingParams
+from llmsvc.sampling_params import GENERATION_DEFAULTS, RequestOutputKind, SamplingParams
 
-_GEN_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty", "max_tokens")  # max_tokens: generation_config's max_new_tokens
+_GEN_DEFAULT_KEYS = (*GENERATION_DEFAULTS, "max_tokens")  # max_tokens: generation_config's max_new_tokens
 
 
 class LLM:

@@ -1,31 +1,32 @@
 """SamplingParams: per-request sampling and stopping, named as in vLLM (torch-free).
 
+Each client-settable field declares its facts on the field itself (`sampling_field`, see
+llmsvc.sampling_fields): proto path, range, generation_config default, `llmsvc generate` flag.
+Adding a sampling parameter is one declaration here, the proto field, and one sampler stage
+(llmsvc/worker/stages/); docs/design.md walks through an example.
+
 `verify()` raises SamplingParamsError (a ValueError) naming the field and the allowed range;
-the server maps that to INVALID_ARGUMENT. Nothing is clamped silently. It runs when the params
-are built, and again at admission (llmsvc.engine.admission) for params built with
-`unverified()`, which the gRPC doors use so that a request is verified once.
+nothing is clamped silently. Built directly, params are verified at once (as vLLM's are); the
+gRPC doors build them with `unverified()`, and admission (llmsvc.engine.admission) verifies
+every request, so a served request is verified exactly once.
 """
 from __future__ import annotations
 
 import enum
-import json
 import math
 import numbers
 import operator
 from contextvars import ContextVar
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+
+from llmsvc.sampling_fields import declared
+from llmsvc.sampling_fields import sampling_field as sf
+from llmsvc.sampling_params_error import SamplingParamsError
+from llmsvc.structured_params import StructuredOutputsParams
+
+__all__ = ["RequestOutputKind", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams"]
 
 _SKIP_VERIFY: ContextVar[bool] = ContextVar("llmsvc_sampling_params_skip_verify", default=False)
-
-
-class SamplingParamsError(ValueError):
-    """A field out of range: `field` names it ("stop[1]", "logit_bias[7]"), `why` says what is allowed."""
-
-    def __init__(self, field: str, why: str) -> None:
-        super().__init__(f"{field} {why}")
-        self.field = field
-        self.why = why
 
 
 class RequestOutputKind(enum.Enum):
@@ -35,104 +36,61 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass
-class StructuredOutputsParams:
-    """Structured output: exactly one constraint, named as vLLM names them.
-
-    json: a JSON Schema (dict, or its JSON text); regex: the whole output must match;
-    choice: the output is exactly one of these strings; grammar: Lark or GBNF (EBNF) text;
-    json_object: any JSON object. `verify()` checks only what needs no compiling (the
-    grammar engine reports the rest when the constraint is compiled).
-    """
-
-    json: str | dict | bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-
-    KINDS = ("json", "regex", "choice", "grammar", "json_object")
-
-    def __post_init__(self) -> None:
-        if isinstance(self.choice, tuple):
-            self.choice = list(self.choice)
-        self.verify()
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
-
-    def key(self) -> tuple[str, str]:
-        """(kind, canonical text): the cache key of the compiled grammar."""
-        kind, value = self.kind, getattr(self, self.kind)
-        if kind == "json":
-            # property order is kept: the grammar writes properties in the schema's order
-            text = value if isinstance(value, str) else json.dumps(value)
-        elif kind == "choice":
-            text = json.dumps(value)
-        elif kind == "json_object":
-            text = ""
-        else:
-            text = value
-        return kind, text
-
-    def verify(self) -> None:
-        set_ = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
-        if len(set_) != 1:
-            raise SamplingParamsError("structured_outputs", f"must set exactly one of {', '.join(self.KINDS)}; "
-                                      f"got {', '.join(set_) or 'none'}")
-        kind = set_[0]
-        value: Any = getattr(self, kind)
-        if kind == "json":
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError as e:
-                    raise SamplingParamsError("structured_outputs.json", f"is not valid JSON: {e}") from None
-            if not isinstance(value, (dict, bool)):
-                raise SamplingParamsError("structured_outputs.json", "must be a JSON Schema: an object or a "
-                                          f"boolean, got {type(value).__name__}")
-        elif kind == "choice":
-            if not self.choice:
-                raise SamplingParamsError("structured_outputs.choice", "must list at least one string")
-            if not all(isinstance(c, str) and c for c in self.choice):
-                raise SamplingParamsError("structured_outputs.choice", "entries must be non-empty strings")
-        elif kind in ("regex", "grammar") and not isinstance(value, str):
-            raise SamplingParamsError(f"structured_outputs.{kind}", "must be a string")
-        elif kind == "json_object" and value is not True:
-            raise SamplingParamsError("structured_outputs.json_object", "must be True when set")
-
-
-@dataclass
 class SamplingParams:
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    temperature: float = 1.0  # 0 => greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 => disabled
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    max_tokens: int | None = 16  # None => up to max_model_len (finish reason "context")
-    min_tokens: int = 0
-    logprobs: int | None = None  # None: none; 0: sampled token only; k: + top-k
-    prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None  # only these may be sampled; None: every token
-    bad_words: list[str] | None = None  # never generated (see bad_words_token_ids)
-    # the token sequences of bad_words (the engine fills it at admission from its tokenizer, as
+    n: int = sf(1, proto="sampling.n", kind="int", lo=1, cli="uint32", help="number of parallel samples")
+    presence_penalty: float = sf(0.0, proto="sampling.presence_penalty", kind="float", lo=-2, hi=2,
+                                 generation_config=True, cli="float", help="[-2, 2]")
+    frequency_penalty: float = sf(0.0, proto="sampling.frequency_penalty", kind="float", lo=-2, hi=2,
+                                  generation_config=True, cli="float", help="[-2, 2]")
+    repetition_penalty: float = sf(1.0, proto="sampling.repetition_penalty", kind="float", lo=0, lo_open=True,
+                                   generation_config=True, cli="float", help="> 0, 1 = off")
+    temperature: float = sf(1.0, proto="sampling.temperature", kind="float", lo=0, generation_config=True,
+                            cli="float", help="0 = greedy")
+    top_p: float = sf(1.0, proto="sampling.top_p", kind="float", lo=0, hi=1, lo_open=True, generation_config=True,
+                      cli="float", help="nucleus mass in (0, 1]")
+    top_k: int = sf(0, proto="sampling.top_k", kind="int", lo=0, range_text="0 or -1 (disabled) or >= 1",
+                    generation_config=True, cli="int32", help="keep the k most likely tokens (0/-1: off)")
+    min_p: float = sf(0.0, proto="sampling.min_p", kind="float", lo=0, hi=1, generation_config=True, cli="float",
+                      help="minimum probability relative to the top token")
+    seed: int | None = sf(None, proto="sampling.seed", kind="int", lo=0, cli="uint64", help="sampling seed")
+    stop: list[str] = sf(default_factory=list, proto="stopping.stop", cli="str", repeated=True,
+                         help="stop string (repeatable)")
+    stop_token_ids: list[int] = sf(default_factory=list, proto="stopping.stop_token_ids", cli="uint32",
+                                   flag="--stop-token-id", repeated=True, help="stop token id (repeatable)")
+    include_stop_str_in_output: bool = sf(False, proto="stopping.include_stop_str_in_output", cli="bool",
+                                          flag="--include-stop-str", help="keep the matched stop string in the output")
+    ignore_eos: bool = sf(False, proto="stopping.ignore_eos", cli="bool", help="keep going past EOS")
+    # None => up to max_model_len (finish reason "context")
+    max_tokens: int | None = sf(16, proto="stopping.max_tokens", kind="int", lo=1, cli="uint32",
+                                help="maximum generated tokens (default: fill the context)")
+    min_tokens: int = sf(0, proto="stopping.min_tokens", kind="int", lo=0, cli="uint32",
+                         help="minimum generated tokens before a stop may end the output")
+    # None: none; 0: sampled token only; k: + top-k
+    logprobs: int | None = sf(None, proto="output.logprobs", kind="int", lo=0, cli="uint32",
+                              help="return logprobs of sampled tokens plus the top N")
+    prompt_logprobs: int | None = sf(None, proto="output.prompt_logprobs", kind="int", lo=0)
+    skip_special_tokens: bool = sf(True, proto="output.skip_special_tokens")
+    spaces_between_special_tokens: bool = sf(True, proto="output.spaces_between_special_tokens")
+    logit_bias: dict[int, float] | None = sf(None, proto="sampling.logit_bias")
+    # only these may be sampled; None: every token
+    allowed_token_ids: list[int] | None = sf(None, proto="sampling.allowed_token_ids", cli="uint32",
+                                             flag="--allowed-token-id", repeated=True,
+                                             help="sample only among these token ids (repeatable)")
+    # never generated (see bad_words_token_ids)
+    bad_words: list[str] | None = sf(None, proto="sampling.bad_words", cli="str", flag="--bad-word", repeated=True,
+                                     help="a word never to generate (repeatable)")
+    # the token sequences of bad_words (admission fills it from the engine's tokenizer, as
     # llmsvc.engine.bad_words does): the last token of each is masked where the output ends with
     # the rest
     bad_words_token_ids: list[list[int]] | None = None
-    time_limit_ms: int | None = None  # graceful: finish "time_limit", output kept
+    # graceful: finish "time_limit", output kept
+    time_limit_ms: int | None = sf(None, proto="stopping.time_limit_ms", kind="int", lo=0, cli="uint32",
+                                   help="graceful time limit (finish reason time_limit)")
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    stream_interval: int | None = None  # tokens per streamed output; raised to the engine's
+    # tokens per streamed output; raised to the engine's
+    stream_interval: int | None = sf(None, proto="output.stream_interval", kind="int", lo=1, cli="positive_uint32",
+                                     help="with --stream: new tokens per message (at least the server's "
+                                          "--stream-interval)")
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -162,10 +120,6 @@ class SamplingParams:
         finally:
             _SKIP_VERIFY.reset(token)
 
-    _INTS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "time_limit_ms",
-             "stream_interval")
-    _FLOATS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
-
     def _normalize_numbers(self) -> None:
         """Integer fields hold ints and number fields floats (numpy and torch integers become
         ints; a float count, a string or a bool is refused, so that nothing fails later inside
@@ -174,13 +128,14 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if isinstance(getattr(self, name), bool):
                 setattr(self, name, int(getattr(self, name)))
-        for name in self._INTS:
-            setattr(self, name, _integer(name, getattr(self, name)))
-        for name in self._FLOATS:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real):
-                raise SamplingParamsError(name, f"must be a number, got {v!r}")
-            setattr(self, name, float(v))
+        for f, facts in _NUMBERS:
+            v = getattr(self, f.name)
+            if facts.kind == "int":
+                setattr(self, f.name, _integer(f.name, v))
+            elif isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise SamplingParamsError(f.name, f"must be a number, got {v!r}")
+            else:
+                setattr(self, f.name, float(v))
         if self.seed == -1:
             self.seed = None
         self.stop_token_ids = [_integer("stop_token_ids", t) for t in self.stop_token_ids]
@@ -195,53 +150,29 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def verify(self, max_logprobs: int | None = None) -> None:
-        """Ranges; logprobs and prompt_logprobs up to max_logprobs (the engine's; None: any)."""
+        """Ranges (each number field's declared one); logprobs and prompt_logprobs up to
+        max_logprobs (the engine's; None: any)."""
+        for f, facts in _NUMBERS:
+            why = facts.violation(getattr(self, f.name))
+            if why:
+                raise SamplingParamsError(f.name, why)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamsError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and max_logprobs is not None and v > max_logprobs:
+                raise SamplingParamsError(name, f"must be in [0, {max_logprobs}], got {v}")
+        self._verify_lists()
+
+    def _verify_lists(self) -> None:
         def bad(name: str, why: str) -> None:
             raise SamplingParamsError(name, why)
 
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "temperature", "top_p", "min_p"):
-            if not math.isfinite(getattr(self, name)):
-                bad(name, f"must be a finite number, got {getattr(self, name)}")
-        if self.n < 1:
-            bad("n", f"must be >= 1, got {self.n}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0.0:
-            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        if self.temperature < 0.0:
-            bad("temperature", f"must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            bad("top_k", f"must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for i, s in enumerate(self.stop):
             if not s:
                 bad(f"stop[{i}]", "stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and v < 0:
-                bad(name, f"must be >= 0, got {v}")
-            if v is not None and max_logprobs is not None and v > max_logprobs:
-                bad(name, f"must be in [0, {max_logprobs}], got {v}")
-        if self.seed is not None and self.seed < 0:
-            bad("seed", f"must be >= 0, got {self.seed}")
-        if self.stream_interval is not None and self.stream_interval < 1:
-            bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
-        if self.time_limit_ms is not None and self.time_limit_ms < 0:
-            bad("time_limit_ms", f"must be >= 0, got {self.time_limit_ms}")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 bad("allowed_token_ids", "must not be empty when set")
@@ -253,16 +184,19 @@ class SamplingParams:
         for seq in self.bad_words_token_ids or ():
             if not seq or any(t < 0 for t in seq):
                 bad("bad_words_token_ids", "each sequence must be non-empty token ids >= 0")
-        if self.logit_bias:
-            for tok, b in self.logit_bias.items():
-                if tok < 0:
-                    bad("logit_bias", f"token id must be >= 0, got {tok}")
-                if not math.isfinite(b) or not -100.0 <= b <= 100.0:
-                    bad(f"logit_bias[{tok}]", f"must be in [-100, 100], got {b}")
+        for tok, b in (self.logit_bias or {}).items():
+            if tok < 0:
+                bad("logit_bias", f"token id must be >= 0, got {tok}")
+            if not math.isfinite(b) or not -100.0 <= b <= 100.0:
+                bad(f"logit_bias[{tok}]", f"must be in [-100, 100], got {b}")
+
+
+# the number fields, in declaration order: normalized and range-checked from their Facts
+_NUMBERS = tuple((f, facts) for f, facts in declared(SamplingParams) if facts.kind)
 
 
 def _integer(name: str, v):
-    """v as an int (None stays None); ValueError naming the field for anything else."""
+    """v as an int (None stays None); SamplingParamsError naming the field for anything else."""
     if v is None:
         return None
     if isinstance(v, bool):
@@ -271,3 +205,10 @@ def _integer(name: str, v):
         return operator.index(v)
     except TypeError:
         raise SamplingParamsError(name, f"must be an integer, got {v!r}") from None
+
+
+# name -> neutral value of the fields whose unset value generation_config.json may give (the
+# llmsvc.v1 door, GetModelInfo.default_sampling, checkpoint loading and LLM read this)
+GENERATION_DEFAULTS = {f.name: f.default for f, facts in declared(SamplingParams) if facts.generation_config}
+# name -> the llmsvc.v1 GenerateRequest message that holds it ("sampling", "stopping", "output")
+PROTO_PARENTS = {f.name: facts.proto_parent for f, facts in declared(SamplingParams) if facts.proto_parent}

@@ -12,35 +12,41 @@ import sys
 from collections.abc import Callable
 
 from llmsvc.client.channel import MAX_RETRIES
+from llmsvc.sampling_fields import declared
+from llmsvc.sampling_params import SamplingParams
 from llmsvc.client.cli_common import (INT32, UINT32, UINT64, add_connection_arguments, channel_options_from_args,
                                       credentials_from_args, int_in, print_error, read_file, readable_file,
                                       usage_error)
 
 PROG = "llmsvc generate"
 
-# flag dest == proto field name; passed to Client.generate only when given. Integer types are
+# The sampling flags come from SamplingParams' own declarations (llmsvc.sampling_fields): a flag's
+# dest is the proto field's name; passed to Client.generate only when given. Integer types are
 # the proto field's range: limits that depend on the model or server are the server's to check.
-_FIELD_FLAGS: tuple[tuple[str, Callable[[str], object], str], ...] = (
-    ("max_tokens", UINT32, "maximum generated tokens (default: fill the context)"),
-    ("min_tokens", UINT32, "minimum generated tokens before a stop may end the output"),
-    ("temperature", float, "0 = greedy"),
-    ("top_p", float, "nucleus mass in (0, 1]"),
-    ("top_k", INT32, "keep the k most likely tokens (0/-1: off)"),
-    ("min_p", float, "minimum probability relative to the top token"),
-    ("presence_penalty", float, "[-2, 2]"),
-    ("frequency_penalty", float, "[-2, 2]"),
-    ("repetition_penalty", float, "> 0, 1 = off"),
-    ("seed", UINT64, "sampling seed"),
-    ("n", UINT32, "number of parallel samples"),
-    ("logprobs", UINT32, "return logprobs of sampled tokens plus the top N"),
+_CLI_TYPES: dict[str, Callable[[str], object]] = {
+    "float": float, "int32": INT32, "uint32": UINT32, "uint64": UINT64, "str": str,
+    "positive_uint32": int_in(1, 2**32 - 1)}
+_SAMPLING_FLAGS = tuple((f.name, facts) for f, facts in declared(SamplingParams) if facts.cli)
+# request fields that are not sampling parameters
+_REQUEST_FLAGS: tuple[tuple[str, Callable[[str], object], str], ...] = (
     ("priority", INT32, "lower runs sooner"),
     ("truncate_prompt_tokens", UINT32, "keep only the last N prompt tokens"),
     ("cache_salt", str, "share cached prompt blocks only with requests of this salt"),
     ("lora_name", str, "run with this served LoRA adapter (the server's --lora-modules)"),
-    ("time_limit_ms", UINT32, "graceful time limit (finish reason time_limit)"),
-    ("stream_interval", int_in(1, 2**32 - 1),
-     "with --stream: new tokens per message (at least the server's --stream-interval)"),
 )
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    for name, facts in _SAMPLING_FLAGS:
+        flag = facts.flag or "--" + name.replace("_", "-")
+        if facts.cli == "bool":
+            parser.add_argument(flag, dest=name, action="store_true", default=None, help=facts.help)
+        elif facts.repeated:
+            parser.add_argument(flag, dest=name, action="append", type=_CLI_TYPES[facts.cli], default=None,
+                                metavar=flag.split("-")[-1][0].upper() if facts.cli == "str" else "ID",
+                                help=facts.help)
+        else:
+            parser.add_argument(flag, dest=name, type=_CLI_TYPES[facts.cli], default=None, help=facts.help)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,25 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-retries", type=int_in(0, MAX_RETRIES), default=0, metavar="N",
                         help=f"retry up to N (0-{MAX_RETRIES}) times, after the server's delay, when it refuses "
                              "the call before starting it: queue full, loading, draining (default: 0)")
-    for name, typ, help_ in _FIELD_FLAGS:
+    for name, typ, help_ in _REQUEST_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
-    parser.add_argument("--stop", action="append", default=None, metavar="S",
-                        help="stop string (repeatable)")
-    parser.add_argument("--stop-token-id", dest="stop_token_ids", action="append", type=UINT32,
-                        default=None, metavar="ID", help="stop token id (repeatable)")
-    parser.add_argument("--allowed-token-id", dest="allowed_token_ids", action="append", type=UINT32,
-                        default=None, metavar="ID", help="sample only among these token ids (repeatable)")
-    parser.add_argument("--bad-word", dest="bad_words", action="append", default=None, metavar="W",
-                        help="a word never to generate (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past EOS")
-    parser.add_argument("--include-stop-str", dest="include_stop_str_in_output", action="store_true",
-                        default=None, help="keep the matched stop string in the output")
+    _add_sampling_flags(parser)
 
 
 def request_kwargs(args: argparse.Namespace) -> dict:
     """The Client.generate keyword arguments the flags ask for (unset flags are left out)."""
-    names = [name for name, _, _ in _FIELD_FLAGS]
-    names += ["stop", "stop_token_ids", "allowed_token_ids", "bad_words", "ignore_eos", "include_stop_str_in_output"]
+    names = [name for name, _, _ in _REQUEST_FLAGS] + [name for name, _ in _SAMPLING_FLAGS]
     kwargs = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []

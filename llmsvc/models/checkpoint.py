@@ -8,10 +8,12 @@ import glob
 import json
 import os
 
+from llmsvc.sampling_params import GENERATION_DEFAULTS
+
 # generation_config.json fields that become per-model sampling defaults (vLLM's
-# generation_config="auto"); max_new_tokens is renamed to SamplingParams.max_tokens
-_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                            "presence_penalty", "frequency_penalty")
+# generation_config="auto"), as SamplingParams declares them; max_new_tokens is renamed to
+# SamplingParams.max_tokens
+_GENERATION_DEFAULT_KEYS = tuple(GENERATION_DEFAULTS)
 
 
 def read_json(path: str) -> dict:

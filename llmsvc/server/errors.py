@@ -17,7 +17,7 @@ from grpc_status import rpc_status
 from llmsvc.engine.async_engine import EngineDeadError, EngineStepError, EngineStoppedError, OutputBacklogError
 from llmsvc.core.errors import (DuplicateRequestError, InvalidRequestError, LoRAAdminError, LoRANotFoundError,
                                 PromptTooLongError, QueueFullError)
-from llmsvc.sampling_params import SamplingParamsError
+from llmsvc.sampling_params import PROTO_PARENTS, SamplingParamsError
 from llmsvc.structured.errors import ConstraintError
 
 logger = logging.getLogger(__name__)
@@ -95,16 +95,6 @@ def unavailable(message: str, reason: str = "UNAVAILABLE", retry_delay_s: float 
     return ServiceError(grpc.StatusCode.UNAVAILABLE, message, reason=reason, retry_delay_s=retry_delay_s)
 
 
-# SamplingParams field -> the GenerateRequest message holding the proto field of the same name
-_FIELD_PARENTS = {
-    **dict.fromkeys(("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "seed", "n", "logit_bias", "allowed_token_ids",
-                     "bad_words"), "sampling"),
-    **dict.fromkeys(("max_tokens", "min_tokens", "stop", "stop_token_ids", "include_stop_str_in_output",
-                     "ignore_eos", "time_limit_ms"), "stopping"),
-    **dict.fromkeys(("logprobs", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens"),
-                    "output"),
-}
 _RENAMED = {"prompt_token_ids": "token_ids.ids"}
 
 
@@ -113,7 +103,7 @@ def proto_field(name: str) -> str:
     base, bracket, index = name.partition("[")
     if base in _RENAMED:
         return _RENAMED[base] + bracket + index
-    parent = _FIELD_PARENTS.get(base)
+    parent = PROTO_PARENTS.get(base)
     return f"{parent}.{name}" if parent else name
 
 

@@ -13,15 +13,10 @@ from dataclasses import dataclass, field
 
 from llmsvc.engine import validation as rules
 from llmsvc.core.errors import InvalidRequestError
-from llmsvc.sampling_params import RequestOutputKind, SamplingParams
+from llmsvc.sampling_params import GENERATION_DEFAULTS, PROTO_PARENTS, RequestOutputKind, SamplingParams
 from llmsvc.server.constraints import served_constraints, structured_outputs_from_proto
 from llmsvc.server.errors import clip, invalid, to_service_error
 
-# proto field -> (SamplingParams field, neutral value); generation_config uses the same names
-SAMPLING_FIELDS = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-}
 MAX_REQUEST_ID_CHARS = 256
 MAX_LABELS = 64
 MAX_LABEL_CHARS = 256  # a label's key or value: each goes into every log line of the request and a metric series
@@ -62,7 +57,7 @@ class ModelLimits:
     def default_sampling(self) -> dict:
         """The values unset sampling fields resolve to (generation_config, then neutral)."""
         out = {}
-        for name, neutral in SAMPLING_FIELDS.items():
+        for name, neutral in GENERATION_DEFAULTS.items():
             v = self.generation_defaults.get(name)
             out[name] = type(neutral)(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else neutral
         if out["top_k"] < 0:
@@ -151,7 +146,10 @@ def build_sampling_params(req, limits: ModelLimits) -> SamplingParams:
                                                     f"got {len(s.allowed_token_ids)}")
     structured_outputs = structured_outputs_from_proto(s, limits.supported_constraints)
     defaults = limits.default_sampling()
-    kw = {name: getattr(s, name) if s.HasField(name) else defaults[name] for name in SAMPLING_FIELDS}
+    kw = {}
+    for name in GENERATION_DEFAULTS:  # optional scalars: unset takes the model's default
+        part = getattr(req, PROTO_PARENTS[name])
+        kw[name] = getattr(part, name) if part.HasField(name) else defaults[name]
     with engine_rules():
         params = rules.make_sampling_params(
             n=s.n if s.HasField("n") else 1, seed=s.seed if s.HasField("seed") else None,
