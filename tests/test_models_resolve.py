@@ -272,7 +272,7 @@ def test_a_permission_error_while_converting_is_a_configuration_error(tmp_path, 
 
     def denied(path):
         raise PermissionError(13, "Permission denied", path)
-    monkeypatch.setattr(r, "_file_lock", denied)
+    monkeypatch.setattr(r, "file_lock", denied)
     with pytest.raises(ValueError, match=r"model cache .* is not writable by this user .*LLMSVC_CACHE"):
         r.resolve_model_dir(str(gguf))
 

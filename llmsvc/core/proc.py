@@ -117,7 +117,7 @@ def _structured_output_manager(config):
     from llmsvc.structured.lazy import LazyStructuredOutputManager
 
     def build():
-        from llmsvc.models.resolve import derived_cache_dir
+        from llmsvc.models.cache_files import derived_cache_dir
         from llmsvc.models.tokenizer import load_tokenizer
         from llmsvc.structured.build import build_structured_output_manager
 

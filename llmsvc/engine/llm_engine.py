@@ -269,7 +269,7 @@ def start_engine_core(config: EngineConfig) -> tuple[EngineConfig, EngineCoreCli
 
 
 def _load_tokenizer(config: EngineConfig):
-    from llmsvc.models.resolve import derived_cache_dir
+    from llmsvc.models.cache_files import derived_cache_dir
     from llmsvc.models.tokenizer import load_tokenizer
 
     return load_tokenizer(config.model_config.tokenizer_dir, derived_cache_dir(), config.model_config.chat_template)

@@ -8,6 +8,7 @@ import glob
 import json
 import os
 
+from llmsvc.models.cache_files import cache_root
 from llmsvc.sampling_params import GENERATION_DEFAULTS
 
 # generation_config.json fields that become per-model sampling defaults (vLLM's
@@ -56,7 +57,6 @@ def open_safetensors(path: str, framework: str):
     try:
         return safe_open(path, framework=framework, device="cpu")
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: one line at start-up
-        from llmsvc.models.resolve import cache_root
         root = os.path.realpath(cache_root())
         hint = ""
         if os.path.realpath(path).startswith(root + os.sep):  # a converted entry, torn: it can be remade

@@ -14,7 +14,7 @@ import json
 import os
 import tempfile
 
-from llmsvc.models.resolve import file_sha256
+from llmsvc.models.cache_files import file_sha256
 
 CACHE_VERSION = 1  # bump when what is stored (or how it is read) changes
 

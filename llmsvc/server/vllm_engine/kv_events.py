@@ -2,9 +2,11 @@
 cache-aware routing (smg.grpc.common.KvEventBatch).
 
 KVEventRelay is the one reader of the engine's event journal (llmsvc.core.kv_events): it polls
-`take_kv_events` (every POLL_S while someone subscribes, every IDLE_POLL_S otherwise, so the
-journal never overflows), turns each page into one KvEventBatch numbered 1, 2, 3, ... and hands
-it to every subscriber. It also keeps the blocks the cache holds now (hash -> tokens, parent),
+`take_kv_events` (every POLL_S while someone subscribes and the engine's stats moved since the
+last poll: blocks are stored and evicted only by requests, so an idle engine is not asked;
+every IDLE_POLL_S otherwise, so the journal never overflows; at once after `wake()`), turns each
+page into one KvEventBatch numbered 1, 2, 3, ... and hands it to every subscriber. The engine
+answers a poll between two steps. It also keeps the blocks the cache holds now (hash -> tokens, parent),
 so a subscriber that starts without a cursor (start_sequence_number 0) first gets them all: one
 batch numbered as the last one sent, holding a `cleared` and then every live block, parents
 before children. A cursor the relay still has batches after is served by replaying them; one it
@@ -76,10 +78,14 @@ class Subscription:
 
 
 class KVEventRelay:
-    """`take(after_seq)`: an awaitable of the engine's KVEventPage (AsyncEngine.take_kv_events)."""
+    """`take(after_seq)`: an awaitable of the engine's KVEventPage (AsyncEngine.take_kv_events);
+    `activity()`: a value that changes whenever the engine may have stored or evicted blocks
+    (None: poll every POLL_S regardless)."""
 
-    def __init__(self, take) -> None:
+    def __init__(self, take, activity=None) -> None:
         self._take = take
+        self._activity = activity
+        self._last_activity = None
         self._cursor = 0  # the journal's last event read
         self._seq = 0  # the last batch number given
         self._event_id = 0
@@ -109,20 +115,37 @@ class KVEventRelay:
             s.end(why)
         self._subs.clear()
 
+    def wake(self) -> None:
+        """Poll now (after a flush, say): its events reach subscribers without waiting."""
+        self._wake.set()
+
     async def _run(self) -> None:
         try:
+            idle_since = time.monotonic()
             while True:
+                woken = False
                 try:
                     await asyncio.wait_for(self._wake.wait(), POLL_S if self._subs else IDLE_POLL_S)
+                    woken = True
                 except asyncio.TimeoutError:
                     pass
                 self._wake.clear()
-                await self._poll_once()
+                now = time.monotonic()
+                if woken or not self._subs or self._active() or now - idle_since >= IDLE_POLL_S:
+                    idle_since = now
+                    await self._poll_once()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the engine died or stopped: every stream ends
             logger.info("KV event relay stopped: %s", e)
             self._end_all(StreamEnded(f"the engine stopped ({type(e).__name__}); route elsewhere"))
+
+    def _active(self) -> bool:
+        if self._activity is None:
+            return True
+        now = self._activity()
+        changed, self._last_activity = now != self._last_activity, now
+        return changed
 
     async def _poll_once(self) -> None:
         async with self._polling:

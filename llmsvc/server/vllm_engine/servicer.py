@@ -37,6 +37,13 @@ SERVER_TYPE = "llmsvc-grpc"
 GATEWAY_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+def _activity(stats) -> tuple:
+    """Changes whenever the engine may have stored or evicted prefix-cache blocks: while requests
+    are in it, and when its token counters moved."""
+    busy = stats.num_running + stats.num_waiting
+    return (stats.prompt_tokens_total, stats.generation_tokens_total, busy, busy and time.monotonic())
+
+
 class VllmEngineService(pb_grpc.VllmEngineServicer):
     """Registered before the model loads (UNAVAILABLE / unhealthy until `attach`)."""
 
@@ -55,7 +62,7 @@ class VllmEngineService(pb_grpc.VllmEngineServicer):
         self.engine, self.tokenizer, self.config = async_engine, tokenizer, config
         self.limits = ModelLimits.from_config(config, getattr(async_engine.engine, "request_limits", None))
         self.bundle = TokenizerBundle(tokenizer, config.model_config.model_dir)
-        relay = KVEventRelay(async_engine.take_kv_events)
+        relay = KVEventRelay(async_engine.take_kv_events, lambda: _activity(async_engine.get_stats()))
         try:
             await relay.start()
         except Exception as e:  # noqa: BLE001 - an engine without an event journal: no KV events
@@ -185,6 +192,8 @@ class VllmEngineService(pb_grpc.VllmEngineServicer):
         while True:
             try:
                 if await self.engine.reset_prefix_cache():
+                    if self.kv_events is not None:
+                        self.kv_events.wake()  # its `cleared` goes out now
                     return cpb.FlushCacheResponse(success=True, message="prefix cache flushed")
             except Exception as e:  # noqa: BLE001 - engine dead or stopping
                 return cpb.FlushCacheResponse(success=False, message=f"engine not running: {type(e).__name__}")
