@@ -3,8 +3,9 @@
 Checked here, before the request is queued: the kind is served (UNIMPLEMENTED otherwise) and
 what needs no compiling (JSON text, non-empty regex / grammar, a non-empty choice list).
 Compiling happens in the engine's grammar pool; its failures come back as
-llmsvc.structured.ConstraintError, mapped by `constraint_error` to INVALID_ARGUMENT with a
-field violation on the proto field and ErrorInfo.reason saying which kind of failure.
+llmsvc.structured.ConstraintError, which errors.py maps to INVALID_ARGUMENT with a field
+violation on the proto field (constraint_fields.py) and ErrorInfo.reason saying which kind of
+failure.
 """
 from __future__ import annotations
 
@@ -14,12 +15,10 @@ import grpc
 
 from llmsvc import structured
 from llmsvc.sampling_params import StructuredOutputsParams
+from llmsvc.server.constraint_fields import PROTO_FIELDS
 from llmsvc.server.errors import ServiceError, invalid
 from llmsvc.structured import errors as E
 
-# StructuredOutputsParams field -> SamplingParams.constraint oneof field (proto)
-PROTO_FIELDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                "json_object": "json_object"}
 MAX_CONSTRAINT_CHARS = 1 << 20  # a schema / grammar / regex, or all choices together
 
 
@@ -76,8 +75,3 @@ def structured_outputs_from_proto(sampling, supported: tuple[str, ...]) -> Struc
 def _check_size(name: str, n: int) -> None:
     if n > MAX_CONSTRAINT_CHARS:
         raise invalid(name, f"must be at most {MAX_CONSTRAINT_CHARS} characters, got {n}", "CONSTRAINT_TOO_LARGE")
-
-
-def constraint_error(exc: E.ConstraintError) -> ServiceError:
-    """INVALID_ARGUMENT naming the proto field of the constraint that did not compile."""
-    return invalid(f"sampling.{PROTO_FIELDS[exc.kind]}", exc.message, exc.reason)

@@ -18,6 +18,7 @@ from llmsvc.engine.async_engine import EngineDeadError, EngineStepError, EngineS
 from llmsvc.core.errors import (DuplicateRequestError, InvalidRequestError, LoRAAdminError, LoRANotFoundError,
                                 PromptTooLongError, QueueFullError)
 from llmsvc.sampling_params import PROTO_PARENTS, SamplingParamsError
+from llmsvc.server.constraint_fields import PROTO_FIELDS
 from llmsvc.structured.errors import ConstraintError
 
 logger = logging.getLogger(__name__)
@@ -116,10 +117,8 @@ def to_service_error(exc: BaseException, field_path: Callable[[str], str] = prot
     names an engine field in the calling door's proto (llmsvc.v1's by default)."""
     if isinstance(exc, ServiceError):
         return exc
-    if isinstance(exc, ConstraintError):
-        from llmsvc.server.constraints import constraint_error  # that module imports this one
-
-        return constraint_error(exc)
+    if isinstance(exc, ConstraintError):  # did not compile: the proto field of its kind
+        return invalid(f"sampling.{PROTO_FIELDS[exc.kind]}", exc.message, exc.reason)
     if isinstance(exc, PromptTooLongError):
         return prompt_too_long(exc.prompt_tokens, exc.max_model_len, exc.message)
     if isinstance(exc, LoRAAdminError):
