@@ -115,3 +115,97 @@ def test_importing_torch_free_packages_does_not_load_torch(package):
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    """Lines under `if TYPE_CHECKING:`: imports a type checker reads and Python never runs."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for stmt in node.body:
+                lines.update(range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1))
+    return lines
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
+    """module -> {project module it imports: line}. Imports inside functions count as much as
+    those at the top: a local import only puts a circle off until that function first runs.
+    `from pkg.mod import name` is an edge to pkg.mod (to pkg when name is a submodule of it:
+    pkg.name); a package's own __init__ running first is not an edge (it would make every
+    package that imports its submodules a circle)."""
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in modules.items():
+        skip = _type_checking_lines(ast.parse(path.read_text(), filename=str(path)))
+        edges: dict[str, int] = {}
+        for name, line in imports_of(module, path):
+            while name and name not in modules:  # an attribute of a module: the module
+                name = name.rpartition(".")[0]
+            if name and name != module and line not in skip:
+                edges.setdefault(name, line)
+        graph[module] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def describe_cycles(graph: dict[str, dict[str, int]], modules: dict[str, Path], root: Path = ROOT) -> str:
+    out = []
+    for component in import_cycles(graph):
+        out.append("circle: " + ", ".join(component))
+        out += [f"  {modules[m].relative_to(root)}:{line} imports {dep}"
+                for m in component for dep, line in graph[m].items() if dep in component]
+    return "\n".join(out)
+
+
+def test_no_import_cycles():
+    modules = dict(source_modules())
+    graph = import_graph(modules)
+    assert not import_cycles(graph), "import circles (move what both sides need into a module of its own):\n" \
+        + describe_cycles(graph, modules)
+
+
+def test_import_cycle_finder_sees_function_local_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from pkg import a\n")
+    (pkg / "a.py").write_text("from pkg.b import helper\n")
+    (pkg / "b.py").write_text("def helper():\n    from pkg.a import thing  # hidden in a function\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.d import T\n")
+    (pkg / "d.py").write_text("import pkg.c\n")
+    modules = {"pkg": pkg / "__init__.py", **{f"pkg.{n}": pkg / f"{n}.py" for n in "abcd"}}
+    graph = import_graph(modules)
+    assert import_cycles(graph) == [["pkg.a", "pkg.b"]]  # not pkg / pkg.a, nor the TYPE_CHECKING one
+    assert "pkg/b.py:2 imports pkg.a" in describe_cycles(graph, modules, tmp_path)
