@@ -32,7 +32,7 @@ SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_l
 def looping_letters(tokens: list[int]) -> int:
     """A 'model' of lowercase letters that repeats what it said 3 tokens ago (lookup drafts are
     right there), but for every 5th position (a letter from the hash: drafts are wrong there)."""
-    return tokens[-3] if len(tokens) % 5 and 97 <= tokens[-3] <= 122 else letters(tokens)
+    return tokens[-3] if len(tokens) % 5 and len(tokens) >= 3 and 97 <= tokens[-3] <= 122 else letters(tokens)
 
 
 def requests() -> list[Request]:

@@ -155,3 +155,38 @@ def test_everything_at_once_under_the_priority_policy(served):
     free = [(t, name, p) for (t, _, _), c, name, p in zip(got, checks, loras, prompts) if c is None]
     assert [t for t, _, _ in free] == [refs[name][_prompts().index(p)] for _, name, p in free]
     assert stats.num_preemptions > 0 and stats.spec_decode.num_accepted_tokens > 0
+
+
+def test_prefix_cache_hits_per_adapter_with_drafts(served):
+    """The same mix again in one engine with drafts on: each prompt's full blocks come from the
+    cache of its own adapter (the K/V of an adapted model differ), and the tokens stay HF's."""
+    model_dir, adapters, refs = served
+    mix = _lora_mix()
+    # a pool that holds every block of both rounds: nothing is evicted
+    llm = LLM(model=model_dir, lora_modules=adapters, max_lora_rank=8, speculative_config=SPEC,
+              **{**ENGINE, "num_kv_blocks_override": 256})
+    try:
+        for rnd in range(2):
+            outs = llm.generate([_prompts()[p] for p, _ in mix], GREEDY, use_tqdm=False, lora_request=[n for _, n in mix])
+            assert [list(o.outputs[0].token_ids) for o in outs] == [refs[n][p] for p, n in mix]
+            cached = [o.num_cached_tokens for o in outs]
+            if rnd == 0:  # prompt 1 starts with prompt 0's first 12 tokens: a hit under the same adapter only
+                assert cached == [12 if p == 1 else 0 for p, _ in mix] or cached == [0] * len(mix)
+            else:
+                assert cached == [(len(_prompts()[p]) - 1) // 4 * 4 for p, _ in mix]
+        assert llm.llm_engine.get_stats().spec_decode.num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
+
+
+def test_everything_at_once_on_tensor_parallel_workers(served):
+    """Drafts, adapters (sharded per rank), grammars (the bitmask crosses to the worker
+    processes), a pool that preempts and the priority policy on TP=2: the single-process tokens."""
+    prompts, params, loras, checks = _structured_mix()
+    priority = [i % 3 for i in range(len(prompts))]
+    base, _ = generate(served, prompts, params, loras)
+    got, stats = generate(served, prompts, params, loras, priority=priority, speculative_config=SPEC,
+                          num_kv_blocks_override=24, policy="priority", executor="tp", tensor_parallel_size=2)
+    assert got == base
+    _check_constraints(got, checks)
+    assert stats.num_preemptions > 0 and stats.spec_decode.num_accepted_tokens > 0
