@@ -43,8 +43,7 @@ def test_greedy_is_argmax_and_metadata_flags():
     logits = torch.randn(6, V, generator=torch.Generator().manual_seed(1))
     md = build([SamplingParams(temperature=0.0)] * 6)
     assert md.all_greedy and not md.all_random
-    assert md.penalties is None and md.top_k_rows is None and md.top_p_rows is None
-    assert md.bias_rows is None and md.mask_rows is None and md.max_num_logprobs is None
+    assert md.processors == [] and md.truncators == [] and md.max_num_logprobs is None
     out = Sampler()(logits, md)
     assert out.sampled_token_ids.dtype == torch.int64
     assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
@@ -225,7 +224,7 @@ def test_penalties_match_vllm_definition_exactly():
     params = [SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
               SamplingParams()]
     md = build(params, prompts=[prompt, prompt], outputs=[output, output], vocab=6)
-    assert md.penalties.flat_index.tolist() == [0, 1, 2, 4]  # row 0 only: seen tokens
+    assert md.stage("penalties").flat_index.tolist() == [0, 1, 2, 4]  # row 0 only: seen tokens
     got = logits.clone()
     apply_logits_processors(got, md)
     expect = []
@@ -380,18 +379,16 @@ def test_compute_prompt_logprobs():
 
 def test_top_p_mask_matches_full_sort_reference_with_deep_cuts():
     """Rows whose cut lies beyond the partial top-k candidates fall back to a full sort."""
-    from llmsvc.worker.sampler import apply_top_p
-
     vocab = 12000
     g = torch.Generator().manual_seed(12)
     logits = torch.cat([torch.randn(2, vocab, generator=g) * 0.05,  # flat: cut ~ p * vocab
                         torch.randn(3, vocab, generator=g) * 4.0])  # peaked: cut within 1024
     top_p = [0.5, 0.97, 0.9, 0.3, 0.8]  # cuts: second tier, full sort, first tier x3
     params = [SamplingParams(top_p=p) for p in top_p]
-    params[4] = SamplingParams(top_p=0.8, top_k=5)  # top_k is not applied by apply_top_p
+    params[4] = SamplingParams(top_p=0.8, top_k=5)  # top_k is not applied by the top_p stage
     md = build(params, vocab=vocab)
     got = logits.clone()
-    apply_top_p(got, md)
+    md.stage("top_p").apply(got)
     for r, p in enumerate(top_p):
         probs = logits[r].softmax(-1)
         vals, idx = probs.sort(descending=True)
@@ -408,6 +405,6 @@ def test_empty_batch_and_top_k_beyond_vocab():
     out = Sampler()(torch.zeros(0, V), build([]))
     assert out.sampled_token_ids.shape == (0,) and out.logprobs == []
     md = build([SamplingParams(top_k=V), SamplingParams(top_k=V + 5), SamplingParams(top_k=-1)])
-    assert md.top_k_rows is None  # k >= V keeps everything: no top-k pass
+    assert md.stage("top_k") is None  # k >= V keeps everything: no top-k pass
     s = draw(torch.zeros(V), SamplingParams(top_k=V + 5), 2000)
     assert len(set(s.tolist())) > V // 2

@@ -11,6 +11,8 @@ Order of operations (as vLLM v1):
          presence:   logit -= p * (count_in_output > 0)
     4. greedy rows (temperature < 1e-5): argmax here; nothing below changes them
     5. temperature, then min_p, top_k, top_p (each only on the rows that set it)
+Steps 1-3 and 5 are the logits stages of llmsvc/worker/stages (phases PROCESS and TRUNCATE),
+built per step only for the rows that need them.
     6. random rows: exponential race, argmax(probs / E) with E ~ Exp(1) drawn from the row's
        own generator when seeded (see SamplingMetadata), which is an exact draw from probs.
 
@@ -36,9 +38,7 @@ from kernels import ops
 from llmsvc.config import LOGPROBS_MODES
 from llmsvc.wire import SampleLogprobs
 from llmsvc.worker.sampling_metadata import SamplingMetadata
-
-_NEG_INF = float("-inf")
-_TOP_P_CANDIDATES = (1024, 8192)  # top-p looks for its cut among the top 1024, then 8192, then all
+from llmsvc.worker.stages.base import take_rows
 
 
 @dataclass
@@ -73,10 +73,9 @@ class Sampler:
 
         raw_lp = None
         if want_lp and raw:
-            raw_lp = torch.log_softmax(_take(logits, lp_rows).float(), dim=-1)
+            raw_lp = torch.log_softmax(take_rows(logits, lp_rows).float(), dim=-1)
 
-        if md.all_greedy and md.penalties is None and md.bias_rows is None \
-                and md.mask_rows is None and md.allowed_rows is None:  # plain greedy: nothing to process
+        if md.all_greedy and not md.processors:  # plain greedy: nothing to process
             sampled = ops.argmax_rows(logits)
             processed = logits
         else:
@@ -87,7 +86,7 @@ class Sampler:
 
         logprobs: list[SampleLogprobs | None] = [None] * md.num_rows
         if want_lp:
-            lp = raw_lp if raw else torch.log_softmax(_take(processed, lp_rows).float(), dim=-1)
+            lp = raw_lp if raw else torch.log_softmax(take_rows(processed, lp_rows).float(), dim=-1)
             entries = gather_logprobs(lp, sampled.index_select(0, lp_rows),
                                       md.max_num_logprobs,
                                       [md.num_logprobs[i] for i in lp_rows.tolist()])
@@ -100,126 +99,26 @@ class Sampler:
         """logits [S, V] float32 contiguous, modified in place into the sampled distribution."""
         apply_logits_processors(logits, md)
         if md.all_greedy:
-            sampled = ops.argmax_rows(logits)
-        else:
-            greedy = None if md.all_random else ops.argmax_rows(logits)
-            if not md.no_temperature:
-                logits.div_(md.temperature.unsqueeze(1))
-            apply_min_p(logits, md)
-            apply_top_k(logits, md)
-            apply_top_p(logits, md)
-            sampled = exponential_race(logits, md)
-            if greedy is not None:
-                sampled = torch.where(md.greedy_mask, greedy, sampled)
+            return ops.argmax_rows(logits)
+        greedy = None if md.all_random else ops.argmax_rows(logits)
+        for stage in md.truncators:
+            stage.apply(logits)
+        sampled = exponential_race(logits, md)
+        if greedy is not None:
+            sampled = torch.where(md.greedy_mask, greedy, sampled)
         return sampled
+
+
+def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """In place on logits [S, V]: the PROCESS stages (allowed_token_ids, logit bias, min_tokens and
+    bad-word masks, penalties), which every row sees, greedy ones included."""
+    for stage in md.processors:
+        stage.apply(logits)
 
 
 def _logprob_rows(md: SamplingMetadata) -> torch.Tensor:
     idx = [i for i, n in enumerate(md.num_logprobs) if n is not None]
-    return torch.tensor(idx, dtype=torch.long, device=md.temperature.device)
-
-
-def _take(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The rows of logits that a stage touches; logits itself when that is every row
-    (row indices are sorted and unique, so numel == S means all of them)."""
-    return logits if rows.numel() == logits.shape[0] else logits.index_select(0, rows)
-
-
-def _put(logits: torch.Tensor, rows: torch.Tensor, sub: torch.Tensor) -> None:
-    """Write back what _take returned (after in-place or out-of-place edits)."""
-    if sub is logits:
-        return
-    if rows.numel() == logits.shape[0]:
-        logits.copy_(sub)
-    else:
-        logits.index_copy_(0, rows, sub)
-
-
-def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> None:
-    """In place on logits [S, V]: allowed_token_ids, logit bias, min_tokens masking, penalties."""
-    if md.allowed_rows is not None:
-        sub = _take(logits, md.allowed_rows)  # [A, V]
-        sub.masked_fill_(md.disallowed, _NEG_INF)
-        _put(logits, md.allowed_rows, sub)
-    if md.bias_rows is not None:
-        logits.index_put_((md.bias_rows, md.bias_tokens), md.bias_values, accumulate=True)
-    if md.mask_rows is not None:
-        logits[md.mask_rows, md.mask_tokens] = _NEG_INF
-    pen = md.penalties
-    if pen is not None:
-        flat = logits.view(-1)  # logits is contiguous [S, V]
-        vals = flat[pen.flat_index]  # [N]
-        vals = torch.where(vals > 0, vals / pen.repetition, vals * pen.repetition)
-        vals -= pen.frequency * pen.output_count
-        vals -= pen.presence * (pen.output_count > 0)
-        flat[pen.flat_index] = vals
-
-
-def apply_min_p(logits: torch.Tensor, md: SamplingMetadata) -> None:
-    """Drop tokens whose probability < min_p * (max probability of the row)."""
-    if md.min_p_rows is None:
-        return
-    sub = _take(logits, md.min_p_rows)  # [Sm, V]
-    probs = sub.softmax(dim=-1)
-    thresh = md.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [Sm, 1]
-    sub.masked_fill_(probs < thresh, _NEG_INF)
-    _put(logits, md.min_p_rows, sub)
-
-
-def apply_top_k(logits: torch.Tensor, md: SamplingMetadata) -> None:
-    """Keep the k largest logits of each row (ties with the k-th are kept)."""
-    if md.top_k_rows is None:
-        return
-    sub = _take(logits, md.top_k_rows)  # [Sk, V]
-    top = sub.topk(md.max_top_k, dim=-1).values  # [Sk, max_k], descending
-    thresh = top.gather(1, (md.top_k - 1).unsqueeze(1))  # [Sk, 1], the k-th largest
-    sub.masked_fill_(sub < thresh, _NEG_INF)
-    _put(logits, md.top_k_rows, sub)
-
-
-def apply_top_p(logits: torch.Tensor, md: SamplingMetadata) -> None:
-    """Keep the smallest set of most likely tokens whose probability mass is >= top_p.
-
-    Token j (in descending order) survives iff the mass strictly before it is < top_p; ties
-    with the last survivor survive too. The cut is looked for among the most likely
-    _TOP_P_CANDIDATES tokens first (partial top-k); only rows whose cut lies deeper go on
-    to the next tier, and a full sort is the last one.
-    """
-    if md.top_p_rows is None:
-        return
-    sub = _take(logits, md.top_p_rows)  # [Sp, V]
-    probs = sub.softmax(dim=-1)
-    p = md.top_p.unsqueeze(1)  # [Sp, 1]
-    V = probs.shape[1]
-    thresh = torch.empty_like(p)  # [Sp, 1]
-    todo = None  # rows still undecided (None: all)
-    # rows that also set top_k have at most ~top_k survivors: try those first
-    tiers = sorted({min(c, V) for c in (md.top_p_max_k or V, *_TOP_P_CANDIDATES, V)})
-    for c in tiers:
-        rows_p = probs if todo is None else probs.index_select(0, todo)
-        cand = rows_p.topk(c, dim=-1).values  # [Sx, c], descending
-        cut, covered = _top_p_cut(cand, p if todo is None else p.index_select(0, todo))
-        if c == V:
-            covered.fill_(True)  # the whole vocabulary decides every row
-        done = covered.nonzero().squeeze(1)
-        dst = done if todo is None else todo.index_select(0, done)
-        thresh.index_copy_(0, dst, cut.index_select(0, done))
-        if bool(covered.all()):
-            break
-        todo = (~covered).nonzero().squeeze(1) if todo is None else todo[~covered]
-    sub.masked_fill_(probs < thresh, _NEG_INF)
-    _put(logits, md.top_p_rows, sub)
-
-
-def _top_p_cut(desc: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """desc [R, C] probabilities sorted descending (the C largest), p [R, 1].
-
-    Returns the probability of the last survivor [R, 1] and whether the C candidates hold
-    enough mass to decide the cut [R].
-    """
-    cum = desc.cumsum(dim=-1)
-    num_keep = ((cum - desc) < p).sum(dim=-1, keepdim=True)  # >= 1 since p > 0
-    return desc.gather(1, num_keep - 1), cum[:, -1] >= p.squeeze(1)
+    return torch.tensor(idx, dtype=torch.long, device=md.device)
 
 
 def exponential_race(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
