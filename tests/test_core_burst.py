@@ -9,7 +9,7 @@ import zmq
 
 from llmsvc.config import SchedulerConfig
 from llmsvc.core import messages as m
-from llmsvc.core import proc
+from llmsvc.core import burst, proc
 from llmsvc.core.request import Request
 from llmsvc.sampling_params import SamplingParams
 
@@ -92,7 +92,7 @@ def _add(i: int, tokens: int = 128) -> tuple:
 
 def _run(monkeypatch, arrivals, burst_wait_ms=5.0, seconds_per_token=None, **sched):
     clock = Clock()
-    monkeypatch.setattr(proc.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(burst.time, "monotonic", clock.monotonic)  # the burst window reads the clock
     core = FakeCore(clock, seconds_per_token)
     inp = FakeInput(clock, arrivals + [(100.0, (m.SHUTDOWN,))])
     config = SchedulerConfig(burst_wait_ms=burst_wait_ms, **sched)

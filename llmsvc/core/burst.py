@@ -9,13 +9,19 @@ max_num_seqs is queued. The gap is `burst_wait_ms`, or 2% of what a step of the 
 so far would take (the core's seconds_per_token, once a prefill-sized step has run) if less:
 where steps are cheap (a GPU) a lone request barely waits; a busy core never waits.
 
-Both core loops use it: the engine-core process (proc.py, waiting on its ZeroMQ socket) and the
-front end's loop driving an inline core (llmsvc/engine/async_engine.py, on its condition).
+Both core loops use it, through `gather`: the engine-core process (proc.py, waiting on its
+ZeroMQ socket) and the front end's thread driving an inline core (llmsvc/engine/engine_thread.py,
+waiting on its condition). Both also check their workers' health when idle, every
+IDLE_HEALTH_CHECK_S: a worker that dies while nothing runs is noticed within that.
 """
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 GAP_SHARE = 0.02  # of the queued requests' step time: what a lone request may wait
 MAX_GAPS = 10
+IDLE_HEALTH_CHECK_S = 1.0  # an idle core loop checks its executor's health this often
 
 
 class BurstWindow:
@@ -52,3 +58,18 @@ class BurstWindow:
         if self.tokens >= self.budget[0] or self.seqs >= self.budget[1]:
             return 0.0
         return max(0.0, min(self.gap, self.deadline - now))
+
+    def gather(self, seconds_per_token: float | None, wait: Callable[[float], bool],
+               take: Callable[[], bool]) -> bool:
+        """The loop was idle and queued the burst's first requests (add): take the rest of the
+        burst. `wait(s)` waits up to s seconds for input and says whether any came; `take()`
+        applies what came (calling add) and returns True to stop at once (a shutdown).
+        Returns take's True; False when the burst is over and the loop should step."""
+        if not self.start(time.monotonic(), seconds_per_token):
+            return False
+        while (w := self.wait_s(time.monotonic())) > 0:
+            if not wait(w):
+                return False
+            if take():
+                return True
+        return False

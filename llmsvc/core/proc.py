@@ -20,14 +20,13 @@ import os
 import signal
 import sys
 import threading
-import time
 import traceback
 
 import zmq
 
 from executors.worker_proc import name_os_thread, watch_parent
 from llmsvc.core import messages as m
-from llmsvc.core.burst import BurstWindow
+from llmsvc.core.burst import IDLE_HEALTH_CHECK_S, BurstWindow
 from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.core.errors import PromptTooLongError, QueueFullError
 from llmsvc.outputs import ABORT
@@ -35,7 +34,6 @@ from llmsvc.structured.errors import ConstraintError
 
 logger = logging.getLogger("llmsvc.core")
 
-IDLE_HEALTH_CHECK_MS = 1000
 PROCESS_NAME = "llmsvc-core"  # /proc/PID/comm: what top and `ps -o comm` show
 
 
@@ -146,7 +144,7 @@ class EngineCoreLoop:
         try:
             while True:
                 idle = not core.has_unfinished()
-                if idle and not self.inp.poll(IDLE_HEALTH_CHECK_MS):
+                if idle and not self.inp.poll(1e3 * IDLE_HEALTH_CHECK_S):
                     core.executor.check_health()
                     continue
                 aborted, utility, refused = [], [], []
@@ -172,15 +170,10 @@ class EngineCoreLoop:
     def _gather_burst(self, aborted: list, utility: list, refused: list) -> bool:
         """The loop was idle: take the rest of a burst before the first step (burst.py).
         Returns True on a shutdown command."""
-        burst = self.burst
-        if burst is None or not burst.start(time.monotonic(), self.core.seconds_per_token):
+        if self.burst is None:
             return False
-        while (wait := burst.wait_s(time.monotonic())) > 0:
-            if not self.inp.poll(1e3 * wait):
-                return False
-            if self._drain_inputs(aborted, utility, refused):
-                return True
-        return False
+        return self.burst.gather(self.core.seconds_per_token, lambda s: bool(self.inp.poll(1e3 * s)),
+                                 lambda: self._drain_inputs(aborted, utility, refused))
 
     def _drain_inputs(self, aborted: list, utility: list, refused: list) -> bool:
         """Apply every waiting command. Returns True on a shutdown command."""

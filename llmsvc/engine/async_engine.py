@@ -23,6 +23,7 @@ import time
 from collections import deque
 from typing import AsyncIterator, Awaitable, Callable
 
+from llmsvc.core.burst import IDLE_HEALTH_CHECK_S
 from llmsvc.core.errors import DuplicateRequestError, QueueFullError
 from llmsvc.engine.commands import AbortRequests, AddRequest, Command, UtilityCall
 from llmsvc.engine.engine_thread import EngineThreadMixin
@@ -61,7 +62,7 @@ class AsyncEngine(EngineThreadMixin):
         self._accepting = True
         self._grace_end = float("inf")  # monotonic time shutdown() stops waiting (end_grace, cap_grace lower it)
         self._dead_event: asyncio.Event | None = None
-        self.health_check_interval_s = 1.0  # idle engine thread polls engine.check_health() this often
+        self.health_check_interval_s = IDLE_HEALTH_CHECK_S  # idle engine thread polls engine.check_health()
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:

@@ -1,7 +1,7 @@
 """The engine thread of AsyncEngine: the only caller of the wrapped LLMEngine.
 
 It sleeps on AsyncEngine's condition while there is nothing to do (health-checking the engine
-once per `health_check_interval_s`), applies the queued commands (adds, aborts, utility
+once per `health_check_interval_s`, IDLE_HEALTH_CHECK_S as the core process), applies the queued commands (adds, aborts, utility
 calls), runs one engine step and posts its outputs to the event loop in one callback. With an
 inline engine core, a burst of requests that finds the engine idle is gathered before the first
 step (llmsvc/core/burst.py), as the engine-core process does for its own core.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 
 from executors.worker_proc import name_os_thread
@@ -99,15 +98,21 @@ class EngineThreadMixin:
     def _gather_burst(self, burst: BurstWindow) -> bool:
         """The engine was idle: take the rest of a burst before the first step. Returns whether
         an abort came meanwhile."""
-        had_abort = False
         core = getattr(self.engine, "core", None)  # test fakes have none: no step cost known
-        if not burst.start(time.monotonic(), getattr(core, "seconds_per_token", None)):
+        taken: list = []
+
+        def wait(seconds: float) -> bool:
+            taken[:] = [] if self._stop else self._take_commands(seconds)
+            return bool(taken)
+
+        had_abort = False
+
+        def take() -> bool:
+            nonlocal had_abort
+            had_abort |= self._apply(taken, burst)
             return False
-        while not self._stop and (wait := burst.wait_s(time.monotonic())) > 0:
-            cmds = self._take_commands(wait)
-            if not cmds:
-                break
-            had_abort |= self._apply(cmds, burst)
+
+        burst.gather(getattr(core, "seconds_per_token", None), wait, take)
         return had_abort
 
     def _run(self) -> None:
