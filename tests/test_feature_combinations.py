@@ -62,9 +62,15 @@ def run(requests: list[Request], spec: SpeculativeConfig | None = None, async_sc
     config.speculative_config = spec
     config.scheduler_config.async_scheduling = async_scheduling
     ex = FakeExecutor(config, num_blocks=num_blocks, token_fn=looping_letters)
-    core = EngineCore(config, ex, StructuredOutputManager(TOK, TINY_VOCAB, [EOS]))
+    manager = StructuredOutputManager(TOK, TINY_VOCAB, [EOS])
+    core = EngineCore(config, ex, manager)
     got: dict[str, tuple[list[int], str | None]] = {}
     try:
+        # every grammar compiled before its request comes (as offline generate does): no request
+        # waits for a compile, so the steps do not depend on the compile threads' timing
+        for r in requests + [r for rs in (later or {}).values() for r in rs]:
+            if r.sampling_params.structured_outputs is not None:
+                manager.wait(r.sampling_params.structured_outputs)
         for r in requests:
             core.add_request(r)
         for k in range(3000):
@@ -133,9 +139,13 @@ def test_drafts_of_a_request_taken_back_out_of_its_step_by_priority_preemption()
     first, later = reqs()
     taken_back = []  # whether each request taken back out of its step had drafts in it
     orig = Scheduler._unschedule
+
+    def spy(req, *step):  # step: the step's maps under construction, its drafts among them
+        taken_back.append(any(isinstance(m, dict) and isinstance(m.get(req.request_id), list) for m in step))
+        return orig(req, *step)
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Scheduler, "_unschedule", staticmethod(
-            lambda req, num, spec, cached: taken_back.append(req.request_id in spec) or orig(req, num, spec, cached)))
+        mp.setattr(Scheduler, "_unschedule", staticmethod(spy))
         got, core, ex = run(first, spec=SPEC, later=later, num_blocks=11, policy="priority")
     assert got == base and all(len(t) == 24 and f == "length" for t, f in got.values())
     assert True in taken_back and ex.num_accepted > 0

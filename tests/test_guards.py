@@ -110,11 +110,13 @@ def test_no_drafts_for_a_request_under_a_grammar():
                                                   prompt_lookup_max=2, adaptive=False)
     # a model that repeats what it said two tokens ago: "abab..." continues itself
     ex = FakeExecutor(config, num_blocks=64, token_fn=lambda tokens: tokens[-2])
-    core = EngineCore(config, ex, StructuredOutputManager(tok, TINY_VOCAB, [EOS]))
+    manager = StructuredOutputManager(tok, TINY_VOCAB, [EOS])
+    core = EngineCore(config, ex, manager)
     drafted: list[set[str]] = []
     core.scheduler.schedule = _recording(core.scheduler.schedule, drafted)
     regex = r"(ab){4}c"
     try:
+        manager.wait(SO(regex=regex))  # compiled before the request comes, as offline generate does
         core.add_request(Request("g", tok.encode("abab"), SamplingParams(
             temperature=0.0, max_tokens=30, structured_outputs=SO(regex=regex)), eos_token_ids=[EOS]))
         core.add_request(Request("free", tok.encode("abab"), SamplingParams(temperature=0.0, max_tokens=12)))
