@@ -52,6 +52,8 @@ class SamplingParams:
                     generation_config=True, cli="int32", help="keep the k most likely tokens (0/-1: off)")
     min_p: float = sf(0.0, proto="sampling.min_p", kind="float", lo=0, hi=1, generation_config=True, cli="float",
                       help="minimum probability relative to the top token")
+    typical_p: float = sf(1.0, proto="sampling.typical_p", kind="float", lo=0, hi=1, lo_open=True,
+                          generation_config=True, cli="float", help="locally typical mass in (0, 1]")
     seed: int | None = sf(None, proto="sampling.seed", kind="int", lo=0, cli="uint64", help="sampling seed")
     stop: list[str] = sf(default_factory=list, proto="stopping.stop", cli="str", repeated=True,
                          help="stop string (repeatable)")
