@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import sys
 import threading
 import traceback
@@ -55,6 +56,10 @@ def worker_main(config, rank: int, world_size: int, local_rank: int, init_method
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [rank{rank}] %(name)s: %(message)s")
     log = logging.getLogger("llmsvc.worker")
+    # a stop signal sent to the whole process group is the server's to act on: it drains, then
+    # shuts its workers down (or the death pipe ends them when it is gone)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     if death_reader is not None:
         threading.Thread(target=watch_parent, args=(death_reader,), daemon=True).start()
     import torch

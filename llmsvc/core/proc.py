@@ -57,7 +57,11 @@ def run_engine_core(config, in_addr: str, out_addr: str, death_reader, log_level
                     log_formatter: logging.Formatter | None, log_filters: list) -> None:
     """Process entry point (multiprocessing spawn target). Logs to stderr like the front end:
     its root handler's formatter and filters come pickled (json or text, same fields)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end decides
+    # Ctrl-C, and a supervisor that signals the whole group (systemd's default, `kill -- -PGID`),
+    # reach this process too: the front end decides. It drains, then stops the core itself (or the
+    # death pipe ends it), so in-flight requests finish instead of dying with the core.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     name_os_thread(PROCESS_NAME)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(log_formatter or logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
