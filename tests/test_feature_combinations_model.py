@@ -57,7 +57,7 @@ def served(tmp_path_factory):
     return model_dir, adapters, refs
 
 
-def generate(served, prompts, params, loras, priority=None, **engine):
+def generate(served, prompts, params, loras, priority=None, detail=False, **engine):
     """[(token ids, finish reason, text) per prompt], engine stats; every KV block free after."""
     model_dir, adapters, _ = served
     llm = LLM(model=model_dir, lora_modules=adapters, max_lora_rank=8, **{**ENGINE, **engine})
@@ -68,6 +68,10 @@ def generate(served, prompts, params, loras, priority=None, **engine):
         assert not llm.llm_engine.has_unfinished_requests()
     finally:
         llm.shutdown()
+    if detail:  # every sample of each prompt, with its logprobs
+        return [[(list(c.token_ids), c.finish_reason, c.text,
+                  None if c.logprobs is None else [sorted((t, round(lp.logprob, 4)) for t, lp in d.items())
+                                                   for d in c.logprobs]) for c in o.outputs] for o in outs], stats
     return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.outputs[0].text) for o in outs], stats
 
 
@@ -89,6 +93,21 @@ def test_spec_decode_with_lora_adapters_gives_hf_greedy_tokens(served, num_block
     assert stats.spec_decode.num_accepted_tokens > 0
     if num_blocks == 20:
         assert stats.num_preemptions > 0
+
+
+def test_seeded_sampling_with_adapters_gives_the_same_samples_with_drafts_and_async_scheduling(served):
+    """Seeded sampling (n=2, top-p, penalties, logprobs) under every adapter: drafts, and async
+    scheduling, each in a pool that preempts, give the samples and logprobs of the plain run."""
+    mix = _lora_mix()
+    params = [SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0.8, top_p=0.9, seed=i, presence_penalty=0.3,
+                             logprobs=2, ignore_eos=True) for i in range(len(mix))]
+    args = ([_prompts()[p] for p, _ in mix], params, [n for _, n in mix])
+    base, _ = generate(served, *args, detail=True)
+    spec, spec_stats = generate(served, *args, detail=True, speculative_config=SPEC, num_kv_blocks_override=20)
+    asyn, async_stats = generate(served, *args, detail=True, async_scheduling=True, num_kv_blocks_override=20)
+    assert spec == base and asyn == base
+    assert spec_stats.num_preemptions > 0 and async_stats.num_preemptions > 0
+    assert spec_stats.spec_decode.num_draft_tokens > 0
 
 
 def _structured_mix():
