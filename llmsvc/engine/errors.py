@@ -1,6 +1,8 @@
 """The errors AsyncEngine raises to its callers (the servicer maps each to a gRPC status)."""
 from __future__ import annotations
 
+from executors.base import ExecutorError
+
 
 class AsyncEngineError(RuntimeError):
     """Base of the errors AsyncEngine itself raises."""
@@ -16,8 +18,8 @@ class EngineStepError(EngineDeadError):
 
 
 def is_worker_failure(exc: BaseException) -> bool:
-    """executors.base.ExecutorError (a worker died or failed), recognised without importing executors."""
-    return any(c.__name__ == "ExecutorError" for c in type(exc).__mro__)
+    """Whether exc is an executors.base.ExecutorError: a worker (or the engine-core process) died or failed."""
+    return isinstance(exc, ExecutorError)
 
 
 class EngineStoppedError(AsyncEngineError):

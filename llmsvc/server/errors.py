@@ -15,6 +15,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from llmsvc.engine.async_engine import EngineDeadError, EngineStepError, EngineStoppedError, OutputBacklogError
+from llmsvc.engine.errors import is_worker_failure
 from llmsvc.core.errors import (DuplicateRequestError, InvalidRequestError, LoRAAdminError, LoRANotFoundError,
                                 PromptTooLongError, QueueFullError)
 from llmsvc.sampling_params import PROTO_PARENTS, SamplingParamsError
@@ -148,7 +149,7 @@ def to_service_error(exc: BaseException, field_path: Callable[[str], str] = prot
         return invalid(field_path(exc.field), exc.why)
     if isinstance(exc, ValueError):
         return invalid("request", str(exc))
-    if type(exc).__name__ == "ExecutorError":
+    if is_worker_failure(exc):
         return unavailable(f"engine is not running: {_first_line(exc)}", reason="ENGINE_DEAD")
     return ServiceError(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})", reason="INTERNAL")
 

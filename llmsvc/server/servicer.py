@@ -176,7 +176,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
             if tracker is not None and (tracker.started or
                                         errors.to_service_error(e).code != grpc.StatusCode.INVALID_ARGUMENT):
                 tracker.cancelled()
-            if isinstance(e, grpc.aio.AbortError) or type(e).__name__ == "AbortError":
+            if isinstance(e, grpc.aio.AbortError):
                 code = final_code(context, e)
                 raise
             if self.tracer is not None:  # the span's status; abort() maps it again for the call

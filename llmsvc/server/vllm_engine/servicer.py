@@ -127,7 +127,7 @@ class VllmEngineService(pb_grpc.VllmEngineServicer):
         except Exception as e:  # noqa: BLE001 - every failure becomes a status
             if tracker is not None:
                 tracker.cancelled()
-            if isinstance(e, grpc.aio.AbortError) or type(e).__name__ == "AbortError":
+            if isinstance(e, grpc.aio.AbortError):
                 raise
             await errors.abort(context, vllm_error(e, input_field(request)), rid if rid_ok else None)
 
