@@ -25,20 +25,22 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from llmsvc.core.burst import IDLE_HEALTH_CHECK_S
 from llmsvc.core.errors import DuplicateRequestError, QueueFullError
-from llmsvc.engine.commands import AbortRequests, AddRequest, Command, UtilityCall
+from llmsvc.engine.commands import AbortRequests, AddRequest, Command
+from llmsvc.engine.constraint_wait import submit_constraint, wait_compiled
+from llmsvc.engine.engine_calls import EngineCallsMixin
 from llmsvc.engine.engine_thread import EngineThreadMixin
 from llmsvc.engine.errors import (  # noqa: F401 - importable from here too, as the servicer does
     AsyncEngineError, EngineDeadError, EngineStepError, EngineStoppedError, OutputBacklogError, is_worker_failure)
 from llmsvc.engine.output_stream import RequestStream
 from llmsvc.outputs import EngineStats, RequestOutput
 from llmsvc.engine_request import EngineRequest
-from llmsvc.sampling_params import RequestOutputKind, SamplingParams
-from llmsvc.structured.errors import COMPILE_TIMEOUT, ConstraintError
+from llmsvc.sampling_params import RequestOutputKind
+from llmsvc.structured.errors import ConstraintError
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncEngine(EngineThreadMixin):
+class AsyncEngine(EngineThreadMixin, EngineCallsMixin):
     def __init__(self, engine, *, max_waiting_requests: int | None = None,
                  max_backlog_bytes: int = 4 << 20, max_backlog_age_s: float = 60.0) -> None:
         self.engine = engine
@@ -134,39 +136,6 @@ class AsyncEngine(EngineThreadMixin):
         """Stats as of the engine thread's last step (never blocks on the engine)."""
         return self._stats
 
-    async def reset_prefix_cache(self) -> bool:
-        """The engine's reset_prefix_cache(), run on the engine thread between two steps: False
-        while a request holds KV blocks. EngineDeadError / EngineStoppedError when there is no
-        engine to ask."""
-        return bool(await self._engine_call("reset_prefix_cache"))
-
-    async def take_kv_events(self, after_seq: int):
-        """The engine's take_kv_events (the prefix cache's stored / removed / cleared events after
-        `after_seq`, llmsvc.core.kv_events.KVEventPage), between two steps."""
-        return await self._engine_call("take_kv_events", after_seq)
-
-    async def add_lora(self, name: str, path: str):
-        """The engine's add_lora (LoRAEntry; LoRAAdminError), between two steps."""
-        return await self._engine_call("add_lora", name, path)
-
-    async def remove_lora(self, name: str) -> None:
-        """The engine's remove_lora (LoRANotFoundError, LoRAAdminError), between two steps."""
-        await self._engine_call("remove_lora", name)
-
-    def lora_entries(self) -> list:
-        """The served LoRA adapters (LoRAEntry), as the engine thread last changed them."""
-        registry = getattr(self.engine, "loras", None)
-        return registry.entries() if registry is not None else []
-
-    async def _engine_call(self, name: str, *args):
-        if self._dead is not None:
-            raise EngineDeadError(f"engine loop died: {self._dead}")
-        if self._thread is None or self._stop:
-            raise EngineStoppedError("engine stopped")
-        fut = self._loop.create_future()
-        self._send(UtilityCall(name, args, fut))
-        return await fut
-
     # ---- requests ----------------------------------------------------------------------
     async def generate(self, request: EngineRequest, *,
                        on_admitted: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
@@ -190,7 +159,7 @@ class AsyncEngine(EngineThreadMixin):
         admitted = self.engine.admit(request)
         params = admitted.request.sampling_params
         params.output_kind = RequestOutputKind.DELTA
-        compiled = self._submit_constraint(params)  # starts the compile now, off the engine thread
+        compiled = submit_constraint(self.engine, params)  # starts the compile now, off the engine thread
         request_id = request.request_id
         stream = self._admit(request_id, params.n)
         fut = self._loop.create_future()
@@ -212,7 +181,7 @@ class AsyncEngine(EngineThreadMixin):
                 raise
         if compiled is not None:
             try:
-                await self._wait_compiled(compiled, params)
+                await wait_compiled(self.engine.structured_output_manager, compiled, params)
             except asyncio.CancelledError:
                 self._abort_stream(stream, "client went away")
                 raise
@@ -247,25 +216,6 @@ class AsyncEngine(EngineThreadMixin):
         return not_found
 
     # ---- event-loop internals ------------------------------------------------------------
-    def _submit_constraint(self, params: SamplingParams):
-        """The compile future of the request's constraint (None: unconstrained, or an engine
-        without a grammar manager, which then refuses it in add_request)."""
-        manager = getattr(self.engine, "structured_output_manager", None)
-        if params.structured_outputs is None or manager is None:
-            return None
-        return manager.submit(params.structured_outputs)
-
-    async def _wait_compiled(self, compiled, params: SamplingParams) -> None:
-        manager = self.engine.structured_output_manager
-        limit = manager.compile_timeout_s
-        # the one-time tokenizer view is not the constraint's compile: the limit starts after it
-        await asyncio.shield(asyncio.wrap_future(manager.tokenizer_ready()))
-        try:  # shield: a timeout here must not cancel the compile shared through the cache
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiled)), limit)
-        except asyncio.TimeoutError:
-            raise ConstraintError(params.structured_outputs.kind, COMPILE_TIMEOUT,
-                                  f"did not compile within {limit:g} s") from None
-
     def _check_running(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"engine loop died: {self._dead}")

@@ -1,0 +1,43 @@
+"""AsyncEngine's utility calls: engine methods run on the engine thread between two steps.
+
+The mixin keeps no state; it uses AsyncEngine's engine, _dead, _thread, _stop, _loop and _send.
+"""
+from __future__ import annotations
+
+from llmsvc.engine.commands import UtilityCall
+from llmsvc.engine.errors import EngineDeadError, EngineStoppedError
+
+
+class EngineCallsMixin:
+    async def reset_prefix_cache(self) -> bool:
+        """The engine's reset_prefix_cache(), run on the engine thread between two steps: False
+        while a request holds KV blocks. EngineDeadError / EngineStoppedError when there is no
+        engine to ask."""
+        return bool(await self._engine_call("reset_prefix_cache"))
+
+    async def take_kv_events(self, after_seq: int):
+        """The engine's take_kv_events (the prefix cache's stored / removed / cleared events after
+        `after_seq`, llmsvc.core.kv_events.KVEventPage), between two steps."""
+        return await self._engine_call("take_kv_events", after_seq)
+
+    async def add_lora(self, name: str, path: str):
+        """The engine's add_lora (LoRAEntry; LoRAAdminError), between two steps."""
+        return await self._engine_call("add_lora", name, path)
+
+    async def remove_lora(self, name: str) -> None:
+        """The engine's remove_lora (LoRANotFoundError, LoRAAdminError), between two steps."""
+        await self._engine_call("remove_lora", name)
+
+    def lora_entries(self) -> list:
+        """The served LoRA adapters (LoRAEntry), as the engine thread last changed them."""
+        registry = getattr(self.engine, "loras", None)
+        return registry.entries() if registry is not None else []
+
+    async def _engine_call(self, name: str, *args):
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead}")
+        if self._thread is None or self._stop:
+            raise EngineStoppedError("engine stopped")
+        fut = self._loop.create_future()
+        self._send(UtilityCall(name, args, fut))
+        return await fut
