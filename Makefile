@@ -6,7 +6,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TSTAMP  := $(VENV)/.installed-test
 
-.PHONY: setup setup-test serve test test-all proto clean peer-vllm
+.PHONY: setup setup-test serve test test-all test-isa proto clean peer-vllm
 
 setup: $(STAMP)
 
@@ -34,6 +34,14 @@ test: setup-test
 
 test-all: setup-test
 	$(VENV)/bin/pytest -q
+
+# the kernel tests under every LLMSVC_CPU_ISA level below this CPU's own (docs/cpu-kernels.md);
+# `make test` runs a subset of them per level
+ISA_TESTS := tests/test_cpu_isa_levels.py tests/test_kernels_cpu.py tests/test_kernels_cpu_bf16_widen.py tests/test_native_layers.py
+
+test-isa: setup-test
+	for level in $$($(VPY) -c "from kernels.cpu_ops import isa; l = isa.cpu_level(); print(*isa.LEVELS[:isa.LEVELS.index(l)] if l else '')"); do \
+		echo "== LLMSVC_CPU_ISA=$$level"; LLMSVC_CPU_ISA=$$level $(VENV)/bin/pytest -q -m "not slow" $(ISA_TESTS) || exit 1; done
 
 proto: setup-test
 	$(VPY) -m llmsvc.client.codegen

@@ -100,23 +100,22 @@ class PagedBatch:
                 query_start_loc.clone(), seq_lens.clone(), self.scale)
 
 
-def run_avx2_build_probe(tmp_path, code: str) -> None:
-    """Runs `code` in a fresh process whose native kernels are built with -mno-avx512f (through
-    LLMSVC_CPU_CFLAGS, in a cache of its own): the paths an AVX2 CPU without AVX-512 runs, which
-    an AVX-512 machine would not. The code prints "ok" last. Skips without a C compiler or
-    AVX2 + FMA."""
+def run_avx2_build_probe(code: str) -> None:
+    """Runs `code` in a fresh process whose native kernels are built for AVX2 (LLMSVC_CPU_ISA=avx2;
+    the cap is part of the build's cache key, so the build is shared with every other AVX2-capped
+    process): the paths an AVX2 CPU without AVX-512 runs, which an AVX-512 machine would not.
+    The code prints "ok" last. Skips without a C compiler or AVX2 + FMA."""
     import os
     import subprocess
     import sys
 
     import pytest
 
-    from kernels.cpu_ops import build
+    from kernels.cpu_ops import build, isa
 
-    flags = build._cpu_flags() + " "
-    if build._compiler() is None or not (" avx2 " in flags and " fma " in flags):
+    if build._compiler() is None or isa.cpu_level() in (None, "sse4"):
         pytest.skip("no C compiler, or no AVX2 + FMA on this CPU")
-    env = {**os.environ, "LLMSVC_CPU_CFLAGS": "-mno-avx512f", "LLMSVC_CACHE": str(tmp_path)}
+    env = {**os.environ, isa.ENV: "avx2"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                        env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

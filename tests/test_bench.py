@@ -174,10 +174,10 @@ def test_ceiling_rate_is_that_of_the_arithmetic_the_cpu_engine_runs():
     # bf16 on a CPU without bf16 arithmetic computes in fp32 (gemm.c widens it): the ceiling
     # is the fp32 rate there, not that of torch's bf16, which oneDNN emulates on AVX-512
     # without AVX512-BF16 and which is a slow fallback on AVX2
-    from kernels.cpu_ops import build, linear
+    from kernels.cpu_ops import build, isa, linear
     from llmsvc.bench.ceiling import arithmetic_dtype
     assert arithmetic_dtype("float32", "cpu") == "float32"
-    bf16_arithmetic = {"avx512_bf16", "amx_bf16"} & set(build._cpu_flags().split())
+    bf16_arithmetic = isa.at_least("avx512_bf16")  # the CPU's, lowered to LLMSVC_CPU_ISA
     lib = build.load()
     if lib is not None and lib.llmsvc_gemm_f32_supported() == 1 and not bf16_arithmetic:
         assert linear.bf16_layout() == "panels" and arithmetic_dtype("bfloat16", "cpu") == "float32"

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import ops, reference as ref
-from kernels.cpu_ops import attention, build, elementwise, linear
+from kernels.cpu_ops import attention, build, elementwise, isa, linear
 from kernel_utils import TOL, PagedBatch, run_avx2_build_probe
 
 
@@ -216,15 +216,14 @@ def test_fp32_library_gemm_matches_f_linear(monkeypatch, m, k):
 
 def test_fp32_decode_rows_take_the_panel_gemm():
     # on an AVX-512 machine (CI's) the panel kernel (gemm.c) must be what runs, not a fallback
-    flags = build._cpu_flags() + " "
-    if " avx512f " not in flags and not (" avx2 " in flags and " fma " in flags):
-        pytest.skip("neither AVX-512F nor AVX2 + FMA on this CPU: fp32 linear uses a library GEMM")
+    if not isa.at_least("avx2"):
+        pytest.skip("neither AVX-512F nor AVX2 + FMA here: fp32 linear uses a library GEMM")
     assert build.load().llmsvc_gemm_f32_supported() == 1
     w = torch.randn(100, 576)
     packed = linear.pack(w)
     assert packed.shape == (3, 576, 48) and packed.data_ptr() % 64 == 0
     sub = build.load().llmsvc_gemm_f32_subpanel()
-    assert sub == (48 if " avx512f " in flags else 16)
+    assert sub == (48 if isa.at_least("avx512") else 16)
     assert torch.equal(packed, linear.pack_panels(w, sub))
     blocks = packed.view(3, 48 // sub, 576, sub)  # panel 2 holds W[96:100] in its first 4 columns
     torch.testing.assert_close(blocks[2, 0, :, :4], w[96:].t())
@@ -288,13 +287,13 @@ def _bf16_gemm_or_skip(entry: str):
 def test_bf16_decode_rows_take_a_native_gemm():
     # on a CPU with AMX-BF16 or AVX512-BF16 (CI's boxes have one or the other) a native kernel
     # must be what runs, AMX where the CPU has it
-    flags = build._cpu_flags() + " "
-    if " amx_bf16 " not in flags and " avx512_bf16 " not in flags:
+    if not isa.at_least("avx512_bf16"):
         pytest.skip("neither AMX-BF16 nor AVX512-BF16 here: bf16 takes widened panels or oneDNN")
     lib = build.load()
     assert lib.llmsvc_gemm_bf16_supported() == 1
-    assert linear.bf16_max_m() == (linear.AMX_MAX_M if lib.llmsvc_gemm_bf16_amx_supported() == 1
-                                   else linear.DP_MAX_M)
+    amx = lib.llmsvc_gemm_bf16_amx_supported() == 1  # the kernel may also refuse AMX (arch_prctl)
+    assert isa.at_least("amx") or not amx
+    assert linear.bf16_max_m() == (linear.AMX_MAX_M if amx else linear.DP_MAX_M)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(100, 96, generator=g).bfloat16()
     packed = linear.pack(w)
@@ -591,12 +590,12 @@ print("ok")
 """
 
 
-def test_gemm_and_attention_built_for_avx2(tmp_path):
+def test_gemm_and_attention_built_for_avx2():
     """The panel GEMM and paged attention as an AVX2 CPU without AVX-512 runs them (built with
-    -mno-avx512f through LLMSVC_CPU_CFLAGS, in a fresh process and cache), against F.linear and
+    LLMSVC_CPU_ISA=avx2, in a fresh process), against F.linear and
     the reference: ragged panels, 6-row blocks and their remainders, GQA decodes and prefill
     tiles, sliding windows, fp32 and bf16."""
-    run_avx2_build_probe(tmp_path, _AVX2_PROBE)
+    run_avx2_build_probe(_AVX2_PROBE)
 
 
 # x86-64 feature levels the C sources branch on: SSE4.2 only, AVX2 + FMA, AVX-512F,

@@ -134,5 +134,5 @@ print("ok")
 """
 
 
-def test_widen_gemm_built_without_avx512(tmp_path):
-    run_avx2_build_probe(tmp_path, _PROBE)
+def test_widen_gemm_built_without_avx512():
+    run_avx2_build_probe(_PROBE)

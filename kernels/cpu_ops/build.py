@@ -5,8 +5,10 @@ machine (-march=native) into $LLMSVC_CACHE/kernels/<key>/ (default ~/.cache/llms
 hash of source, flags, compiler and CPU flags; later processes load the cached library.
 The build is atomic (temp dir + rename), so concurrent workers are safe.
 
-LLMSVC_CPU_CFLAGS adds compiler flags after ours (part of the key): `-mno-avx512f` builds the
-AVX2 paths on an AVX-512 machine, as the tests do, or for a fleet whose oldest CPU lacks it.
+LLMSVC_CPU_ISA caps the x86 feature level the kernels are built for (isa.py: sse4, avx2,
+avx512, avx512_vnni, avx512_bf16, amx), so a CPU with more runs the paths of one with less, as
+the tests do, or a fleet whose oldest CPU lacks a feature. LLMSVC_CPU_CFLAGS adds compiler
+flags after ours and the cap's (both part of the key).
 
 If no compiler is found, or LLMSVC_CPU_KERNELS=0, `load()` returns None and
 `kernels/ops.py` uses the torch reference (`kernels/reference.py`, also the ground truth
@@ -27,6 +29,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from kernels.cpu_ops import isa
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +121,12 @@ def _cache_dir() -> Path:
     return Path(os.path.expanduser(root)) / "kernels"
 
 
+def _known_flags(cc: str, flags: list[str], tmp: str) -> list[str]:
+    """The flags of an ISA cap this compiler knows: one that does not know an extension's
+    -mno- flag cannot enable that extension either."""
+    return [f for f in flags if _compiles(cc, [f], tmp)]
+
+
 def _compiles(cc: str, cflags: list[str], tmp: str) -> bool:
     """Whether cc with cflags compiles an empty function (the assembler takes every -Wa flag)."""
     src = os.path.join(tmp, "probe.c")
@@ -130,7 +140,8 @@ def build(force: bool = False) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler (cc / gcc / $CC) found")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    cflags = _CFLAGS + _ASFLAGS + os.environ.get("LLMSVC_CPU_CFLAGS", "").split()
+    cap_flags = isa.cap_cflags(isa.cap())
+    cflags = _CFLAGS + _ASFLAGS + cap_flags + os.environ.get("LLMSVC_CPU_CFLAGS", "").split()
     key = hashlib.sha256("\0".join([*(p.read_text() for p in _SOURCES + _HEADERS), *cflags, *_LDFLAGS, *version, _cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     out = _cache_dir() / key / "libllmsvc_cpu.so"
@@ -142,6 +153,8 @@ def build(force: bool = False) -> Path:
         so = os.path.join(tmp, "k.so")
         if _ASFLAGS and not _compiles(cc, cflags, tmp):
             cflags = [f for f in cflags if f not in _ASFLAGS]
+        unknown = set(cap_flags) - set(_known_flags(cc, cap_flags, tmp))
+        cflags = [f for f in cflags if f not in unknown]
         cmds = [[cc, *cflags, "-c", str(p), "-o", o] for p, o in zip(_SOURCES, objs)]
         for cmd in cmds + [[cc, *objs, *_LDFLAGS, "-o", so]]:
             r = subprocess.run(cmd, capture_output=True, text=True)
@@ -160,15 +173,18 @@ def load() -> Optional[ctypes.CDLL]:
     with _lock:
         if _tried:
             return _lib
-        _tried = True
         if not enabled_by_env():
+            _tried = True
             return None
+        isa.cap()  # an unknown LLMSVC_CPU_ISA is a configuration error, not a silent fallback
+        _tried = True
         try:
             lib = ctypes.CDLL(str(build()))
         except Exception as e:  # no compiler, read-only cache, ...: the reference still works
             logger.warning("CPU kernels unavailable, using the torch reference: %s", e)
             return None
-        logger.info("CPU kernels: native library %s", lib._name)
+        logger.info("CPU kernels: native library %s (x86 level %s%s)", lib._name, isa.level(),
+                    f", capped by {isa.ENV}" if isa.cap() else "")
         for name, argtypes in _SIGNATURES.items():
             f = getattr(lib, name)
             f.argtypes, f.restype = argtypes, ctypes.c_int
