@@ -22,12 +22,13 @@ from executors import registry as executor_registry
 from llmsvc.engine.output_stream import merge_delta
 from llmsvc.server import errors
 from llmsvc.server.logging_setup import request_id_var, request_labels_var
-from llmsvc.server.prompt import encode, has_chat_template, render_chat
+from llmsvc.server.prompt import has_chat_template
+from llmsvc.server.tokenize_rpc import detokenize, tokenize
 from llmsvc.server.responses import ResponseBuilder
 from llmsvc.server.rpc_wrap import deadline_passed, final_code
 from llmsvc.server.v1_request import to_engine_request
 from llmsvc.server.validation import (ModelLimits, check_abort_ids, check_abort_reason, check_labels,
-                                      check_request_id, check_token_ids)
+                                      check_request_id)
 from llmsvc.v1 import llmsvc_pb2 as pb
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
 
@@ -222,48 +223,16 @@ class LlmService(pb_grpc.LlmServiceServicer):
     async def Tokenize(self, request, context):
         try:
             self._require_model()
-            return await off_loop_if_large(request, self._tokenize, request)
+            return await off_loop_if_large(request, tokenize, request, self.tokenizer, self.limits)
         except Exception as e:  # noqa: BLE001
             await errors.abort(context, e)
-
-    def _tokenize(self, request) -> pb.TokenizeResponse:
-        kind = request.WhichOneof("input")
-        if kind is None:
-            raise errors.invalid("input", "set text or chat")
-        if kind == "chat":
-            text = render_chat(self.tokenizer, request.chat)
-            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else False
-        else:
-            text = request.text
-            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        resp = pb.TokenizeResponse(max_model_len=self.limits.max_model_len)
-        if request.return_offsets:
-            enc = self.tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
-            resp.token_ids.extend(enc["input_ids"])
-            pos = nbytes = 0  # characters -> UTF-8 byte offsets, in one pass (offsets are non-decreasing)
-            for s, e in enc["offset_mapping"]:
-                if s < pos:
-                    pos = nbytes = 0
-                nbytes += len(text[pos:s].encode("utf-8"))
-                pos = s
-                resp.offsets.append(pb.Offset(start=nbytes, end=nbytes + len(text[s:e].encode("utf-8"))))
-        else:
-            resp.token_ids.extend(encode(self.tokenizer, text, add_special))
-        if request.return_pieces:
-            resp.pieces.extend(self.tokenizer.convert_ids_to_tokens(list(resp.token_ids)))
-        return resp
 
     async def Detokenize(self, request, context):
         try:
             self._require_model()
-            return await off_loop_if_large(request, self._detokenize, request)
+            return await off_loop_if_large(request, detokenize, request, self.tokenizer, self.limits)
         except Exception as e:  # noqa: BLE001
             await errors.abort(context, e)
-
-    def _detokenize(self, request) -> pb.DetokenizeResponse:
-        check_token_ids("token_ids", request.token_ids, self.limits.vocab_size)
-        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return pb.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
 
     async def GetModelInfo(self, request, context):
         if self.engine is None:
