@@ -23,6 +23,7 @@ from llmsvc.sampling_fields import declared
 from llmsvc.sampling_params import GENERATION_DEFAULTS, SamplingParams
 from llmsvc.server.errors import ServiceError, to_service_error
 from llmsvc.server.v1_request import to_engine_request
+from llmsvc.engine.validation import RequestLimits
 from llmsvc.server.validation import ModelLimits
 from llmsvc.v1 import llmsvc_pb2 as pb
 from llmsvc.worker.sampling_metadata import SamplingMetadata
@@ -32,7 +33,7 @@ from tests.server_harness import ServerThread, fake_engine_factory, tiny_tokeniz
 DECLARED = [(f.name, f.default, facts) for f, facts in declared(SamplingParams)]
 NUMBERS = [(name, facts) for name, _, facts in DECLARED if facts.kind]
 TOK = tiny_tokenizer()
-LIMITS = ModelLimits(vocab_size=259, max_model_len=64, max_n=4, max_logprobs=5,
+LIMITS = ModelLimits(RequestLimits(vocab_size=259, max_len=64, max_n=4, max_logprobs=5),
                      generation_defaults={"temperature": 0.7, "top_k": 50})
 
 

@@ -13,12 +13,13 @@ from llmsvc.server.errors import ServiceError, to_service_error
 from llmsvc.server.prompt import resolve_prompt
 from llmsvc.engine.admission import Admission
 from llmsvc.server.v1_request import to_engine_request
+from llmsvc.engine.validation import RequestLimits
 from llmsvc.server.validation import ModelLimits, build_sampling_params
 from llmsvc.v1 import llmsvc_pb2 as pb
 from tests.reliability_utils import unpack_details
 from tests.server_harness import tiny_tokenizer
 
-LIMITS = ModelLimits(vocab_size=259, max_model_len=64, max_n=4, max_stop_strings=8, max_logprobs=5,
+LIMITS = ModelLimits(RequestLimits(vocab_size=259, max_len=64, max_n=4, max_stop_strings=8, max_logprobs=5),
                      generation_defaults={"temperature": 0.7, "top_k": 50})
 TOK = tiny_tokenizer()
 
@@ -147,7 +148,7 @@ def test_truncation_keeps_last_tokens():
 
 
 def test_constraint_kind_not_served_is_unimplemented():
-    limits = ModelLimits(vocab_size=259, max_model_len=64, supported_constraints=("json_schema",))
+    limits = ModelLimits(RequestLimits(vocab_size=259, max_len=64), supported_constraints=("json_schema",))
     with pytest.raises(ServiceError) as ei:
         build_sampling_params(req(sampling=S(regex="a+")), limits)
     assert ei.value.code == grpc.StatusCode.UNIMPLEMENTED and "sampling.regex" in ei.value.message

@@ -8,6 +8,7 @@ this one detokenizes. Not thread-safe: call it from one thread (the async engine
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable
@@ -108,8 +109,10 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.core_client.max_len
 
-    @property
+    @functools.cached_property
     def request_limits(self) -> RequestLimits:
+        """The one set of limits requests are admitted against (fixed once the engine is built;
+        the doors read these too, through ModelLimits)."""
         max_len, context = self.max_model_len, self.config.model_config.max_model_len
         pool_bound = context is not None and max_len < context
         return RequestLimits(vocab_size=self.vocab_size, max_len=max_len, max_n=self.config.max_n,

@@ -26,33 +26,33 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 @dataclass
 class ModelLimits:
-    vocab_size: int
-    max_model_len: int
-    max_n: int = 16
-    max_stop_strings: int = 64
-    max_logprobs: int = 20
+    """What a door reads beyond the engine's RequestLimits, which it carries (never copies):
+    the engine's limits are the ones admission checks, so the door's view cannot drift."""
+
+    request_limits: rules.RequestLimits
     generation_defaults: dict = field(default_factory=dict)
     supported_constraints: tuple[str, ...] = ()
-    max_len_source: str = "the maximum context length"  # what bounds max_model_len, for messages
 
     @classmethod
     def from_config(cls, config, engine_limits: rules.RequestLimits | None = None) -> "ModelLimits":
         """engine_limits: the engine's own (LLMEngine.request_limits), whose length bound is below
-        the model's context when the KV pool holds fewer tokens; None: the model's context."""
+        the model's context when the KV pool holds fewer tokens; None: the config's (the model's
+        context, its vocabulary)."""
         mc = config.model_config
-        limits = cls(vocab_size=mc.vocab_size, max_model_len=mc.max_model_len, max_n=config.max_n,
-                     max_stop_strings=config.max_stop_strings, max_logprobs=config.max_logprobs,
-                     generation_defaults=dict(mc.generation_defaults or {}),
-                     supported_constraints=served_constraints())
-        if engine_limits is not None:
-            limits.max_model_len, limits.max_len_source = engine_limits.max_len, engine_limits.max_len_source
-        return limits
+        if engine_limits is None:
+            engine_limits = rules.RequestLimits(vocab_size=mc.vocab_size, max_len=mc.max_model_len, max_n=config.max_n,
+                                                max_stop_strings=config.max_stop_strings,
+                                                max_logprobs=config.max_logprobs)
+        return cls(engine_limits, dict(mc.generation_defaults or {}), served_constraints())
 
     @property
-    def request_limits(self) -> rules.RequestLimits:
-        return rules.RequestLimits(vocab_size=self.vocab_size, max_len=self.max_model_len, max_n=self.max_n,
-                                   max_stop_strings=self.max_stop_strings, max_logprobs=self.max_logprobs,
-                                   max_len_source=self.max_len_source)
+    def vocab_size(self) -> int:
+        return self.request_limits.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        """Tokens one request may hold: the model's context, or the KV pool's when smaller."""
+        return self.request_limits.max_len
 
     def default_sampling(self) -> dict:
         """The values unset sampling fields resolve to (generation_config, then neutral)."""
