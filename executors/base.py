@@ -46,6 +46,12 @@ class Executor(ABC):
 
         Raises ExecutorError if a worker has died or failed (non_block: the future's result does)."""
 
+    def initialize_swap_space(self, nbytes: int) -> int:
+        """Allocate `nbytes` of host memory for KV blocks on every worker (the swap space, in
+        blocks of the KV cache's shape; each rank holds its own heads). Returns the number of
+        host blocks; raises (naming --swap-space) when the memory cannot be had."""
+        return self.collective_rpc("initialize_swap_space", nbytes)
+
     def collective_rpc(self, method: str, *args):
         """Worker.<method>(*args) on every worker, in order with the steps submitted before it;
         rank 0's result. (LoRA adapter loading; raises ExecutorError if a worker fails.)"""

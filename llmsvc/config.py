@@ -79,6 +79,12 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.90
     num_kv_blocks_override: int | None = None  # tests: force a tiny pool
     enable_prefix_caching: bool = True
+    # host memory for swapped-out requests' KV blocks and the host tier of the prefix cache, per
+    # worker (pinned on CUDA); 0: no swap space (docs/swap.md)
+    swap_space_bytes: int = 0
+
+
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
 @dataclass
@@ -99,6 +105,10 @@ class SchedulerConfig:
     # until a step's budget is queued) before its first step, so a burst starts as one batch;
     # 0: step at the first request (docs/engine-core.md)
     burst_wait_ms: float = 5.0
+    # how a running request gives up its KV blocks under pressure: recompute (drop them, prefill
+    # again), swap (copy them to the swap space and back; recompute when it is full), auto: swap
+    # when a swap space is configured (docs/swap.md)
+    preemption_mode: str = "auto"
 
 
 @dataclass
@@ -248,6 +258,8 @@ class EngineConfig:
                 continue
             if key == "kv_cache_memory":
                 key, value = "kv_cache_memory_bytes", parse_memory(value)
+            elif key == "swap_space":
+                key, value = "swap_space_bytes", parse_memory(value)
             section = next((s for s in sections if key in {f.name for f in dataclasses.fields(s)}), None)
             if section is None:
                 raise TypeError(f"unknown engine option {key!r}")
@@ -281,5 +293,10 @@ def _check_sizes(config: EngineConfig) -> None:
     t = config.grammar_compile_timeout_s
     if not (isinstance(t, (int, float)) and 0 < t < math.inf):
         raise ValueError(f"grammar_compile_timeout_s must be a positive number of seconds, got {t!r}")
+    if sc.preemption_mode not in PREEMPTION_MODES:
+        raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {sc.preemption_mode!r}")
+    if cc.swap_space_bytes < 0 or (sc.preemption_mode == "swap" and not cc.swap_space_bytes):
+        raise ValueError("preemption_mode swap needs a swap space (--swap-space SIZE, e.g. 4GiB)"
+                         if cc.swap_space_bytes >= 0 else f"swap_space must be >= 0, got {cc.swap_space_bytes}")
     if not 0 <= sc.burst_wait_ms < math.inf:
         raise ValueError(f"burst_wait_ms must be >= 0, got {sc.burst_wait_ms!r}")

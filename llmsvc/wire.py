@@ -84,6 +84,11 @@ class SchedulerOutput:
     grammar_bitmask: Any = None
     # speculative decoding: req_id -> draft tokens verified this step (only requests that have any)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # swap space (llmsvc/core/swap_space.py): block copies the worker runs before the forward
+    # pass, in this order: device -> host, host -> device, device -> device; (src, dst) pairs
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":

@@ -49,9 +49,12 @@ class FakeExecutor(Executor):
     name = "fake"
 
     def __init__(self, config: EngineConfig, num_blocks: int = 64, token_fn=next_token,
-                 fail_after: int | None = None) -> None:
+                 fail_after: int | None = None, num_host_blocks: int = 0) -> None:
         super().__init__(config)
         self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks  # swap space, when config asks for one
+        self.host_kv: dict[tuple[int, int], tuple[int, int]] = {}  # (host block, offset) -> as kv
+        self.num_blocks_copied = 0
         self.block_size = config.cache_config.block_size
         self.token_fn = token_fn
         self.fail_after = fail_after
@@ -70,8 +73,27 @@ class FakeExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.initialized = num_blocks
 
+    def initialize_swap_space(self, nbytes: int) -> int:
+        return self.num_host_blocks
+
     def check_health(self) -> None:
         pass
+
+    def _copy_blocks(self, so: SchedulerOutput) -> None:
+        """The step's swap-outs, then swap-ins, then copies, each slot's (position, token) moved."""
+        bs = self.block_size
+        for pairs, src, dst in ((so.blocks_to_swap_out, self.kv, self.host_kv),
+                                (so.blocks_to_swap_in, self.host_kv, self.kv),
+                                (so.blocks_to_copy, self.kv, self.kv)):
+            for a, b in pairs:
+                assert 0 <= a < (self.num_host_blocks if src is self.host_kv else self.num_blocks), (a, b)
+                assert 0 <= b < (self.num_host_blocks if dst is self.host_kv else self.num_blocks), (a, b)
+                for off in range(bs):
+                    if (a, off) in src:
+                        dst[(b, off)] = src[(a, off)]
+                    else:
+                        dst.pop((b, off), None)
+                self.num_blocks_copied += 1
 
     def shutdown(self) -> None:
         self.shut_down = True
@@ -96,6 +118,7 @@ class FakeExecutor(Executor):
         if self.fail_after is not None and len(self.steps) >= self.fail_after:
             raise ExecutorError("fake worker died")
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values()) > 0
+        self._copy_blocks(so)
         for rid in so.finished_req_ids:  # drop first, then add (a preempted id may come back)
             self.reqs.pop(rid, None)
         rec = StepRecord(dict(so.num_scheduled_tokens), so.total_num_scheduled_tokens,

@@ -32,6 +32,10 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # block hash -> block_id
         self.num_evictions = 0
         self.events = events  # records evictions and resets for cache-aware routers (None: nobody asks)
+        # called with (block_id, hash) as a cached block is evicted, before it is reused (the swap
+        # space keeps a copy: the host tier of the prefix cache, llmsvc/core/swap.py); None: off
+        self.on_evict = None
+        self.on_reset = None  # called when the prefix cache is reset (the host tier forgets too)
 
     @property
     def num_free_blocks(self) -> int:
@@ -62,6 +66,8 @@ class BlockPool:
             self.num_evictions += 1
             if self.events is not None:
                 self.events.removed(h)
+            if self.on_evict is not None:
+                self.on_evict(block_id, h)
 
     def touch(self, block_ids: list[int]) -> None:
         """A request starts sharing these (cached) blocks: ref_cnt += 1, out of the free queue."""
@@ -102,6 +108,8 @@ class BlockPool:
         self.block_hash = [None] * self.num_blocks
         if self.events is not None:
             self.events.cleared()
+        if self.on_reset is not None:
+            self.on_reset()
         return True
 
     def check_invariants(self) -> None:

@@ -16,7 +16,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # EOS / stop token id that finished it
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
-    num_preemptions: int = 0  # times this request's KV cache was dropped and recomputed so far
+    num_preemptions: int = 0  # times this request was preempted so far (recomputed or swapped)
+    num_swaps: int = 0  # of those, by swap: its KV blocks copied to the swap space and back
 
     @property
     def finished(self) -> bool:

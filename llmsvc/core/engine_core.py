@@ -23,6 +23,7 @@ from llmsvc.core.kv_cache_manager import KVCacheManager
 from llmsvc.core.kv_events import KVEventPage
 from llmsvc.core.request import Request
 from llmsvc.core.scheduler import Scheduler
+from llmsvc.core.swap_space import SwapSpace
 from llmsvc.models.loader_names import kv_release_window
 from llmsvc.outputs import ABORT, EngineStats
 from llmsvc.wire import ModelRunnerOutput, SchedulerOutput
@@ -64,6 +65,8 @@ class EngineCore:
                         else f", off above {spec.disable_by_batch_size} running requests")
         scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(config.scheduler_config, cache, self.kv_cache_manager, max_model_len, spec)
+        if cache.swap_space_bytes:
+            self._init_swap_space(cache.swap_space_bytes)
         pool_len = self.scheduler.pool_max_len
         if config.model_config.max_model_len and pool_len is not None and pool_len < config.model_config.max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len (%d): a request longer than "
@@ -77,6 +80,17 @@ class EngineCore:
         # and when it was submitted; when the last step's output came in
         self._in_flight = None
         self._last_result_at = 0.0
+
+    def _init_swap_space(self, nbytes: int) -> None:
+        """Every worker allocates the host blocks (raising, with the flag's name, when it cannot);
+        the scheduler swaps into as many."""
+        num_host = self.executor.initialize_swap_space(nbytes)
+        mode = self.config.scheduler_config.preemption_mode
+        self.scheduler.attach_swap_space(SwapSpace(num_host, self.config.cache_config.enable_prefix_caching), mode)
+        logger.info("swap space: %d host blocks (%d tokens); preemption by %s%s", num_host,
+                    num_host * self.config.cache_config.block_size,
+                    "swap" if self.scheduler.swap_preemption else "recompute",
+                    ", host tier of the prefix cache" if self.kv_cache_manager.enable_caching else "")
 
     @property
     def max_len(self) -> int:
@@ -220,9 +234,19 @@ class EngineCore:
             prompt_tokens_total=s.prompt_tokens_total,
             generation_tokens_total=s.generation_tokens_total,
             extra={"num_steps": self.num_steps, "prefix_cache_queries": kv.prefix_queries,
-                   "prefix_cache_hits": kv.prefix_hits},
+                   "prefix_cache_hits": kv.prefix_hits, **self._swap_stats()},
             spec_decode=None if s.speculator is None else s.speculator.stats(),
         )
+
+    def _swap_stats(self) -> dict:
+        swap = self.scheduler.swap
+        if swap is None:
+            return {}
+        return {"num_swapped": self.scheduler.num_swapped, "num_swap_blocks": swap.num_blocks,
+                "num_free_swap_blocks": swap.num_free_blocks, "swap_outs": swap.num_swap_outs,
+                "swap_ins": swap.num_swap_ins, "blocks_swapped_out": swap.num_blocks_swapped_out,
+                "blocks_swapped_in": swap.num_blocks_swapped_in, "host_tier_hits": swap.num_host_hits,
+                "host_tier_stores": swap.num_host_stores}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -141,6 +141,9 @@ class KVCacheManager:
         need = cdiv(request.num_tokens, self.block_size) - len(new_computed_blocks)
         return need <= self._free_besides(new_computed_blocks)
 
+    def num_free_blocks_besides(self, hits) -> int:
+        return self._free_besides(hits)
+
     def _free_besides(self, hits) -> int:
         """Free blocks other than these cache hits: hits sitting in the free queue stop being
         free once touched."""
@@ -178,6 +181,32 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, num_total)
         return new_blocks
+
+    def allocate_swapped_in(self, request: Request, num_swapped_blocks: int,
+                            num_new_tokens: int) -> list[int] | None:
+        """Blocks for a request coming back from the swap space (holding none): the first
+        num_swapped_blocks receive its swapped K/V (copied in before the step's forward pass), the
+        rest are room for the num_new_tokens it computes next. None when the pool cannot supply
+        them (nothing changed)."""
+        assert request.request_id not in self.req_to_blocks, request
+        num_total = request.num_computed_tokens + num_new_tokens
+        n = max(num_swapped_blocks, cdiv(num_total, self.block_size))
+        if n > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.get_new_blocks(n)
+        self.req_to_blocks[request.request_id] = blocks
+        if self.enable_caching:
+            self._cache_full_blocks(request, num_total)
+        return blocks
+
+    def load_cached_block(self, block_hash: bytes) -> int:
+        """A free block registered under block_hash, its K/V to be copied in from the host tier
+        before the step's forward pass; it waits in the free queue (most recently used) for the
+        admission that hits it."""
+        (b,) = self.pool.get_new_blocks(1)
+        self.pool.cache_block(b, block_hash)
+        self.pool.free_blocks([b])
+        return b
 
     def _release_outside_window(self, request: Request, req_blocks: list[int]) -> None:
         """Give back the leading blocks no token from num_computed_tokens on can see: the first

@@ -51,6 +51,8 @@ class PreemptionMixin:
         return num_scheduled.pop(req.request_id)
 
     def _preempt(self, req: Request) -> None:
+        if self._swap_out(req):  # swap-preemption when there is a swap space with room (swap.py)
+            return
         # async scheduling: a token still in flight is dropped and sampled again after the recompute
         # (same position, so the same token under greedy or a per-request seed), also when the
         # request is admitted again before that step's output comes

@@ -21,6 +21,7 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2  # back in the waiting queue after its blocks were freed (recompute)
     WAITING_FOR_FSM = 3  # structured output: admitted, its grammar still compiling (not queued yet)
+    SWAPPED = 4  # preempted by swap: its KV blocks in the swap space, in the scheduler's swapped queue
     # finished states: everything after here
     FINISHED_STOPPED = 10
     FINISHED_LENGTH_CAPPED = 11
@@ -83,7 +84,8 @@ class Request:
         self.num_cached_tokens = -1  # prompt tokens served by the prefix cache, set when first scheduled
         self.block_hashes: list[bytes] = []  # chained hash of each full block of all_token_ids
         self.stop_reason: int | str | None = None
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # by recompute or by swap
+        self.num_swaps = 0  # of those, preemptions by swap (its blocks copied out and back)
         self.first_scheduled_time: float | None = None
         # time_limit_ms is measured on the monotonic clock from admission
         limit = sampling_params.time_limit_ms

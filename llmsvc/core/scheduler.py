@@ -14,11 +14,12 @@ from llmsvc.core.preemption import PreemptionMixin
 from llmsvc.core.request import Request, RequestStatus
 from llmsvc.core.request_queue import create_request_queue
 from llmsvc.core.spec_decode import Speculator
+from llmsvc.core.swap import SwapMixin
 from llmsvc.core.stop import check_stop, fresh_prompt_logprobs, grammar_complete, grammar_rejects
 from llmsvc.wire import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
-class Scheduler(PreemptionMixin, GrammarWaitMixin):
+class Scheduler(PreemptionMixin, SwapMixin, GrammarWaitMixin):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_cache_manager: KVCacheManager, max_model_len: int,
                  speculative_config: SpeculativeConfig | None = None) -> None:
@@ -36,6 +37,7 @@ class Scheduler(PreemptionMixin, GrammarWaitMixin):
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
+        self.swapped: list[Request] = []  # preempted by swap, in order (swap.py; attach_swap_space)
         # structured output: admitted requests whose grammar still compiles; queued once ready
         self.waiting_for_fsm: list[Request] = []
         self._grammar_failed: list[Request] = []  # finished at promotion; reported next update
@@ -78,6 +80,8 @@ class Scheduler(PreemptionMixin, GrammarWaitMixin):
                 self.running.remove(req)
             elif req.status == RequestStatus.WAITING_FOR_FSM:
                 self.waiting_for_fsm.remove(req)
+            elif req.status == RequestStatus.SWAPPED:
+                self._finish_swapped(req)
             else:
                 self.waiting.remove(req)
             req.status = status
@@ -163,11 +167,14 @@ class Scheduler(PreemptionMixin, GrammarWaitMixin):
             req.num_output_tokens_sent = req.num_output_tokens
             i += 1
 
+        if self.swapped and not preempted:
+            budget = self._schedule_swapped(budget, num_scheduled, new_reqs, now)
         admission_budget = budget  # what this step's running work left
         # no admissions in a step that had to preempt: the pool is under pressure
         while (not preempted and len(self.waiting) and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) < self.config.max_num_seqs and not self._swapped_first()):
             req = self.waiting.peek()
+            self._load_host_hits(req)
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             if self.running and not self.kv.can_hold(req, hit_blocks):
                 # Beside running requests, a prompt is admitted only when it fits whole: admitted
@@ -205,8 +212,10 @@ class Scheduler(PreemptionMixin, GrammarWaitMixin):
         finished = set(self.finished_req_ids)
         if total > 0:  # otherwise nothing runs; keep them for the next executed step
             self.finished_req_ids.clear()
-        return SchedulerOutput(new_reqs, cached, num_scheduled, total, finished,
-                               scheduled_spec_decode_tokens=spec_tokens)
+        so = SchedulerOutput(new_reqs, cached, num_scheduled, total, finished,
+                             scheduled_spec_decode_tokens=spec_tokens)
+        self._attach_copies(so)
+        return so
 
     # ---- async scheduling hooks (no-ops here; llmsvc.core.async_scheduler) -------------------
     def after_schedule(self, scheduler_output: SchedulerOutput) -> None:
@@ -304,6 +313,7 @@ class Scheduler(PreemptionMixin, GrammarWaitMixin):
             num_cached_tokens=max(req.num_cached_tokens, 0),
             first_scheduled_time=req.first_scheduled_time,
             num_preemptions=req.num_preemptions,
+            num_swaps=req.num_swaps,
         )
 
     # ---- observability ---------------------------------------------------------------------

@@ -94,6 +94,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--enforce-eager", bool, help="CUDA: run every step eagerly, without capturing decode steps in CUDA "
         "graphs")
     opt("--block-size", positive_int, 16, help="tokens per KV block")
+    opt("--swap-space", parse_bytes, "0", help="host memory per worker for swapped-out requests' KV blocks and "
+        f"prefix-cache blocks evicted from the KV cache (pinned on CUDA), e.g. 4GiB; 0: none ({MEMORY_SIZE_HELP})")
+    opt("--preemption-mode", str, "auto", choices=["auto", "recompute", "swap"],
+        help="a running request preempted under KV pressure: recompute (drop its blocks, prefill again) or swap "
+             "(copy them to --swap-space and back; recompute when it is full); auto: swap when there is a swap space")
     opt("--no-prefix-caching", bool, help="disable prefix caching")
     opt("--no-vllm-engine", bool, help="serve llmsvc.v1 alone: without vLLM's engine protocol "
         "(vllm.grpc.engine.VllmEngine, which the SMG gateway drives workers with) on the same port")
@@ -169,6 +174,7 @@ def build_config(args):
         grammar_compile_timeout_s=args.grammar_compile_timeout, grammar_cache_size=args.grammar_cache_size,
         async_scheduling=args.async_scheduling, stream_interval=args.stream_interval,
         burst_wait_ms=args.burst_wait_ms, speculative_config=args.speculative_config,
+        swap_space=args.swap_space, preemption_mode=args.preemption_mode,
         **_lora(args), **_multi_node(args))
 
 
