@@ -1,0 +1,57 @@
+"""The prefix cache's event journal (llmsvc.core.kv_events): off until read, then every stored,
+evicted and cleared block, numbered, with the chained hashes the cache itself uses."""
+from __future__ import annotations
+
+from llmsvc.core.kv_cache_manager import KVCacheManager, hash_block_tokens
+from llmsvc.core.kv_events import KVEventJournal
+from llmsvc.core.request import Request
+from llmsvc.sampling_params import SamplingParams
+
+BS = 4
+
+
+def req(rid, tokens) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=4))
+
+
+def fill(kv: KVCacheManager, r: Request) -> None:
+    assert kv.allocate_slots(r, r.num_tokens) is not None
+    r.num_computed_tokens = r.num_tokens
+
+
+def test_nothing_is_recorded_until_a_reader_asks():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    fill(kv, req("a", list(range(8))))
+    assert kv.events.take(0).events == []  # the first take turns recording on
+    fill(kv, req("b", list(range(20, 28))))
+    page = kv.events.take(0)
+    assert [e[1] for e in page.events] == ["stored", "stored"] and page.block_size == BS
+
+
+def test_stored_chain_removed_on_eviction_cleared_on_reset():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    kv.events.take(0)
+    a = req("a", list(range(9)))  # two full blocks and one partial
+    fill(kv, a)
+    h0 = hash_block_tokens(None, range(4))
+    h1 = hash_block_tokens(h0, range(4, 8))
+    page = kv.events.take(0)
+    assert page.events == [(1, "stored", h0, None, (0, 1, 2, 3)), (2, "stored", h1, h0, (4, 5, 6, 7))]
+    kv.free(a)
+    b = req("b", list(range(50, 66)))  # four fresh blocks: both cached ones are evicted
+    fill(kv, b)
+    removed = [e[2] for e in kv.events.take(2).events if e[1] == "removed"]
+    assert sorted(removed) == sorted([h0, h1])
+    kv.free(b)
+    assert kv.pool.reset_prefix_cache()
+    assert kv.events.take(page.last_seq).events[-1][1] == "cleared"
+
+
+def test_a_reader_sees_where_it_fell_behind():
+    j = KVEventJournal(block_size=BS, capacity=3)
+    j.take(0)
+    for i in range(5):
+        j.removed(bytes([i]) * 32)
+    page = j.take(0)
+    assert (page.first_seq, page.last_seq) == (3, 5) and [e[0] for e in page.events] == [3, 4, 5]
+    assert j.take(5).events == [] and j.take(4).events[0][0] == 5
