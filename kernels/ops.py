@@ -180,10 +180,11 @@ def pack_gguf_blocks(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.T
     return _cpu_linear.pack_gguf_blocks(qweight, scale, offset)
 
 
-def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
-    """Called once after loading under `--quantization int8`: weight [N, K] quantized per output
-    channel and packed for `linear` (kernels/cpu_ops/int8.py), native GEMM or not."""
-    return _cpu_int8.pack(weight)
+def pack_int8_weight(weight: torch.Tensor, smooth: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Called once after loading under `--quantization int8`: weight [N, K] (times SmoothQuant's
+    per-input-channel factors `smooth` [K], if given) quantized per output channel and packed
+    for `linear` (kernels/cpu_ops/int8.py), native GEMM or not."""
+    return _cpu_int8.pack(weight, smooth)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -7,6 +7,11 @@ Activations: per token (row of x), symmetric, at run time, the same rule with
 s_a[m] = max_k |x[m, k]| / 127. Both ranges stop at 127 (not -128), so a product is at most
 127 * 127 in magnitude on every ISA path and the sign can be moved between operands.
 
+Smoothing (SmoothQuant): a weight may come with per-input-channel factors f[k] > 0 moved from
+the activations into the weight: W[n, k] f[k] is quantized, and x[m, k] / f[k] (x times the stored
+1 / f, in fp32) is what gets quantized per row, so that a few input channels with outlying
+magnitudes do not take a row's whole int8 range. Without smoothing 1 / f = 1.
+
 y[m, n] = fp32(sum_k q_a[m, k] q_w[n, k]) * s_a[m] * s_w[n] + bias[n], rounded once to x's
 dtype. The integer sum is exact here (float64 holds any K below 2^39) and in the native
 kernels (int32), so both agree on it bit for bit; only the fp32 epilogue may differ in the
@@ -40,12 +45,25 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(weight)
 
 
+def smoothing(act_amax: torch.Tensor, weight: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """SmoothQuant's per-input-channel factors f [K] fp32 for weight [N, K], from the largest
+    magnitude each input channel took on calibration data (act_amax [K]):
+    f = act_amax^alpha / max_n |W[n, k]|^(1 - alpha), so that channel's activation and weight
+    ranges meet halfway (alpha 0.5); channels never seen or all-zero get 1."""
+    wmax = weight.float().abs().amax(dim=0)
+    f = act_amax.float().clamp(min=1e-5).pow(alpha) / wmax.clamp(min=1e-5).pow(1 - alpha)
+    return torch.where((act_amax > 0) & (wmax > 0), f, torch.ones_like(f))
+
+
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                bias: Optional[torch.Tensor] = None, smooth_inv: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] fp32 or bf16 @ (qweight [N, K] int8 * wscale [N])^T + bias [N] -> [..., N] in
-    x's dtype, with x quantized per row first (the module docstring has the formula)."""
+    x's dtype, with x (times smooth_inv [K] fp32, 1 / f, if given) quantized per row first (the
+    module docstring has the formula)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
+    if smooth_inv is not None:
+        x2 = x2.float() * smooth_inv
     qa, sa = quantize_rows(x2)
     acc = (qa.double() @ qweight.double().t()).float()  # exact integer sums, rounded to fp32 once
     y = acc * sa.unsqueeze(-1) * wscale.unsqueeze(0)

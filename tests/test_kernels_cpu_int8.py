@@ -45,9 +45,9 @@ def test_pack_keeps_the_quantized_weight_and_its_scales(n, k):
     w = torch.randn(n, k)
     blob = int8.pack(w)
     assert blob.dtype == torch.int8 and blob.data_ptr() % 64 == 0 and int8.shape(blob) == (n, k)
-    q, s = int8.unpack(blob)
+    q, s, inv = int8.unpack(blob)
     q_ref, s_ref = ref.quantize_weight(w)
-    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref) and torch.equal(inv, torch.ones(k))
     np_, kp = -(-n // 16), -(-k // 64) * 64
     colsums = blob[64 + np_ * 16 * kp + 64 * np_:].view(torch.int32)[:n]
     assert torch.equal(colsums, q_ref.sum(1, dtype=torch.int32))
@@ -71,12 +71,31 @@ def test_reference_is_close_to_the_float_product():
 def test_native_path_equals_reference(path, dtype, m, k, n):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     w = torch.randn(n, k, generator=g) * 0.05
-    blob = int8.pack(w)
+    smooth = None if m % 2 else torch.rand(k, generator=g) + 0.5  # every other shape smoothed
+    blob = int8.pack(w, smooth)
     x = (torch.randn(m, k, generator=g) * 2).to(dtype)
     x[0, :3] = 0  # zeros and a row whose max sits anywhere: both ends of the range
     bias = torch.randn(n, generator=g).to(dtype)
     for b in (bias, None):
         _close(int8.linear(x, blob, b, path=path), int8.linear(x, blob, b, path="ref"))
+
+
+def test_smoothing_moves_an_outlier_channel_into_the_weight():
+    """One input channel 100x the others: per-row quantization leaves the rest a few int8 steps;
+    SmoothQuant's factors (from that channel's calibration range) restore the precision."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(16, 256, generator=g), torch.randn(64, 256, generator=g) * 0.05
+    x[:, 7] *= 100
+    exact = x @ w.t()
+    f = ref.smoothing(x.abs().amax(0), w)
+    plain = int8.linear(x, int8.pack(w), path="ref")
+    smooth_blob = int8.pack(w, f)
+    smoothed = int8.linear(x, smooth_blob, path="ref")
+    assert (smoothed - exact).norm() < 0.5 * (plain - exact).norm()
+    assert torch.allclose(int8.unpack(smooth_blob)[2], 1 / f)
+    for path in NATIVE:
+        _close(int8.linear(x, smooth_blob, path=path), smoothed)
+        _close(int8.linear(x.bfloat16(), smooth_blob, path=path), int8.linear(x.bfloat16(), smooth_blob, path="ref"))
 
 
 @needs_native

@@ -111,28 +111,28 @@ __attribute__((target("avx2"))) static void i8_kernel_avx2(const i8_gemm_t *g, i
 /* ---- activations ---- */
 
 /* row x (K values, fp32 or bf16) -> aq row (Kp values in the ISA's format), returns s_a.
- * Exactly reference_int8.quantize_rows: one fp32 division for inv, then rint(x * inv). */
-static float quantize_row(const void *x, int dtype, int64_t K, int64_t Kp, int isa, void *out) {
-    float buf[512], amax = 0.f;
-    const float *xf = (const float *)x;
+ * Exactly reference_int8.int8_linear's: v = x * sinv (SmoothQuant's 1 / f, kept in tmp [K] so
+ * that no reassociation folds it into the next multiply), one fp32 division for
+ * inv = 127 / amax(|v|), then rint(v * inv). */
+static float quantize_row(const void *x, int dtype, int64_t K, int64_t Kp, int isa, const float *sinv,
+                          float *tmp, void *out) {
+    float amax = 0.f;
     for (int64_t k = 0; k < K; k++) {
-        const float v = dtype ? bf16_to_f32(((const uint16_t *)x)[k]) : xf[k];
-        amax = fmaxf(amax, fabsf(v));
+        const float v = dtype ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+        tmp[k] = v * sinv[k];
+        amax = fmaxf(amax, fabsf(tmp[k]));
     }
     const float inv = amax > 0.f ? 127.0f / amax : 0.f;
-    for (int64_t k0 = 0; k0 < Kp; k0 += 512) {
-        const int64_t n = Kp - k0 < 512 ? Kp - k0 : 512;
-        for (int64_t i = 0; i < n; i++) {
-            const int64_t k = k0 + i;
-            const float v = k >= K ? 0.f : dtype ? bf16_to_f32(((const uint16_t *)x)[k]) : xf[k];
-            buf[i] = fminf(fmaxf(rintf(v * inv), -127.f), 127.f);
-        }
-        if (isa == I8_AVX2)
-            for (int64_t i = 0; i < n; i++) ((int16_t *)out)[k0 + i] = (int16_t)buf[i];
-        else if (isa == I8_AMX)
-            for (int64_t i = 0; i < n; i++) ((int8_t *)out)[k0 + i] = (int8_t)buf[i];
-        else
-            for (int64_t i = 0; i < n; i++) ((uint8_t *)out)[k0 + i] = (uint8_t)((int)buf[i] + 128);
+    for (int64_t k = 0; k < K; k++) tmp[k] = fminf(fmaxf(rintf(tmp[k] * inv), -127.f), 127.f);
+    if (isa == I8_AVX2) {
+        int16_t *o = out;
+        for (int64_t k = 0; k < Kp; k++) o[k] = k < K ? (int16_t)tmp[k] : 0;
+    } else if (isa == I8_AMX) {
+        int8_t *o = out;
+        for (int64_t k = 0; k < Kp; k++) o[k] = k < K ? (int8_t)tmp[k] : 0;
+    } else {
+        uint8_t *o = out;
+        for (int64_t k = 0; k < Kp; k++) o[k] = (uint8_t)((k < K ? (int)tmp[k] : 0) + 128);
     }
     return amax / 127.0f;
 }
@@ -214,19 +214,20 @@ int llmsvc_gemm_i8(int isa, const void *a, int64_t lda, int dtype, const int8_t 
     j.g.Kp = Kp;
     j.sw = (const float *)(j.g.panels + np * I8_NP * Kp);
     j.colsum = (isa == I8_AVXVNNI || isa == I8_AVX512VNNI) ? (const int32_t *)(j.sw + np * I8_NP) : NULL;
+    const float *sinv = j.sw + 2 * np * I8_NP; /* [Kp], after the scales and colsums */
     j.dtype = dtype, j.N = N, j.ldc = ldc, j.bias = bias, j.c = c;
     void *aq = aligned_alloc(64, ((M * Kp * esize + 63) / 64) * 64);
-    float *sa = malloc(M * sizeof(float));
-    if (!aq || !sa) return free(aq), free(sa), -1;
-    j.g.aq = aq, j.sa = sa;
     if (nt < 1) nt = 1;
     if (nt > MAX_NT) nt = MAX_NT;
+    float *sa = malloc(M * sizeof(float)), *tmp = malloc(nt * K * sizeof(float));
+    if (!aq || !sa || !tmp) return free(aq), free(sa), free(tmp), -1;
+    j.g.aq = aq, j.sa = sa;
     range_t ranges[MAX_NT];
     _Pragma("omp parallel num_threads(nt) if (nt > 1)") {
         _Pragma("omp for schedule(static)")
         for (int64_t r = 0; r < M; r++)
-            sa[r] = quantize_row((const char *)a + r * lda * (dtype ? 2 : 4), dtype, K, Kp, isa,
-                                 (char *)aq + r * Kp * esize);
+            sa[r] = quantize_row((const char *)a + r * lda * (dtype ? 2 : 4), dtype, K, Kp, isa, sinv,
+                                 tmp + omp_get_thread_num() * K, (char *)aq + r * Kp * esize);
         if (isa == I8_AMX) i8_amx_begin();
         for (int64_t m0 = 0; m0 < M; m0 += MC) {
             _Pragma("omp single") {
@@ -238,7 +239,7 @@ int llmsvc_gemm_i8(int isa, const void *a, int64_t lda, int dtype, const int8_t 
         }
         if (isa == I8_AMX) i8_amx_end();
     }
-    free(aq), free(sa);
+    free(aq), free(sa), free(tmp);
     return 0;
 }
 #else /* other architectures: no native int8 GEMM (int8.py runs the torch reference) */

@@ -12,6 +12,8 @@ the layer keeps:
   scales  [ceil(N / NP) * NP] fp32: s_w per column (0 past N)
   colsums [ceil(N / NP) * NP] int32: sum_k q_w[n, k], which undoes the +128 offset VNNI's
           unsigned activations add (sum (q_a + 128) q_w = sum q_a q_w + 128 colsum)
+  smooth  [Kp] fp32: 1 / f[k], SmoothQuant's factor (reference_int8.smoothing), by which each
+          activation is multiplied before it is quantized; 1 without smoothing, 0 past K
 
 `linear(x, packed, bias)` is the one dispatch point: the native GEMM (gemm_int8.c, on the
 best ISA this CPU has, or the one LLMSVC_INT8_ISA names) or, where none is built, the torch
@@ -42,10 +44,12 @@ def _layout(n: int, k: int) -> tuple[int, int]:
     return -(-n // NP), -(-k // KQ) * KQ
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float on the CPU -> the int8 blob of the module docstring."""
+def pack(weight: torch.Tensor, smooth: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """weight [N, K] float on the CPU -> the int8 blob of the module docstring. smooth: f [K]
+    (reference_int8.smoothing): W f is quantized, and activations are divided by f at run time."""
     n, k = weight.shape
-    q, scale = _ref.quantize_weight(weight)
+    inv = torch.ones(k) if smooth is None else 1.0 / smooth.float()
+    q, scale = _ref.quantize_weight(weight if smooth is None else weight.float() * smooth)
     np_, kp = _layout(n, k)
     qp = torch.zeros(np_ * NP, kp, dtype=torch.int8)
     qp[:n, :k] = q
@@ -56,7 +60,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     colsums[:n] = q.sum(dim=1, dtype=torch.int32)
     header = torch.zeros(HEADER // 4, dtype=torch.int32)
     header[:4] = torch.tensor([MAGIC, n, k, kp], dtype=torch.int32)
-    parts = [header.view(torch.int8), panels.view(-1), scales.view(torch.int8), colsums.view(torch.int8)]
+    smooth_inv = torch.zeros(kp, dtype=torch.float32)
+    smooth_inv[:k] = inv
+    parts = [header.view(torch.int8), panels.view(-1), scales.view(torch.int8), colsums.view(torch.int8),
+             smooth_inv.view(torch.int8)]
     return _aligned(torch.cat(parts))
 
 
@@ -71,15 +78,17 @@ def shape(packed: torch.Tensor) -> tuple[int, int]:
     return n, k
 
 
-def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """blob -> (q_w [N, K] int8, s_w [N] fp32), as reference_int8.quantize_weight gave them."""
+def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """blob -> (q_w [N, K] int8, s_w [N] fp32, 1 / f [K] fp32), as pack made them."""
     n, k = shape(packed)
     np_, kp = _layout(n, k)
     size = np_ * NP * kp
     panels = packed[HEADER:HEADER + size].view(np_, kp // 4, NP, 4)
     q = panels.permute(0, 2, 1, 3).reshape(np_ * NP, kp)[:n, :k]
     scales = packed[HEADER + size:HEADER + size + 4 * np_ * NP].view(torch.float32)[:n]
-    return q, scales
+    at = HEADER + size + 8 * np_ * NP
+    smooth_inv = packed[at:at + 4 * kp].view(torch.float32)[:k]
+    return q, scales, smooth_inv
 
 
 def weight_bytes(packed: torch.Tensor) -> int:
@@ -122,8 +131,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] =
     if x.shape[-1] != k:
         raise ValueError(f"int8 linear: input has {x.shape[-1]} features, the weight {k}")
     if path == "ref" or x.dtype not in DTYPE_CODES:
-        q, s = unpack(packed)
-        return _ref.int8_linear(x, q, s, bias)
+        q, s, inv = unpack(packed)
+        return _ref.int8_linear(x, q, s, bias, inv)
     x2 = x.reshape(-1, k)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     m = x2.shape[0]

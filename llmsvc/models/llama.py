@@ -302,12 +302,11 @@ def build_model(model_config: ModelConfig, device: str | torch.device = "cpu", d
 
         load_gguf_blocks(model, gguf_file(model_config.model), model_config.model_dir,
                          head_dim_of(model_config.hf_config))
-    quantized = set()
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
     if model_config.quantization == "int8":
         from llmsvc.models.int8_weights import quantize_linear_layers
 
-        quantized = quantize_linear_layers(model)
-    for module in model.modules():
-        if hasattr(module, "process_weights_after_loading") and module not in quantized:
-            module.process_weights_after_loading()
+        quantize_linear_layers(model)
     return model.eval()
