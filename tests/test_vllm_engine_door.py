@@ -212,3 +212,17 @@ def test_health_check_false_while_draining_then_unavailable():
 
 async def _begin_drain(server):
     server.begin_drain(30.0)
+
+
+def test_model_info_reports_generation_config_sampling_defaults():
+    import json
+
+    make = fake_engine_factory(num_blocks=16)
+
+    def factory():
+        engine = make()
+        engine.config.model_config.generation_defaults = {"temperature": 0.6, "top_k": 20, "max_tokens": 50}
+        return engine
+    with ServerThread(factory) as s:
+        info = vgrpc.VllmEngineStub(s.channel).GetModelInfo(vpb.GetModelInfoRequest())
+        assert json.loads(info.default_sampling_params_json) == {"temperature": 0.6, "top_k": 20}

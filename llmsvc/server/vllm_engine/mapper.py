@@ -11,7 +11,8 @@ Zeros (proto3 scalars without presence):
   default (generation_config, then neutral), as an unset field of llmsvc.v1;
 - every other zero is the value itself (top_k 0: disabled; min_p, penalties 0: off; n 0: 1);
 - temperature, max_tokens, logprobs, prompt_logprobs, seed and truncate_prompt_tokens have
-  presence: unset is the model's default / none / no truncation.
+  presence: unset is the model's default / none / no truncation;
+- sampling fields this proto does not have (typical_p) take the model's default.
 
 Conversions: seed is an int32 here (a gateway clamps OpenAI's int64 into it), so a negative
 seed is read as its unsigned 32-bit value (same seed, same tokens); truncate_prompt_tokens -1
@@ -93,7 +94,10 @@ def prompt_ids(req, tokenizer, limits: ModelLimits) -> list[int]:
 
 def _sampling_kwargs(sp, limits: ModelLimits) -> dict:
     defaults = limits.default_sampling()
+    # fields this proto cannot carry (typical_p) take the model's default, as unset ones of llmsvc.v1
+    absent = {k: v for k, v in defaults.items() if k not in sp.DESCRIPTOR.fields_by_name}
     return dict(
+        **absent,
         temperature=sp.temperature if sp.HasField("temperature") else defaults["temperature"],
         top_p=sp.top_p or defaults["top_p"], top_k=sp.top_k, min_p=sp.min_p,
         frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,

@@ -18,6 +18,8 @@ import uuid
 import grpc
 
 from llmsvc.engine.output_stream import merge_delta
+from llmsvc.sampling_fields import declared
+from llmsvc.sampling_params import SamplingParams
 from llmsvc.server import errors
 from llmsvc.server.logging_setup import request_id_var
 from llmsvc.server.servicer import MAX_ABORT_IDS, ServerState, _version, off_loop_if_large
@@ -33,8 +35,10 @@ from llmsvc.server.vllm_engine.tokenizer_bundle import TokenizerBundle, chunks
 
 logger = logging.getLogger(__name__)
 SERVER_TYPE = "llmsvc-grpc"
-# generation_config keys a gateway applies itself to requests that leave them unset
-GATEWAY_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generation_config keys a gateway may fill into requests that leave them unset: the sampling
+# fields declared to take generation_config's default that this proto carries
+GATEWAY_DEFAULT_KEYS = tuple(f.name for f, facts in declared(SamplingParams)
+                             if facts.generation_config and f.name in pb.SamplingParams.DESCRIPTOR.fields_by_name)
 
 
 def _activity(stats) -> tuple:
