@@ -36,6 +36,7 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.device = resolve_device(config.device, local_rank)
         self.runner: ModelRunner | None = None
+        self.swapper = None  # llmsvc.worker.kv_swap.KVSwapper once a swap space is allocated
         self.cpu_group = None
         self.num_steps = 0  # execute_model calls, and the seconds spent inside them (IPC excluded)
         self.execute_time_s = 0.0
@@ -119,6 +120,14 @@ class Worker:
             host_malloc.keep_activations_mapped()
         self.runner.warmup()
 
+    def initialize_swap_space(self, nbytes: int) -> int:
+        """Host blocks of the KV cache's shape, `nbytes` in all (after initialize_kv_cache); returns
+        how many. Raises ValueError naming --swap-space when the memory cannot be had."""
+        from llmsvc.worker.kv_swap import KVSwapper
+
+        self.swapper = KVSwapper(self.runner.kv_caches, nbytes)
+        return self.swapper.num_blocks
+
     def init_thread(self) -> None:
         """Bind the calling thread (the uniproc executor's model thread) to this worker's device."""
         if self.device.type == "cuda":
@@ -135,6 +144,8 @@ class Worker:
             gap = t0 - self._last_end
             self.host_gap_s += gap
             self._recent_gaps.append(gap)
+        if self.swapper is not None:  # the step's block copies go before its forward pass
+            self.swapper.run(so)
         out = self.runner.execute_model(so)
         self._last_end = time.perf_counter()
         self.execute_time_s += self._last_end - t0
@@ -172,6 +183,9 @@ class Worker:
     def shutdown(self) -> None:
         """Drops the model, the KV cache and the CUDA graphs: an engine in a process that goes
         on (offline `LLM`, uniproc) gives its GPU memory back."""
+        if self.swapper is not None:
+            self.swapper.close()
+            self.swapper = None
         if self.runner is not None:
             self.runner.release_kv_cache()
             self.runner = None
