@@ -195,13 +195,15 @@ class Gateway:
         return sum(1 for w in body.get("workers", []) if w.get("is_healthy"))
 
     def wait_ready(self, num_workers: int, timeout: float = 90.0) -> None:
-        """Until SMG has registered `num_workers` healthy workers and lists a model."""
+        """Until SMG has registered `num_workers` healthy workers, lists a model and has loaded
+        its tokenizer (in the background: until then a request is answered 503)."""
         deadline = time.monotonic() + timeout
         while True:
             assert self.proc.alive(), "SMG exited\n" + self.proc.tail()
-            with contextlib.suppress(OSError, ValueError):
-                models = self.get("/v1/models", timeout=5)
-                if self.workers_healthy() >= num_workers and models[0] == 200 and models[1].get("data"):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                models, toks = self.get("/v1/models", timeout=5), self.get("/v1/tokenizers", timeout=5)
+                if (self.workers_healthy() >= num_workers and models[0] == 200 and models[1].get("data")
+                        and toks[0] == 200 and toks[1].get("tokenizers")):
                     return
             assert time.monotonic() < deadline, f"SMG not ready with {num_workers} workers\n" + self.proc.tail()
             time.sleep(0.3)

@@ -141,6 +141,7 @@ def test_bench_measures_an_openai_endpoint_beside_our_grpc_run(fake_endpoint, tm
     assert fake["output_tok_s"] * fake["wall_s"] == pytest.approx(12)
     # the same prompt tokens on both: our gRPC run got each text rendered by the chat template
     assert fake["prompt_tokens"] == ours["prompt_tokens"] > 3 * 8
-    assert len(handler.bodies) == 3 and len(handler.flushes) == 1
+    assert len(handler.bodies) == 4 and len(handler.flushes) == 1  # a warm-up, then the 3 measured
+    assert handler.bodies[0]["max_tokens"] == 2 and handler.flushes[0] > 0
     assert set(res["openai_ratios"]) == {"fake / llmsvc gRPC"}
     assert "fake (OpenAI chat)" in r.stdout and "fake / llmsvc gRPC: output tok/s" in r.stdout

@@ -202,3 +202,36 @@ def test_shared_prefixes_land_on_the_replica_that_caches_them(fleet):
         if not first:  # the prefix's full 16-token blocks (but the last, maybe) came from that replica's cache
             full_blocks = len(ascii_tokenizer().encode(prefix)) // 16
             assert fleet.replicas[where].metrics()[hits] - hits_before[where] >= 16 * (full_blocks - 1)
+
+
+def test_bench_chat_client_through_smg(fleet):
+    """`llmsvc bench --openai`'s client through the real gateway: every request completes with
+    exactly the tokens asked for (ignore_eos and min_tokens pass through SMG), usage counted."""
+    from llmsvc.bench.openai_chat import run_chat, served_model
+
+    assert served_model(fleet.url) == fleet.model
+    texts = ["tell me a story", "what is a cat", "count to ten"]
+    recs, wall = run_chat(fleet.url, fleet.model, texts, [10, 11, 12], 8, [0.0, 0.0, 0.1])
+    assert [r.error for r in recs] == [None] * 3
+    assert [r.output_len for r in recs] == [8, 8, 8]
+    assert all(0 < r.ttft <= r.end - r.start <= wall for r in recs)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # a fleet of its own; the tiny model's greedy test above runs in every `make test`
+def test_default_model_greedy_text_through_smg_equals_our_own_api(default_model_dir):
+    """SmolLM2-135M-Instruct behind SMG: the gateway's chat template and detokenizer, our
+    server's, the same greedy answer."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    with smg_fleet(default_model_dir, replicas=1) as f:
+        status, got = f.post("/v1/chat/completions", {"model": f.model, "messages": question, "max_tokens": 24,
+                                                      "temperature": 0})
+        assert status == 200, got
+        with grpc.insecure_channel(f.replicas[0].address) as ch:
+            req = v1.GenerateRequest(chat=v1.ChatPrompt(messages=[v1.ChatMessage(**m) for m in question]),
+                                     sampling=v1.SamplingParams(temperature=0.0),
+                                     stopping=v1.StoppingCriteria(max_tokens=24))
+            (ours,) = list(v1_grpc.LlmServiceStub(ch).Generate(req, timeout=120))
+    choice = got["choices"][0]
+    assert choice["message"]["content"] == ours.text and "Paris" in ours.text
+    assert got["usage"]["completion_tokens"] == ours.num_output_tokens

@@ -75,6 +75,9 @@ def openai_systems(endpoints: list[Endpoint], texts: list[str], prompt_ids: list
     def make(e: Endpoint) -> System:
         def run() -> dict:
             model = served_model(e.url)
+            # one short request outside the clock (connections, the gateway's tokenizer, the
+            # worker's first step), then an empty prefix cache for the measured run
+            run_chat(e.url, model, texts[:1], lens[:1], 2, [0.0], desc=f"{e.name} warm-up")
             if not flush_cache(e.url):
                 notes[e.name] = f"{e.url}/flush_cache failed: its prefix cache may hold earlier runs' prompts"
             s = summarize(*run_chat(e.url, model, texts, lens, output_len, offsets, concurrency, desc=e.name))
