@@ -167,3 +167,20 @@ def test_streams_end_unavailable_when_the_server_drains():
 
 async def _drain(server):
     server.begin_drain(5.0)
+
+
+def test_engine_death_ends_the_stream_and_health_turns_false():
+    with ServerThread(fake_engine_factory(num_blocks=64, block_size=BS, fail_after=30, step_delay=0.002)) as s:
+        stub = vgrpc.VllmEngineStub(s.channel)
+        reader = Reader(stub)
+        reader.next()
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.Generate(vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=[97] * 5), stream=True,
+                                                   sampling_params=vpb.SamplingParams(max_tokens=100))))
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.RpcError) as ei:  # the gateway's signal to route elsewhere at once
+            while True:
+                reader.next()
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        health = stub.HealthCheck(vpb.HealthCheckRequest())
+        assert not health.healthy and "died" in health.message
