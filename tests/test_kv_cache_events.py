@@ -55,3 +55,35 @@ def test_a_reader_sees_where_it_fell_behind():
     page = j.take(0)
     assert (page.first_seq, page.last_seq) == (3, 5) and [e[0] for e in page.events] == [3, 4, 5]
     assert j.take(5).events == [] and j.take(4).events[0][0] == 5
+
+
+def test_a_block_back_from_the_host_tier_is_stored_again():
+    import random
+
+    from tests.test_swap_scheduler import make_core, run
+
+    rng = random.Random(1)
+    shared = [rng.randrange(200) for _ in range(24)]  # 6 full blocks
+    core, _ = make_core(num_blocks=12, num_host_blocks=32, max_num_batched_tokens=64)
+    journal = core.kv_cache_manager.events
+    journal.take(0)
+    core.add_request(req("first", shared + [5]))
+    run(core)
+    for i in range(3):  # unrelated prompts evict the shared blocks from the device (into the host tier)
+        core.add_request(req(f"x{i}", [rng.randrange(200) for _ in range(40)]))
+        run(core)
+    live: dict = {}
+    for _, kind, *fields in journal.take(0).events:
+        if kind == "stored":
+            live[fields[0]] = fields[2]
+        elif kind == "removed":
+            live.pop(fields[0])
+    bs = core.kv_cache_manager.block_size
+    blocks = [tuple(shared[i:i + bs]) for i in range(0, 24, bs)]
+    assert not set(blocks) & set(live.values())  # evicted: a router must not count on them
+    last = journal.take(0).last_seq
+    core.add_request(req("back", shared + [7, 8]))
+    run(core)
+    assert core.scheduler.swap.num_host_hits == 6
+    back = [tuple(e[4]) for e in journal.take(last).events if e[1] == "stored"]
+    assert back[:6] == blocks

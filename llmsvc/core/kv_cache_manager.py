@@ -199,12 +199,14 @@ class KVCacheManager:
             self._cache_full_blocks(request, num_total)
         return blocks
 
-    def load_cached_block(self, block_hash: bytes) -> int:
+    def load_cached_block(self, block_hash: bytes, parent_hash: bytes | None = None, token_ids=()) -> int:
         """A free block registered under block_hash, its K/V to be copied in from the host tier
         before the step's forward pass; it waits in the free queue (most recently used) for the
-        admission that hits it."""
+        admission that hits it. Its parent's hash and token ids go into the `stored` event: the
+        device's prefix cache holds the block again."""
         (b,) = self.pool.get_new_blocks(1)
-        self.pool.cache_block(b, block_hash)
+        if self.pool.cache_block(b, block_hash) and self.events.enabled:
+            self.events.stored(block_hash, parent_hash, token_ids)
         self.pool.free_blocks([b])
         return b
 

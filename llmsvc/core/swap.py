@@ -139,8 +139,10 @@ class SwapMixin:
         # device eviction stores into the host tier's LRU block) and the device hits they extend
         self.swap.pin([host for _, host in found])
         self.kv.pool.touch(hits)
-        for h, host in found:
-            self.swap.load(host, self.kv.load_cached_block(h))
+        bs = self.kv.block_size
+        for i, (h, host) in enumerate(found, start=len(hits)):
+            parent = req.block_hashes[i - 1] if i else None
+            self.swap.load(host, self.kv.load_cached_block(h, parent, req.all_token_ids[i * bs:(i + 1) * bs]))
         self.kv.pool.free_blocks(reversed(hits))
 
     # ---- the step's copies -------------------------------------------------------------------
