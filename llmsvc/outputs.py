@@ -45,6 +45,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0  # summed over the n samples of the request
+    num_swaps: int = 0  # of those, preemptions by swap (KV blocks copied out and back)
 
 
 @dataclass

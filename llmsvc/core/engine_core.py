@@ -242,7 +242,8 @@ class EngineCore:
         swap = self.scheduler.swap
         if swap is None:
             return {}
-        return {"num_swapped": self.scheduler.num_swapped, "num_swap_blocks": swap.num_blocks,
+        return {"preemption_mode": "swap" if self.scheduler.swap_preemption else "recompute",
+                "num_swapped": self.scheduler.num_swapped, "num_swap_blocks": swap.num_blocks,
                 "num_free_swap_blocks": swap.num_free_blocks, "swap_outs": swap.num_swap_outs,
                 "swap_ins": swap.num_swap_ins, "blocks_swapped_out": swap.num_blocks_swapped_out,
                 "blocks_swapped_in": swap.num_blocks_swapped_in, "host_tier_hits": swap.num_host_hits,

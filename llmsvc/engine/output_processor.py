@@ -68,13 +68,14 @@ class ParentRequest:
         if self.stream_interval > 1 and not finished and not self._interval_due(changed):
             return None  # `changed` stays set: the next output carries these tokens too
         m = self.metrics
-        preemptions = 0
+        preemptions = swaps = 0
         for c in children:
             m.first_scheduled_time = _min(m.first_scheduled_time, c.first_scheduled_time)
             m.first_token_time = _min(m.first_token_time, c.first_token_time)
             m.last_token_time = _max(m.last_token_time, c.last_token_time)
             preemptions += c.num_preemptions
-        m.num_preemptions = preemptions
+            swaps += c.num_swaps
+        m.num_preemptions, m.num_swaps = preemptions, swaps
         if finished:
             m.finished_time = time.time()
         shown = changed if self.kind == RequestOutputKind.DELTA else children
@@ -84,7 +85,7 @@ class ParentRequest:
             finished, first.num_cached_tokens, first.take_prompt_logprobs(self.kind),
             # a snapshot: this object keeps changing while the output waits in a stream
             RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time,
-                           m.finished_time, m.num_preemptions),
+                           m.finished_time, m.num_preemptions, m.num_swaps),
             abort_reason=next((c.abort_reason for c in children if c.abort_reason), ""),
             seed=self.params.seed,
         )

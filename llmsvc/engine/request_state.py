@@ -36,6 +36,7 @@ class RequestState:
         self.num_cached_tokens = 0
         self.first_scheduled_time: float | None = None
         self.num_preemptions = 0
+        self.num_swaps = 0
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         # what the front end has already been sent (DELTA)
@@ -64,6 +65,7 @@ class RequestState:
         self.num_cached_tokens = out.num_cached_tokens
         self.first_scheduled_time = self.first_scheduled_time or out.first_scheduled_time
         self.num_preemptions = out.num_preemptions
+        self.num_swaps = out.num_swaps
         lps = out.new_logprobs or [None] * len(new_ids)
         if new_ids:
             self.first_token_time = self.first_token_time or now

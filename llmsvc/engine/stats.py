@@ -32,7 +32,17 @@ class StatsLogger:
                 f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
                 f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%, "
                 f"Prefix cache hit rate: {100 * stats.prefix_cache_hit_rate:.1f}%, "
-                f"Preemptions: {stats.num_preemptions}" + self._spec_decode(stats))
+                f"Preemptions: {stats.num_preemptions}" + self._swap(stats) + self._spec_decode(stats))
+
+    @staticmethod
+    def _swap(stats: EngineStats) -> str:
+        """With a swap space: requests swapped out now and the swap space in use."""
+        x = stats.extra
+        if "num_swap_blocks" not in x:
+            return ""
+        used = 1 - x["num_free_swap_blocks"] / x["num_swap_blocks"] if x["num_swap_blocks"] else 0.0
+        return (f", Swapped: {x['num_swapped']} reqs, Swap space usage: {100 * used:.1f}%, "
+                f"Host-tier hits: {x['host_tier_hits']} blocks")
 
     def _spec_decode(self, stats: EngineStats) -> str:
         """Acceptance over the interval (vLLM logs the same two figures)."""

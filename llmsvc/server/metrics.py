@@ -24,6 +24,9 @@ Series (all `llmsvc_`):
   With speculative decoding: spec_decode_num_drafts_total, spec_decode_num_draft_tokens_total,
   spec_decode_num_accepted_tokens_total and spec_decode_num_accepted_tokens_per_pos_total{position}
   counters (vLLM's names), so rate(accepted) / rate(draft tokens) is the acceptance rate.
+  With a swap space (--swap-space): num_requests_swapped gauge; num_swap_outs_total,
+  num_swap_ins_total, blocks_swapped_out_total, blocks_swapped_in_total and host_tier_hits_total
+  counters (SWAP_COUNTERS).
 """
 from __future__ import annotations
 
@@ -62,6 +65,17 @@ def parse_label_keys(text: str | Iterable[str] | None) -> tuple[str, ...]:
     if len(set(keys)) != len(keys):
         raise ValueError(f"metrics label keys repeat: {keys}")
     return tuple(keys)
+
+
+# Prometheus counter name, help, EngineStats.extra key (only with a swap space)
+SWAP_COUNTERS = (("num_swap_outs", "Requests preempted by swapping their KV blocks out to host memory", "swap_outs"),
+                 ("num_swap_ins", "Swapped requests whose KV blocks were copied back", "swap_ins"),
+                 ("blocks_swapped_out", "KV blocks copied to host memory (swap-outs, host-tier stores)",
+                  "blocks_swapped_out"),
+                 ("blocks_swapped_in", "KV blocks copied back from host memory (swap-ins, host-tier hits)",
+                  "blocks_swapped_in"),
+                 ("host_tier_hits", "Prefix blocks served from the host tier instead of recomputed",
+                  "host_tier_hits"))
 
 
 class ServerMetrics:
@@ -252,6 +266,10 @@ class EngineCollector(Collector):
                      s.extra.get("prefix_cache_queries", 0) - b.extra.get("prefix_cache_queries", 0)),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
                      s.extra.get("prefix_cache_hits", 0) - b.extra.get("prefix_cache_hits", 0)))
+        if "num_swap_blocks" in s.extra:  # a swap space (llmsvc/core/swap.py)
+            yield GaugeMetricFamily("llmsvc_num_requests_swapped", "Requests swapped out to host memory",
+                                    value=float(s.extra["num_swapped"]))
+            counters += tuple((name, doc, s.extra.get(key, 0) - b.extra.get(key, 0)) for name, doc, key in SWAP_COUNTERS)
         for name, doc, value in counters:
             yield CounterMetricFamily("llmsvc_" + name, doc, value=float(value))
         spec = s.spec_decode

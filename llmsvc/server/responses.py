@@ -131,6 +131,7 @@ class ResponseBuilder:
             if m.finished_time:
                 t.total.CopyFrom(_duration(m.finished_time - m.arrival_time))
             t.num_preemptions = m.num_preemptions
+            t.num_swaps = m.num_swaps
         return f
 
     def message(self, out: RequestOutput, comp: CompletionOutput) -> pb.GenerateResponse:

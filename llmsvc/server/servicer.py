@@ -275,6 +275,10 @@ class LlmService(pb_grpc.LlmServiceServicer):
             max_num_batched_tokens=c.scheduler_config.max_num_batched_tokens, num_running=st.num_running,
             num_waiting=st.num_waiting, kv_cache_usage=st.kv_cache_usage,
             prefix_cache_hit_rate=st.prefix_cache_hit_rate, draining=self.state.draining))
+        if "num_swap_blocks" in st.extra:  # a swap space (llmsvc/core/swap.py)
+            resp.num_swapped, resp.num_swap_blocks = st.extra["num_swapped"], st.extra["num_swap_blocks"]
+            resp.num_free_swap_blocks = st.extra["num_free_swap_blocks"]
+        resp.preemption_mode = st.extra.get("preemption_mode", "recompute")
         if c.lora_config is not None:
             resp.max_loras, resp.max_lora_rank = c.lora_config.max_loras, c.lora_config.max_lora_rank
         if c.speculative_config is not None:

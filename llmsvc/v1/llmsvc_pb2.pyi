@@ -304,20 +304,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue", "time_to_first_token", "total", "num_preemptions", "prefill", "decode")
+    __slots__ = ("queue", "time_to_first_token", "total", "num_preemptions", "prefill", "decode", "num_swaps")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPS_FIELD_NUMBER: _ClassVar[int]
     queue: _duration_pb2.Duration
     time_to_first_token: _duration_pb2.Duration
     total: _duration_pb2.Duration
     num_preemptions: int
     prefill: _duration_pb2.Duration
     decode: _duration_pb2.Duration
-    def __init__(self, queue: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., time_to_first_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., total: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., num_preemptions: _Optional[int] = ..., prefill: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    num_swaps: int
+    def __init__(self, queue: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., time_to_first_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., total: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., num_preemptions: _Optional[int] = ..., prefill: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., num_swaps: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids", "reason")
@@ -436,7 +438,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("version", "api_version", "instance_id", "uptime_seconds", "device", "tensor_parallel_size", "executor", "kv_block_size", "num_kv_blocks", "num_free_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "draining", "max_loras", "max_lora_rank", "speculative_method", "num_speculative_tokens", "spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length")
+    __slots__ = ("version", "api_version", "instance_id", "uptime_seconds", "device", "tensor_parallel_size", "executor", "kv_block_size", "num_kv_blocks", "num_free_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "draining", "max_loras", "max_lora_rank", "speculative_method", "num_speculative_tokens", "spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length", "num_swapped", "num_swap_blocks", "num_free_swap_blocks", "preemption_mode")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -460,6 +462,10 @@ class GetServerInfoResponse(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTION_MODE_FIELD_NUMBER: _ClassVar[int]
     version: str
     api_version: str
     instance_id: str
@@ -483,7 +489,11 @@ class GetServerInfoResponse(_message.Message):
     num_speculative_tokens: int
     spec_decode_acceptance_rate: float
     spec_decode_mean_acceptance_length: float
-    def __init__(self, version: _Optional[str] = ..., api_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., executor: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., draining: _Optional[bool] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., spec_decode_acceptance_rate: _Optional[float] = ..., spec_decode_mean_acceptance_length: _Optional[float] = ...) -> None: ...
+    num_swapped: int
+    num_swap_blocks: int
+    num_free_swap_blocks: int
+    preemption_mode: str
+    def __init__(self, version: _Optional[str] = ..., api_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., executor: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., draining: _Optional[bool] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., spec_decode_acceptance_rate: _Optional[float] = ..., spec_decode_mean_acceptance_length: _Optional[float] = ..., num_swapped: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., preemption_mode: _Optional[str] = ...) -> None: ...
 
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")

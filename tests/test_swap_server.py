@@ -1,0 +1,54 @@
+"""Swap space seen from outside: a live server (real LLMEngine over the fake executor) whose pool
+forces swap-preemption reports swapped requests and the swap space in GetServerInfo, counts
+swap-outs/ins, copied blocks and host-tier hits in /metrics, says in a request's Timing how often
+it was swapped, and logs them in the periodic line; every block of both pools is free after."""
+from __future__ import annotations
+
+import threading
+import time
+
+from llmsvc.engine.stats import StatsLogger
+from llmsvc.outputs import EngineStats
+from llmsvc.v1 import llmsvc_pb2 as pb
+from tests.server_harness import ServerThread, fake_engine_factory
+from tests.test_metrics import gen, scrape, val
+
+
+def test_swap_is_reported_in_server_info_metrics_and_timing():
+    s = ServerThread(fake_engine_factory(num_blocks=8, block_size=4, step_delay=0.02, num_host_blocks=32),
+                     metrics_port=0)
+    try:
+        results, infos = [], []
+
+        def worker(i):
+            req = gen(f"r{i}-", 26, stream=False, output=pb.OutputOptions(include_timing=True))
+            results.append(list(s.stub.Generate(req))[-1])
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            infos.append(s.stub.GetServerInfo(pb.GetServerInfoRequest()))
+            time.sleep(0.01)
+        assert len(results) == 4 and all(r.finish.reason == pb.FinishInfo.REASON_LENGTH for r in results)
+        assert max(i.num_swapped for i in infos) > 0, "a request was meant to be swapped out"
+        swaps = [r.finish.timing.num_swaps for r in results]
+        assert sum(swaps) > 0 and all(r.finish.timing.num_preemptions >= n for r, n in zip(results, swaps))
+        info = s.stub.GetServerInfo(pb.GetServerInfoRequest())
+        assert info.preemption_mode == "swap" and info.num_swap_blocks == 32
+        assert info.num_swapped == 0 and info.num_free_swap_blocks == 32 and info.num_free_kv_blocks == 8
+        m = scrape(s.server.metrics_port)
+        assert val(m, "llmsvc_num_swap_outs_total") == val(m, "llmsvc_num_swap_ins_total") == sum(swaps)
+        assert val(m, "llmsvc_blocks_swapped_out_total") > 0 and val(m, "llmsvc_blocks_swapped_in_total") > 0
+        assert ("llmsvc_host_tier_hits_total", frozenset()) in m
+        assert val(m, "llmsvc_num_requests_swapped") == 0
+    finally:
+        s.stop()
+
+
+def test_periodic_line_shows_the_swap_space():
+    stats = EngineStats(num_running=1, num_waiting=0, num_kv_blocks=8, num_free_kv_blocks=0, kv_cache_usage=1.0,
+                        extra={"num_swapped": 2, "num_swap_blocks": 40, "num_free_swap_blocks": 30,
+                               "host_tier_hits": 5})
+    line = StatsLogger(10.0).format(stats, 1.0)
+    assert "Swapped: 2 reqs, Swap space usage: 25.0%, Host-tier hits: 5 blocks" in line
+    assert "Swapped" not in StatsLogger(10.0).format(EngineStats(), 1.0)
