@@ -173,13 +173,16 @@ class Replica:
 class Gateway:
     """`smg launch` on 127.0.0.1 in front of `worker_urls`, with its Prometheus endpoint."""
 
-    def __init__(self, worker_urls: list[str], model_dir: str, policy: str = "cache_aware",
+    def __init__(self, worker_urls: list[str], model_dir: str | None, policy: str = "cache_aware",
                  extra: tuple[str, ...] = ()) -> None:
+        """model_dir None: no --model-path, so SMG takes the tokenizer from the path a worker
+        reports (GetModelInfo) or, where that is not a directory here, from the worker itself
+        (GetTokenizer), as a gateway on another machine does."""
         self.port, self.metrics_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [SMG, "launch", "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *worker_urls,
                "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
-               "--model-path", model_dir, *SMG_ARGS, *extra]
+               *(["--model-path", model_dir] if model_dir else []), *SMG_ARGS, *extra]
         self.proc = Proc("smg", cmd, {**os.environ, "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"})
 
     def get(self, path: str, timeout: float = 10.0) -> tuple[int, dict | str]:
@@ -272,9 +275,11 @@ class Fleet:
 
 @contextlib.contextmanager
 def smg_fleet(model_dir: str, replicas: int = 2, policy: str = "cache_aware",
-              serve_args: tuple[str, ...] = (), smg_args: tuple[str, ...] = ()):
+              serve_args: tuple[str, ...] = (), smg_args: tuple[str, ...] = (), after_load=None):
     """SMG in front of `replicas` fresh `llmsvc serve` processes on `model_dir`; yields a Fleet
-    once every replica is SERVING and SMG routes to all of them. Stops everything on exit."""
+    once every replica is SERVING and SMG routes to all of them. Stops everything on exit.
+    after_load: called once the replicas serve, before SMG starts; a callable given here also
+    means SMG gets no --model-path (Gateway: the tokenizer from the workers)."""
     reps = [Replica(f"replica-{i}", model_dir, serve_args) for i in range(replicas)]
     gateway = None
     try:
@@ -282,7 +287,9 @@ def smg_fleet(model_dir: str, replicas: int = 2, policy: str = "cache_aware",
             r.start()
         for r in reps:
             r.wait_serving()
-        gateway = Gateway([r.url for r in reps], model_dir, policy, smg_args)
+        if after_load is not None:
+            after_load()
+        gateway = Gateway([r.url for r in reps], None if after_load else model_dir, policy, smg_args)
         gateway.wait_ready(replicas)
         yield Fleet(gateway, reps)
     finally:
