@@ -77,7 +77,8 @@ def test_offline_script_imports_only_vllm_and_the_standard_library():
 
 def test_offline_script_turns_request_outputs_into_records(monkeypatch):
     """serve_jobs: one result line per job line, TTFT and decode time from vLLM's metrics; the
-    job's first prompt is generated once for 2 tokens before the clock."""
+    job's first 8 prompts, reversed (no measured prompt's prefix), are generated for 2 tokens
+    before the clock."""
     class Out:  # the parts of vllm.RequestOutput the script reads
         def __init__(self, prompt, n, metrics):
             self.prompt_token_ids, self.metrics = prompt, metrics
@@ -87,6 +88,8 @@ def test_offline_script_turns_request_outputs_into_records(monkeypatch):
 
     def generate(llm, prompts, max_tokens):
         calls.append((len(prompts), max_tokens))
+        if max_tokens == 2:
+            assert prompts == [[3, 2, 1], [5, 4]]
         m = argparse.Namespace(first_token_latency=0.25, first_token_ts=10.0, last_token_ts=10.5)
         return [Out(p, max_tokens, m if llm == "with-metrics" else None) for p in prompts]
 
@@ -99,7 +102,7 @@ def test_offline_script_turns_request_outputs_into_records(monkeypatch):
     out = argparse.Namespace(write=sink.append)
     vllm_offline.serve_jobs(Llm("with-metrics"), lines, out)
     vllm_offline.serve_jobs("no-metrics", lines[:1], out)  # an LLM without the method: no reset
-    assert calls == [(1, 2), "reset", (2, 6), (1, 2), (2, 6)]
+    assert calls == [(2, 2), "reset", (2, 6), (2, 2), (2, 6)]
     got, bare = json.loads(sink[0]), json.loads(sink[1])
     assert got["ttft_source"] == "RequestOutput.metrics" and got["wall_s"] >= 0
     assert got["records"] == [{"prompt_len": 3, "output_len": 6, "ttft_s": 0.25, "decode_s": 0.5},

@@ -150,6 +150,7 @@ class Tally:
 
 def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict, tally: Tally,
                  vllm=None, chat: ChatPrompts | None = None) -> None:
+    from llmsvc.bench.fairness import Turns, warmup_prompts
     from llmsvc.bench.runners import run_offline, run_serving
     from llmsvc.bench.server_proc import running_server, wait_serving
 
@@ -174,6 +175,8 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
                 target = a.server
             else:
                 target = stack.enter_context(running_server(_serve_args(a, prefix_caching)))
+            warm = warmup_prompts(prompts)  # outside the clock
+            run_serving(target, warm, 2, [0.0] * len(warm), conc)
             rpc = stack.enter_context(RpcProbe(target)) if probe else None
             recs, wall = run_serving(target, prompts, w.output_len, offs, conc, json_schema)
         if rpc is not None:  # small RPCs alongside the workload: how long they waited
@@ -185,6 +188,8 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
     def offline(prefix_caching=True, json_schema=None):
         engine = _offline_engine(a, prefix_caching)
         try:
+            warm = warmup_prompts(prompts)  # outside the clock
+            run_offline(engine, warm, 2, [0.0] * len(warm))
             recs, wall = run_offline(engine, prompts, w.output_len, offsets, json_schema)
         finally:
             engine.shutdown()
@@ -198,8 +203,14 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
     systems += peer_systems(a, w, prompts, offsets, model_dir, vllm)
     if texts is not None:
         systems += openai_systems(a.openai, texts, prompts, w.output_len, offsets, w.concurrency)[0]
-    runs = alternate(systems, a.repeat, lambda s, i, summary: tally.report(
-        s.label + (f" [{i + 1}/{a.repeat}]" if a.repeat > 1 else ""), summary))
+    # the peer frozen while ours runs, an idle box before every run (fairness.py)
+    turns = Turns(vllm.process_groups if vllm is not None else list, {"vllm"})
+    try:
+        runs = alternate(systems, a.repeat, lambda s, i, summary: tally.report(
+            s.label + (f" [{i + 1}/{a.repeat}]" if a.repeat > 1 else ""), summary),
+            before=lambda s: turns.before(s.key, s.label))
+    finally:
+        turns.resume()
     record_runs(res, systems, runs)
     print_spreads(res, systems)
     if len(probes) > 1:

@@ -41,12 +41,16 @@ def median_run(runs: list[dict]) -> dict:
     return order[(len(order) - 1) // 2]
 
 
-def alternate(systems: list[System], repeat: int, report: Callable[[System, int, dict], None]) -> dict[str, list[dict]]:
-    """Run every system `repeat` times, taking turns; report(system, run index, summary) after
-    each run. Returns the summaries by system key, in run order."""
+def alternate(systems: list[System], repeat: int, report: Callable[[System, int, dict], None],
+              before: Callable[[System], object] | None = None) -> dict[str, list[dict]]:
+    """Run every system `repeat` times, taking turns; before(system) ahead of each run (the
+    peer frozen or resumed, the idle check: fairness.Turns), report(system, run index, summary)
+    after it. Returns the summaries by system key, in run order."""
     runs: dict[str, list[dict]] = {s.key: [] for s in systems}
     for i in range(repeat):
         for s in systems:
+            if before is not None:
+                before(s)
             summary = s.run()
             runs[s.key].append(summary)
             report(s, i, summary)

@@ -11,9 +11,10 @@ Protocol, one JSON object per line:
   stdin EOF -> exit 0.  A failure -> {"error": "..."} and exit 1.
 Everything vLLM itself prints goes to stderr: stdout carries only the protocol.
 
-Decoding is greedy with ignore_eos, so each request yields exactly max_tokens tokens. A job's
-first prompt is generated once for 2 tokens before the clock starts, as `llmsvc bench` warms
-its other peers up."""
+Decoding is greedy with ignore_eos, so each request yields exactly max_tokens tokens. Before
+the clock starts a job's first 8 prompts, reversed (a step of the workload's shape that shares
+no prefix with it), are generated for 2 tokens, as `llmsvc bench` warms every system up
+(llmsvc/bench/fairness.py, warmup_prompts)."""
 from __future__ import annotations
 
 import argparse
@@ -58,7 +59,7 @@ def serve_jobs(llm, lines, out) -> None:
             continue
         job = json.loads(line)
         prompts, max_tokens = job["prompts"], int(job["max_tokens"])
-        _generate(llm, prompts[:1], 2)  # warm-up, outside the clock
+        _generate(llm, [p[::-1] for p in prompts[:8]], 2)  # warm-up, outside the clock
         reset = getattr(llm, "reset_prefix_cache", None)
         if reset is not None:  # every job from an empty prefix cache, as each of llmsvc's runs
             reset()

@@ -66,10 +66,12 @@ def peer_env() -> dict:
 
 
 def stop_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    """SIGTERM the child's process group (vLLM's engine core is a grandchild), SIGKILL after grace."""
+    """SIGTERM the child's process group (vLLM's engine core is a grandchild), SIGKILL after grace.
+    SIGCONT first: a group frozen for one of our runs would hold SIGTERM pending, not shut down."""
     if proc.poll() is not None:
         with_group(proc.pid, signal.SIGKILL)  # stragglers of an exited leader
         return
+    with_group(proc.pid, signal.SIGCONT)
     with_group(proc.pid, signal.SIGTERM)
     try:
         proc.wait(grace)
@@ -174,12 +176,23 @@ class VllmPeer:
         return self._url
 
     def run_serving(self, prompts, output_len: int, offsets: list[float], concurrency: int | None = None):
+        from llmsvc.bench.fairness import warmup_prompts
         from llmsvc.bench.openai_stream import run_completions
 
         if self._server is not None and self._server_used and not self._reset_server_cache():
             self._stop_server()  # no reset endpoint: a fresh server has an empty cache
         self._server_used = True
-        return run_completions(self.server_url(), SERVED_NAME, prompts, output_len, offsets, concurrency)
+        url = self.server_url()
+        warm = warmup_prompts(prompts)  # outside the clock, as ours; no measured prompt's prefix
+        run_completions(url, SERVED_NAME, warm, 2, [0.0] * len(warm), concurrency)
+        return run_completions(url, SERVED_NAME, prompts, output_len, offsets, concurrency)
+
+    def process_groups(self) -> list[int]:
+        """The process groups of the children up now (each started in a session of its own),
+        for fairness.Turns to freeze while one of our systems runs."""
+        from llmsvc.bench.fairness import peer_pgids
+
+        return peer_pgids([self._offline, self._server])
 
     def _reset_server_cache(self) -> bool:
         """POST /reset_prefix_cache; True when the server answered 200."""

@@ -96,6 +96,8 @@ class ModelRunner:
         for step in steps:
             self._warmup_step(step, tables, prompt_len)
             self.states.clear()
+        if self.kv_pool is not None:  # the whole pool resident before the first request (kv_memory.py)
+            self.kv_pool.wait_resident()
         if self.device.type == "cuda" and not self.config.model_config.enforce_eager:
             self.graph_runner = capture_decode_graphs(self)
 
