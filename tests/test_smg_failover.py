@@ -135,3 +135,25 @@ def test_sigkilled_replica_fails_only_its_in_flight_requests(model_dir):
     assert all(sent < killed_at for sent, _, _, _ in failed), f"a request sent after the kill failed: {failed}"
     assert len(failed) <= 4  # at most one per client: those in flight at the kill
     assert sum(1 for sent, _, ok, _ in load.results if sent > killed_at and ok) >= 12
+
+
+def test_a_draining_replica_refuses_and_the_gateway_retries_elsewhere(model_dir):
+    """round_robin sends every other request to the replica that is draining (it still runs a
+    long request): each is refused with UNAVAILABLE there, and SMG retries it on the other."""
+    with smg_fleet(model_dir, replicas=2, policy="round_robin", serve_args=("--shutdown-grace", "60")) as fleet:
+        draining, other = fleet.replicas
+        long = draining.engine.Generate(vpb.GenerateRequest(
+            request_id="long", tokenized=vpb.TokenizedInput(input_ids=[257, 104]), stream=True,
+            sampling_params=vpb.SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)), timeout=120)
+        assert next(long).HasField("chunk")
+        draining.proc.proc.send_signal(signal.SIGTERM)
+        while draining.serving():
+            time.sleep(0.02)
+        for i in range(6):
+            status, got = fleet.post("/v1/chat/completions", {
+                "model": fleet.model, "max_tokens": 4, "messages": [{"role": "user", "content": f"question {i}"}]})
+            assert status == 200, got
+        refused = 'llmsvc_grpc_requests_total{code="UNAVAILABLE",method="Generate",service="vllm.grpc.engine.VllmEngine"}'
+        assert draining.metrics().get(refused, 0) >= 1  # the gateway did try it
+        assert generated_ok(other) == 6 and generated_ok(draining) == 0
+        long.cancel()
