@@ -80,6 +80,7 @@ def openai_systems(endpoints: list[Endpoint], texts: list[str], prompt_ids: list
             run_chat(e.url, model, texts[:1], lens[:1], 2, [0.0], desc=f"{e.name} warm-up")
             if not flush_cache(e.url):
                 notes[e.name] = f"{e.url}/flush_cache failed: its prefix cache may hold earlier runs' prompts"
+                print(f"  note: {notes[e.name]}")
             s = summarize(*run_chat(e.url, model, texts, lens, output_len, offsets, concurrency, desc=e.name))
             if e.name in notes:
                 s["note"] = notes[e.name]
