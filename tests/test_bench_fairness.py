@@ -65,6 +65,13 @@ def test_the_idle_check_gives_up_after_its_bound_and_says_so():
     assert "NOT idle after waiting 5s, measured anyway" in check.line()
 
 
+def test_a_negative_wait_turns_the_check_off():
+    def never(*a):
+        raise AssertionError("sampled")
+    check = fairness.wait_idle(timeout=-1, read=never, sleep=never)
+    assert not check.checked and check.line() == "idle check off"
+
+
 def test_the_idle_check_reads_the_real_proc_stat():
     if not os.path.exists("/proc/stat"):
         pytest.skip("no /proc/stat")

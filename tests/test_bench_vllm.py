@@ -229,6 +229,12 @@ def test_bench_with_the_fake_peer_repeats_and_prints_ratios(fake_python, tmp_pat
     assert res["ratio_vs_vllm"]["ttft_p99_s"] == pytest.approx(ours["ttft_p99_s"]["median"] / vllm["ttft_p99_s"]["median"])
     assert "vLLM LLM.generate [2/2]" in r.stdout and "llmsvc offline / vllm: output tok/s" in r.stdout and "p99 " in r.stdout
     assert "vLLM LLM.generate, median of 2" in r.stdout
+    # ours ran with the peer's child frozen once it was up (after vLLM's first run), and the
+    # peer's runs with it resumed (a frozen child would never answer its job)
+    turns = [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("[")]
+    assert turns == ["[llmsvc offline] idle check off", "[vLLM LLM.generate] idle check off",
+                     "[llmsvc offline] idle check off; peer frozen (1 process group)",
+                     "[vLLM LLM.generate] idle check off"], turns
 
 
 def test_make_peer_vllm_builds_its_own_venv_outside_make_test(tmp_path):

@@ -13,6 +13,7 @@ import time
 from executors.registry import executor_names
 from llmsvc.bench.compare import (check_peer_args, parse_baselines, peer_systems, print_ratios, print_spreads,
                                    record_runs, vllm_peer)
+from llmsvc.bench.fairness import IDLE_WAIT_S
 from llmsvc.bench.metrics import summarize
 from llmsvc.bench.openai_peer import ChatPrompts, check_endpoints, openai_systems, parse_endpoint, print_openai_ratios
 from llmsvc.bench.probe import RpcProbe, merged_summary, print_latency
@@ -56,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "first is compared with llmsvc's gRPC run and with the others (docs/benchmarks.md)")
     p.add_argument("--repeat", type=int, default=1, help="measure ours and each peer N times, taking turns, "
                    "and compare medians (use 3 for ratios on a shared machine)")
+    p.add_argument("--idle-wait", type=float, default=IDLE_WAIT_S, metavar="SECONDS",
+                   help="before each run, wait up to this long for the box to be idle (CPU busy below "
+                        "--idle-busy over 1 s); 0: sample once and measure; below 0: no check "
+                        "(default 30, or $LLMSVC_BENCH_IDLE_WAIT; docs/benchmarks.md)")
+    p.add_argument("--idle-busy", type=float, default=0.15, metavar="FRACTION",
+                   help="the busy fraction of all CPUs below which the box counts as idle")
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--ceiling", action="store_true", help="measure GEMM FLOP/s and print the tokens/s ceiling")
     p.add_argument("--compare-prefix-caching", action="store_true", help="run again with prefix caching off")
@@ -150,7 +157,7 @@ class Tally:
 
 def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict, tally: Tally,
                  vllm=None, chat: ChatPrompts | None = None) -> None:
-    from llmsvc.bench.fairness import Turns, warmup_prompts
+    from llmsvc.bench.fairness import Turns, wait_idle, warmup_prompts
     from llmsvc.bench.runners import run_offline, run_serving
     from llmsvc.bench.server_proc import running_server, wait_serving
 
@@ -204,7 +211,8 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
     if texts is not None:
         systems += openai_systems(a.openai, texts, prompts, w.output_len, offsets, w.concurrency)[0]
     # the peer frozen while ours runs, an idle box before every run (fairness.py)
-    turns = Turns(vllm.process_groups if vllm is not None else list, {"vllm"})
+    turns = Turns(vllm.process_groups if vllm is not None else list, {"vllm"},
+                  idle=lambda: wait_idle(a.idle_busy, a.idle_wait), threshold=a.idle_busy)
     try:
         runs = alternate(systems, a.repeat, lambda s, i, summary: tally.report(
             s.label + (f" [{i + 1}/{a.repeat}]" if a.repeat > 1 else ""), summary),
