@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -134,6 +135,13 @@ def _compiles(cc: str, cflags: list[str], tmp: str) -> bool:
     return subprocess.run([cc, *cflags, "-c", src, "-o", src + ".o"], capture_output=True).returncode == 0
 
 
+def _run_or_raise(cmd: list[str]) -> list[str]:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr}")
+    return cmd
+
+
 def build(force: bool = False) -> Path:
     """Compile (or find in the cache) the shared library; returns its path. Raises on failure."""
     cc = _compiler()
@@ -156,10 +164,11 @@ def build(force: bool = False) -> Path:
         unknown = set(cap_flags) - set(_known_flags(cc, cap_flags, tmp))
         cflags = [f for f in cflags if f not in unknown]
         cmds = [[cc, *cflags, "-c", str(p), "-o", o] for p, o in zip(_SOURCES, objs)]
-        for cmd in cmds + [[cc, *objs, *_LDFLAGS, "-o", so]]:
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr}")
+        # the sources compile independently: one compiler per core (a test run builds one library
+        # per LLMSVC_CPU_ISA level below the CPU's own)
+        with ThreadPoolExecutor(max(1, min(len(cmds), os.cpu_count() or 1))) as pool:
+            list(pool.map(_run_or_raise, cmds))  # re-raises the first failure
+        _run_or_raise([cc, *objs, *_LDFLAGS, "-o", so])
         os.replace(so, out)
     logger.info("built CPU kernels %s", out)
     return out
