@@ -13,6 +13,10 @@ ordinary vocabulary); each runs greedy for 128 tokens (ignore_eos) under bf16 an
                            itself (both through prompt_logprobs on prompt + continuation)
 
 python -m benchmarks.int8_quality [--model DIR_OR_GGUF] [--requests 64] [--output-len 128]
+                                  [--candidate int8|fp32]
+
+--candidate fp32 measures float32 (no quantization) against bf16 the same way: how far two
+float precisions already drift apart on these prompts.
 """
 from __future__ import annotations
 
@@ -50,34 +54,36 @@ def _score(llm, prompts, conts) -> tuple[float, float]:
     return total / n, top1 / n
 
 
+# what is compared with bf16: (quantization, dtype)
+CANDIDATES = {"int8": ("int8", "bfloat16"), "fp32": ("none", "float32")}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF directory or .gguf (default: the default model)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--candidate", default="int8", choices=list(CANDIDATES))
     a = ap.parse_args(argv)
     from llmsvc.bench.workloads import build_prompts, get_workload, ordinary_vocab
 
     w = get_workload("W1")
     results = {}
-    for quant in ("none", "int8"):
+    for name, (quant, dtype) in (("bf16", ("none", "bfloat16")), (a.candidate, CANDIDATES[a.candidate])):
         t0 = time.perf_counter()
-        llm = _engine(a.model, quant, "bfloat16")
+        llm = _engine(a.model, quant, dtype)
         prompts = build_prompts(w, ordinary_vocab(llm.get_tokenizer()))[:a.requests]
-        results[quant] = {"greedy": _greedy(llm, prompts, a.output_len)}
-        results[quant]["llm"] = llm
-        print(f"{quant}: generated in {time.perf_counter() - t0:.1f} s", flush=True)
-    ref = results["none"]["greedy"]
-    same = sum(x == y for r, q in zip(ref, results["int8"]["greedy"]) for x, y in zip(r, q))
-    prefix = [next((i for i, (x, y) in enumerate(zip(r, q)) if x != y), len(r))
-              for r, q in zip(ref, results["int8"]["greedy"])]
+        results[name] = {"greedy": _greedy(llm, prompts, a.output_len), "llm": llm}
+        print(f"{name}: generated in {time.perf_counter() - t0:.1f} s", flush=True)
+    ref, cand = results["bf16"]["greedy"], results[a.candidate]["greedy"]
+    same = sum(x == y for r, q in zip(ref, cand) for x, y in zip(r, q))
+    prefix = [next((i for i, (x, y) in enumerate(zip(r, q)) if x != y), len(r)) for r, q in zip(ref, cand)]
     total = sum(len(r) for r in ref)
     print(f"prompts: {len(prompts)} x {w.input_len} tokens (W1), {a.output_len} greedy tokens each")
-    print(f"free-running agreement: {same / total:.4f} ({same}/{total}); mean common prefix "
+    print(f"{a.candidate} against bf16, free-running agreement: {same / total:.4f} ({same}/{total}); mean common prefix "
           f"{sum(prefix) / len(prefix):.1f} tokens; {sum(p == a.output_len for p in prefix)} sequences identical")
-    for quant in ("none", "int8"):
-        lp, top1 = _score(results[quant]["llm"], prompts, ref)
-        name = "bf16" if quant == "none" else "int8"
+    for name, r in results.items():
+        lp, top1 = _score(r["llm"], prompts, ref)
         print(f"bf16 greedy continuation under {name}: mean log-prob {lp:.4f} per token, teacher-forced "
               f"top-1 agreement {top1:.4f}")
     for r in results.values():

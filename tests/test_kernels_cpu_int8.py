@@ -9,6 +9,10 @@ a thousand times the fp32 tolerance.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -150,3 +154,17 @@ def test_every_isa_kernel_is_compiled_in():
         pytest.skip("no native library, or not an x86-64 build")
     for name in ("i8_kernel_avxvnni", "i8_kernel_avx512vnni", "i8_kernel_amx", "i8_cpu_has"):
         assert hasattr(lib, name)
+
+
+@needs_native
+def test_the_cpu_isa_cap_turns_the_native_paths_off():
+    """LLMSVC_CPU_ISA=sse4 (kernels/cpu_ops/isa.py) builds for a CPU without AVX2: the runtime
+    detection must not pick a path the cap excludes, and the reference takes over."""
+    code = ("import torch; from kernels.cpu_ops import int8; assert int8.available_isas() == ('ref',), "
+            "int8.available_isas(); b = int8.pack(torch.randn(8, 64)); print(int8.linear(torch.randn(2, 64), b).shape)")
+    env = {**os.environ, "LLMSVC_CPU_ISA": "sse4"}
+    env.pop("LLMSVC_INT8_ISA", None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "torch.Size([2, 8])" in r.stdout

@@ -6,9 +6,9 @@
  * One entry, llmsvc_gemm_i8(isa, ...): the driver quantizes A per row (amax, then
  * round-half-even(x * (127 / amax))) into the ISA's activation format, shares the panels
  * over the threads (panel_runs.h) row block by row block, and turns each block's sums into
- * outputs. The ISA paths, each chosen only where cpuid and the OS say it runs (i8_cpu_has; the
- * code of all of them is compiled on every x86 build through target attributes, whatever
- * -march=native allows):
+ * outputs. The ISA paths, each chosen only where cpuid and the OS say it runs and LLMSVC_CPU_ISA
+ * does not cap it (i8_cpu_has; the code of all of them is compiled on every x86 build through
+ * target attributes, whatever -march=native allows):
  *   AVX2 (here): the int8 weights widened to int16 in registers (vpmovsxbw) and multiplied
  *     with int16 activations by vpmaddwd: exact with no saturation, where vpmaddubsw's u8 x s8
  *     pair sums (255 * 127 * 2) would overflow int16 under the unsigned-offset trick, and
@@ -50,6 +50,12 @@ static uint64_t xcr0(void) {
 
 int i8_cpu_has(int isa) {
     uint32_t a, b, c, d, a1 = 0, b1, c1, d1;
+#ifdef LLMSVC_CPU_ISA_LEVEL
+    /* LLMSVC_CPU_ISA's cap (kernels/cpu_ops/isa.py's LEVELS index): the lowest level with each path,
+     * AVX-VNNI counted with AVX-512 as isa.py removes it */
+    static const int min_level[I8_NISA] = {0, 1, 2, 3, 5};
+    if (LLMSVC_CPU_ISA_LEVEL < min_level[isa]) return 0;
+#endif
     if (__get_cpuid_max(0, 0) < 7) return 0;
     __cpuid_count(7, 0, a, b, c, d);
     if (a >= 1) __cpuid_count(7, 1, a1, b1, c1, d1);
