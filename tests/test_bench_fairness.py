@@ -72,6 +72,14 @@ def test_a_negative_wait_turns_the_check_off():
     assert not check.checked and check.line() == "idle check off"
 
 
+def test_memory_available_is_read_from_meminfo():
+    text = "MemTotal:       24000000 kB\nMemFree: 1 kB\nMemAvailable:    5505024 kB\n"
+    assert fairness.mem_available_gib(lambda: text) == pytest.approx(5.25)
+    assert fairness.mem_available_gib(lambda: "MemTotal: 1 kB\n") is None
+    if os.path.exists("/proc/meminfo"):
+        assert fairness.mem_available_gib() > 0
+
+
 def test_the_idle_check_reads_the_real_proc_stat():
     if not os.path.exists("/proc/stat"):
         pytest.skip("no /proc/stat")
@@ -132,7 +140,8 @@ def test_turns_freeze_the_peer_for_ours_and_resume_it_for_its_own_run(group):
     proc, pids = group
     lines = []
     check = fairness.IdleCheck(0.02, 0.0, True)
-    turns = fairness.Turns(lambda: fairness.peer_pgids([proc]), {"vllm"}, idle=lambda: check, out=lines.append)
+    turns = fairness.Turns(lambda: fairness.peer_pgids([proc]), {"vllm"}, idle=lambda: check, out=lines.append,
+                           memory=lambda: 5.25)
     seen = []
     systems = [System("offline", "llmsvc offline", lambda: seen.append(("offline", _state(pids[1]))) or {}),
                System("vllm", "vLLM LLM.generate", lambda: seen.append(("vllm", _state(pids[1]))) or {})]
@@ -143,8 +152,9 @@ def test_turns_freeze_the_peer_for_ours_and_resume_it_for_its_own_run(group):
     alternate(systems, 2, lambda *a: None, before=before)
     turns.resume()
     assert [(k, st == "T") for k, st in seen] == [("offline", True), ("vllm", False)] * 2
-    assert lines[0] == "  [llmsvc offline] box idle: CPU 2% busy over 1s (threshold 15%); peer frozen (1 process group)"
-    assert lines[1] == "  [vLLM LLM.generate] box idle: CPU 2% busy over 1s (threshold 15%)"
+    assert lines[0] == ("  [llmsvc offline] box idle: CPU 2% busy over 1s (threshold 15%); 5.2 GiB memory available;"
+                        " peer frozen (1 process group)")
+    assert lines[1] == "  [vLLM LLM.generate] box idle: CPU 2% busy over 1s (threshold 15%); 5.2 GiB memory available"
     _await_state(pids, stopped=False)
 
 

@@ -7,6 +7,7 @@ import argparse
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -231,7 +232,8 @@ def test_bench_with_the_fake_peer_repeats_and_prints_ratios(fake_python, tmp_pat
     assert "vLLM LLM.generate, median of 2" in r.stdout
     # ours ran with the peer's child frozen once it was up (after vLLM's first run), and the
     # peer's runs with it resumed (a frozen child would never answer its job)
-    turns = [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("[")]
+    turns = [re.sub(r"; [0-9.]+ GiB memory available", "", line.strip()) for line in r.stdout.splitlines()
+             if line.strip().startswith("[")]
     assert turns == ["[llmsvc offline] idle check off", "[vLLM LLM.generate] idle check off",
                      "[llmsvc offline] idle check off; peer frozen (1 process group)",
                      "[vLLM LLM.generate] idle check off"], turns

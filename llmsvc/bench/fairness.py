@@ -85,6 +85,19 @@ def wait_idle(threshold: float = IDLE_BUSY, timeout: float = IDLE_WAIT_S,
             return IdleCheck(busy, waited, busy < threshold)
 
 
+def mem_available_gib(read: Callable[[], str] = lambda: open("/proc/meminfo").read()) -> Optional[float]:
+    """MemAvailable from /proc/meminfo in GiB (None where it cannot be read). Printed with each
+    idle check: a frozen peer still holds its memory, and a run that must reclaim pages to fault
+    in its KV cache stalls."""
+    try:
+        for line in read().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / (1 << 20)  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def signal_group(pgid: int, sig: int) -> bool:
     """Send sig to a process group; False when it is gone (or not ours)."""
     try:
@@ -123,9 +136,10 @@ class Turns:
 
     def __init__(self, peer_groups: Callable[[], list[int]], peer_keys: set[str],
                  idle: Callable[[], IdleCheck] = wait_idle, out: Callable[[str], None] = print,
-                 threshold: float = IDLE_BUSY) -> None:
+                 threshold: float = IDLE_BUSY, memory: Callable[[], Optional[float]] = mem_available_gib) -> None:
         self.peer_groups, self.peer_keys, self.idle, self.out = peer_groups, peer_keys, idle, out
         self.threshold = threshold  # the one `idle` applies, for the printed line
+        self.memory = memory
         self.frozen: list[int] = []
         self.checks: list[IdleCheck] = []
 
@@ -137,7 +151,9 @@ class Turns:
         check = self.idle()
         self.checks.append(check)
         held = f"; peer frozen ({len(self.frozen)} process group{'s' * (len(self.frozen) != 1)})" if self.frozen else ""
-        self.out(f"  [{label}] {check.line(self.threshold)}{held}")
+        mem = self.memory()
+        free = f"; {mem:.1f} GiB memory available" if mem is not None else ""
+        self.out(f"  [{label}] {check.line(self.threshold)}{free}{held}")
         return check
 
     def resume(self) -> None:
