@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine (passed to the server it starts, or used offline)")
     # explicit: the peers (HF, vLLM) and the ceiling run in the dtype named here
     e.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    e.add_argument("--quantization", default="none", choices=["none", "gguf"],
+    e.add_argument("--quantization", default="none", choices=["none", "gguf", "int8"],
                    help="as `llmsvc serve`'s (the peers and the ceiling keep the dequantized weights)")
     e.add_argument("--executor", default="auto", help="as `llmsvc serve`'s; auto: its default when serving, "
                    "uniproc (the model in this process, as LLM) offline")
