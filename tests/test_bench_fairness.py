@@ -219,3 +219,25 @@ def test_background_prefault_does_not_wait(monkeypatch):
     monkeypatch.setenv("LLMSVC_KV_PREFAULT", "wait")
     with pytest.raises(AssertionError, match="waited"):
         pool.wait_resident()
+
+
+def test_a_cpu_worker_reports_ready_with_its_kv_pool_resident(tmp_path, monkeypatch):
+    """initialize_kv_cache (allocation, then the warm-up) returns only once the prefaulter is
+    done: the first request does not share the CPU with it or fault the pool in itself."""
+    from executors import create_executor
+    from model_utils import make_tiny_model_dir
+    from test_executors import engine_config
+
+    from llmsvc.worker.kv_memory import KVHostPool
+
+    monkeypatch.delenv("LLMSVC_KV_PREFAULT", raising=False)
+    waits = []
+    real = KVHostPool.wait_resident
+    monkeypatch.setattr(KVHostPool, "wait_resident", lambda self, *a: waits.append(real(self, *a)) or waits[-1])
+    ex = create_executor(engine_config(make_tiny_model_dir(tmp_path, "llama"), num_blocks=512))
+    try:
+        ex.initialize_kv_cache(ex.determine_num_kv_blocks())
+        pool = ex.worker.runner.kv_pool
+        assert waits == [True] and pool is not None and pool.prefaulter.done.is_set()
+    finally:
+        ex.shutdown()
