@@ -66,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--ceiling", action="store_true", help="measure GEMM FLOP/s and print the tokens/s ceiling")
     p.add_argument("--compare-prefix-caching", action="store_true", help="run again with prefix caching off")
+    p.add_argument("--compare-preemption", action="store_true",
+                   help="run again with --preemption-mode recompute and no swap space, and print swap's output tok/s "
+                        "against it (give --swap-space and a small --kv-cache-memory, e.g. --workload PR1 "
+                        "--kv-cache-memory 24MiB --swap-space 512MiB; docs/swap.md)")
     p.add_argument("--sweep-rate", type=comma_list(positive_float), default=None,
                    help="comma list of Poisson rates (req/s) to sweep")
     p.add_argument("--sweep-concurrency", type=comma_list(int_in(1)), default=None,
@@ -92,9 +96,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-seqs", type=int, default=None)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--kv-cache-memory", default=None)
+    e.add_argument("--swap-space", default=None, help="as `llmsvc serve`'s")
+    e.add_argument("--preemption-mode", default=None, choices=["auto", "recompute", "swap"], help="as `llmsvc serve`'s")
     e.add_argument("--async-scheduling", action="store_true", help="as `llmsvc serve`'s")
     e.add_argument("--stream-interval", type=int, default=None, help="as `llmsvc serve`'s")
     e.add_argument("--speculative-config", default=None, metavar="JSON", help="as `llmsvc serve`'s")
+
+
+def _recompute_only(a):
+    """The flags of `a` with preemption by recompute and no swap space (--compare-preemption)."""
+    return argparse.Namespace(**{**vars(a), "swap_space": None, "preemption_mode": "recompute"})
 
 
 def _serve_args(a, prefix_caching: bool = True) -> list[str]:
@@ -103,7 +114,7 @@ def _serve_args(a, prefix_caching: bool = True) -> list[str]:
                                             "--engine-core", a.engine_core,
                                             "--tensor-parallel-size", str(a.tensor_parallel_size)]
     for flag in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "stream_interval",
-                 "speculative_config"):
+                 "speculative_config", "swap_space", "preemption_mode"):
         if getattr(a, flag, None) is not None:
             out += ["--" + flag.replace("_", "-"), str(getattr(a, flag))]
     return (out + ([] if prefix_caching else ["--no-prefix-caching"])
@@ -139,7 +150,8 @@ def _offline_engine(a, prefix_caching: bool = True):
         max_num_batched_tokens=a.max_num_batched_tokens or None, kv_cache_memory=a.kv_cache_memory or None,
         executor="uniproc" if a.executor == "auto" else a.executor, tensor_parallel_size=a.tensor_parallel_size,
         async_scheduling=a.async_scheduling, stream_interval=a.stream_interval,
-        speculative_config=getattr(a, "speculative_config", None)))
+        speculative_config=getattr(a, "speculative_config", None), swap_space=getattr(a, "swap_space", None),
+        preemption_mode=getattr(a, "preemption_mode", None)))
 
 
 @dataclasses.dataclass
@@ -173,7 +185,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
 
     probes: list[RpcProbe] = []  # every run's, so that --repeat reports the calls of all runs
 
-    def serve(prefix_caching=True, rate=None, concurrency=None, json_schema=None, probe=False):
+    def serve(prefix_caching=True, rate=None, concurrency=None, json_schema=None, probe=False, flags=a):
         offs = offsets if rate is None else arrival_offsets(dataclasses.replace(w, arrival="poisson", rate=rate))
         conc = concurrency or w.concurrency
         with contextlib.ExitStack() as stack:
@@ -181,7 +193,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
                 wait_serving(a.server, timeout=180.0)  # a server still loading answers UNAVAILABLE
                 target = a.server
             else:
-                target = stack.enter_context(running_server(_serve_args(a, prefix_caching)))
+                target = stack.enter_context(running_server(_serve_args(flags, prefix_caching)))
             warm = warmup_prompts(prompts)  # outside the clock
             run_serving(target, warm, 2, [0.0] * len(warm), conc)
             rpc = stack.enter_context(RpcProbe(target)) if probe else None
@@ -192,8 +204,8 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
             print_latency(rpc.summary())
         return recs, summarize(recs, wall)
 
-    def offline(prefix_caching=True, json_schema=None):
-        engine = _offline_engine(a, prefix_caching)
+    def offline(prefix_caching=True, json_schema=None, flags=a):
+        engine = _offline_engine(flags, prefix_caching)
         try:
             warm = warmup_prompts(prompts)  # outside the clock
             run_offline(engine, warm, 2, [0.0] * len(warm))
@@ -241,6 +253,14 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
         tally.report(f"llmsvc {'offline' if kind == 'offline' else 'gRPC'}, no prefix cache", off)
         print(f"  prefill throughput with / without prefix caching: {on:.0f} / {off['prefill_tok_s']:.0f} "
               f"tok/s = {res['prefix_caching_prefill_speedup']:.2f}x")
+    if a.compare_preemption:  # the same mode again, preempting by recompute
+        kind, run = ("offline", offline) if a.mode == "offline" else ("serve", serve)
+        _, rec = run(flags=_recompute_only(a))
+        res[f"{kind}_recompute_preemption"] = rec
+        res["swap_output_speedup"] = ours["output_tok_s"] / rec["output_tok_s"] if rec["output_tok_s"] else float("nan")
+        tally.report(f"llmsvc {'offline' if kind == 'offline' else 'gRPC'}, recompute preemption", rec)
+        print(f"  output throughput with swap / recompute preemption: {ours['output_tok_s']:.1f} / "
+              f"{rec['output_tok_s']:.1f} tok/s = {res['swap_output_speedup']:.2f}x")
     print_ratios(w, res, a.baseline)
     print_openai_ratios(res, getattr(a, "openai", []))
     if a.ceiling:
