@@ -156,15 +156,15 @@ def step_floor(counts: dict, kv_token_bytes: int, dtype_bytes: int, context_rows
 
 
 def multiplied_weight_bytes(model) -> int:
-    """Bytes of the weights a step multiplies as the CPU GEMMs read them: GGUF blocks as packed
-    (int8 panels + scales), every other multiplied weight at its dtype."""
+    """Bytes of the weights a step multiplies as the CPU GEMMs read them: GGUF blocks and int8
+    weights as packed (int8 panels + scales), every other multiplied weight at its dtype."""
     import torch
 
     total = 0
     for m in model.modules():
         w, p = getattr(m, "weight", None), getattr(m, "packed_weight", None)
         if isinstance(w, torch.Tensor) and hasattr(m, "packed_weight"):
-            total += p.numel() if p is not None and p.dtype == torch.uint8 else w.numel() * w.element_size()
+            total += p.numel() if p is not None and p.dtype in (torch.uint8, torch.int8) else w.numel() * w.element_size()
     return total
 
 
