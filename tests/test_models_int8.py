@@ -92,3 +92,19 @@ def test_int8_is_a_choice_and_cuda_is_refused():
     check_quantization("int8", None, "bfloat16", "cpu")
     with pytest.raises(ValueError, match="--quantization int8.*--device cpu"):
         check_quantization("int8", None, "float32", "cuda")
+
+
+def test_serve_flag_and_its_env_twin(monkeypatch):
+    import argparse
+
+    from llmsvc.server import cli
+
+    def parse(argv):
+        p = argparse.ArgumentParser()
+        cli.add_arguments(p)
+        return p.parse_args(argv)
+
+    assert parse(["--quantization", "int8"]).quantization == "int8"
+    monkeypatch.setenv("LLMSVC_QUANTIZATION", "int8")
+    args = parse([])
+    assert args.quantization == "int8" and cli.build_config(args).model_config.quantization == "int8"
