@@ -129,3 +129,9 @@ def test_host_tier_serves_a_returning_prefix(model_dir):
             llm.shutdown()
     assert results[None][0] == results["4MiB"][0]
     assert results[None][1] == 98 and results["4MiB"][1] == 2, results
+
+
+@pytest.mark.parametrize("executor", ["uniproc", "multiproc"])
+def test_a_swap_space_that_cannot_be_allocated_fails_at_start_naming_the_flag(model_dir, executor):
+    with pytest.raises(Exception, match="--swap-space"):
+        LLM(model=model_dir, executor=executor, swap_space="100000GiB", **ENGINE)

@@ -93,3 +93,25 @@ def test_cancels_and_deadlines_of_swapped_requests_leak_no_block():
         assert info.num_free_kv_blocks == 8 and info.num_free_swap_blocks == 32
     finally:
         s.stop()
+
+
+def test_swap_flags_env_twins_and_bad_values(monkeypatch):
+    import pytest
+
+    from llmsvc import LLM
+    from llmsvc.server import cli
+    from tests.test_server_cli import parse
+
+    d = cli.build_config(parse([]))
+    assert (d.cache_config.swap_space_bytes, d.scheduler_config.preemption_mode) == (0, "auto")
+    c = cli.build_config(parse(["--swap-space", "4GiB", "--preemption-mode", "swap"]))
+    assert (c.cache_config.swap_space_bytes, c.scheduler_config.preemption_mode) == (4 << 30, "swap")
+    e = cli.build_config(parse([], monkeypatch, {"LLMSVC_SWAP_SPACE": "512MiB", "LLMSVC_PREEMPTION_MODE": "recompute"}))
+    assert (e.cache_config.swap_space_bytes, e.scheduler_config.preemption_mode) == (512 << 20, "recompute")
+    for bad in (["--swap-space", "lots"], ["--preemption-mode", "drop"]):
+        with pytest.raises(SystemExit):
+            parse(bad)
+    with pytest.raises(ValueError, match="--swap-space"):  # swap mode needs a swap space
+        cli.build_config(parse(["--preemption-mode", "swap"], monkeypatch, {"LLMSVC_SWAP_SPACE": "0"}))
+    with pytest.raises(ValueError, match="swap space"):
+        LLM(model="/nonexistent", preemption_mode="swap")
