@@ -17,7 +17,8 @@ import pytest
 
 from llmsvc.v1 import llmsvc_pb2 as v1
 from llmsvc.v1 import llmsvc_pb2_grpc as v1_grpc
-from tests.smg_utils import ascii_tokenizer, make_ascii_served_model_dir, open_stream, smg_fleet, sse_events
+from tests.ascii_model import ascii_tokenizer, make_ascii_served_model_dir
+from tests.smg_utils import open_stream, smg_fleet, sse_events
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 TOKEN_IDS = {ascii_tokenizer().decode([i]): i for i in range(259)}  # every token's text is its own

@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import shutil
 
-from tests.smg_utils import make_ascii_served_model_dir, smg_fleet
+from tests.ascii_model import make_ascii_served_model_dir
+from tests.smg_utils import smg_fleet
 
 FETCHED = 'llmsvc_grpc_requests_total{code="OK",method="GetTokenizer",service="vllm.grpc.engine.VllmEngine"}'
 
