@@ -227,3 +227,22 @@ def test_swap_with_speculative_decoding_and_async_are_exact():
     out = run(core)
     assert all(out[r] == reference_tokens(p, mt) for r, p in prompts.items())
     assert core.scheduler.swap.num_swap_outs > 0
+
+
+def test_preemption_unregisters_blocks_registered_for_uncomputed_work():
+    """A victim taken back out of the step that was to fill a block must not leave that block in
+    the prefix cache (a later hit, or the host tier's copy, would read K/V never written)."""
+    from llmsvc.core.kv_cache_manager import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    r = Request("v", list(range(7)), SamplingParams(max_tokens=4))
+    r.append_output_token_ids(99)  # 8 tokens: the step computing position 7 fills block 1
+    r.num_computed_tokens = 0
+    assert kv.allocate_slots(r, 7) is not None  # prompt: block 0 registered (full), block 1 not
+    r.num_computed_tokens = 7
+    assert kv.allocate_slots(r, 1) is not None  # this step would fill block 1: registered now
+    assert len(kv.pool.cached) == 2
+    kv.forget_uncomputed(r)  # ... but the step is taken back (num_computed_tokens stays 7)
+    assert list(kv.pool.cached.values()) == [kv.get_block_ids("v")[0]]
+    kv.free(r)
+    kv.check_invariants()

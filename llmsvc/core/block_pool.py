@@ -100,6 +100,17 @@ class BlockPool:
         self.cached[block_hash] = block_id
         return True
 
+    def uncache_block(self, block_id: int) -> None:
+        """Forget a held block's hash: the step that was to compute its K/V will not."""
+        h = self.block_hash[block_id]
+        if h is None:
+            return
+        self.block_hash[block_id] = None
+        if self.cached.get(h) == block_id:
+            del self.cached[h]
+            if self.events is not None:
+                self.events.removed(h)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is held."""
         if self.num_free_blocks != self.num_blocks:

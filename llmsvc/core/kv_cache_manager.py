@@ -242,6 +242,22 @@ class KVCacheManager:
                 self.events.stored(hashes[i], hashes[i - 1] if i else None, request.all_token_ids[i * bs:(i + 1) * bs])
         self.num_cached_block[request.request_id] = num_full
 
+    def forget_uncomputed(self, request: Request) -> None:
+        """Before a preemption: unregister the request's blocks that were registered for work not
+        computed (a step it is taken back out of): blocks from the one holding position
+        num_computed_tokens on. Left cached, a later hit (or the host tier's copy of them) would
+        read K/V that was never written. Blocks another request holds too keep their hash."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        start = request.num_computed_tokens // self.block_size
+        end = self.num_cached_block.get(request.request_id, 0)
+        for b in blocks[start:end]:
+            if self.pool.ref_cnt[b] == 1:
+                self.pool.uncache_block(b)
+        if end > start:
+            self.num_cached_block[request.request_id] = start
+
     def free(self, request: Request) -> None:
         """Release every block of the request (tail first, so its prefix is evicted last)."""
         blocks = self.req_to_blocks.pop(request.request_id, None)

@@ -51,6 +51,7 @@ class PreemptionMixin:
         return num_scheduled.pop(req.request_id)
 
     def _preempt(self, req: Request) -> None:
+        self.kv.forget_uncomputed(req)  # blocks registered for this step's work, if it was unscheduled
         if self._swap_out(req):  # swap-preemption when there is a swap space with room (swap.py)
             return
         # async scheduling: a token still in flight is dropped and sampled again after the recompute
