@@ -135,3 +135,18 @@ def test_host_tier_serves_a_returning_prefix(model_dir):
 def test_a_swap_space_that_cannot_be_allocated_fails_at_start_naming_the_flag(model_dir, executor):
     with pytest.raises(Exception, match="--swap-space"):
         LLM(model=model_dir, executor=executor, swap_space="100000GiB", **ENGINE)
+
+
+def test_engine_core_process_swaps_and_reports_it(model_dir, reference):
+    """The engine core in its own process (the server's default layout): same tokens, swap counters
+    and Timing's swap count cross the process boundary."""
+    prompts, params, expected = reference
+    llm = LLM(model=model_dir, engine_core="process", swap_space="4MiB", **ENGINE)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in outs] == expected
+        extra = llm.llm_engine.get_stats().extra
+        assert extra["swap_outs"] > 0 and extra["num_free_swap_blocks"] == extra["num_swap_blocks"]
+        assert sum(o.metrics.num_swaps for o in outs) == extra["swap_outs"]
+    finally:
+        llm.shutdown()
