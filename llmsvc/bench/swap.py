@@ -70,8 +70,6 @@ def preemption(a) -> dict:
 
 
 def multiturn(a) -> dict:
-    from llmsvc import SamplingParams  # noqa: F401 - the engine's import, before timing
-
     results = {}
     for label, swap in (("no host tier", None), ("host tier", a.swap_space)):
         llm = _engine(a, swap_space=swap, preemption_mode="recompute")
