@@ -170,6 +170,6 @@ def peer_pgids(procs: Iterable[Optional[subprocess.Popen]]) -> list[int]:
 def warmup_prompts(prompts: list[list[int]], count: int = 8) -> list[list[int]]:
     """The warm-up each system runs before its clock starts: the first `count` prompts reversed,
     for 2 tokens. A step of the workload's shape (as many prompt rows, then a decode of as many
-    sequences) with tokens no measured prompt begins with, so it leaves nothing in a prefix
-    cache that the measured run could hit."""
+    sequences) whose first blocks are, but for chance, no measured prompt's, so it leaves
+    nothing in a prefix cache (whole blocks of tokens) that the measured run could hit."""
     return [list(reversed(p)) for p in prompts[:count]]
