@@ -91,7 +91,7 @@ def test_flags_and_env(monkeypatch):
         with pytest.raises(SystemExit):
             parse(["--override-generation-config", bad])
     c = cli.build_config(parse(["--max-logprobs", "5"]))
-    assert c.max_logprobs == 5 and ModelLimits.from_config(c).max_logprobs == 5
+    assert c.max_logprobs == 5 and ModelLimits.from_config(c).request_limits.max_logprobs == 5
     assert cli.build_config(parse([], monkeypatch, {"LLMSVC_MAX_LOGPROBS": "0"})).max_logprobs == 0
     with pytest.raises(SystemExit):
         parse(["--max-logprobs", "-1"])

@@ -186,7 +186,9 @@ class LlmService(pb_grpc.LlmServiceServicer):
             await errors.abort(context, e, rid if rid_ok else None)
         finally:
             if self.tracer is not None:
-                self._trace(rid if rid_ok else "", context, start_ns, code, message, params, ids, tracker)
+                # usage only for a request the engine admitted (admission validates inside generate)
+                self._trace(rid if rid_ok else "", context, start_ns, code, message, params, ids,
+                            tracker if tracker is not None and tracker.admitted else None)
 
     def _trace(self, rid, context, start_ns, code, message, params, ids, tracker) -> None:
         if code == grpc.StatusCode.CANCELLED and deadline_passed(context):
