@@ -246,3 +246,17 @@ def test_preemption_unregisters_blocks_registered_for_uncomputed_work():
     assert list(kv.pool.cached.values()) == [kv.get_block_ids("v")[0]]
     kv.free(r)
     kv.check_invariants()
+
+
+def test_swap_in_shares_blocks_still_in_the_device_prefix_cache():
+    """The victim's leading blocks that no one evicted while it was swapped out come back as
+    prefix-cache hits: only the others are copied in, and the tokens are the same."""
+    core, ex = make_core(num_blocks=6, num_host_blocks=8, max_num_batched_tokens=32)
+    a, b = [1] * 9, [2] * 9
+    core.add_request(Request("a", a, SamplingParams(max_tokens=8)))
+    core.add_request(Request("b", b, SamplingParams(max_tokens=8)))
+    out = run(core)
+    assert out["a"] == reference_tokens(a, 8) and out["b"] == reference_tokens(b, 8)
+    swap = core.scheduler.swap
+    assert swap.num_swap_ins == swap.num_swap_outs == 1
+    assert swap.num_blocks_swapped_in < 3, "b's first block was still cached: it needs no copy"

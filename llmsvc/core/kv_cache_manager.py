@@ -183,21 +183,32 @@ class KVCacheManager:
         return new_blocks
 
     def allocate_swapped_in(self, request: Request, num_swapped_blocks: int,
-                            num_new_tokens: int) -> list[int] | None:
+                            num_new_tokens: int) -> tuple[list[int], int] | None:
         """Blocks for a request coming back from the swap space (holding none): the first
-        num_swapped_blocks receive its swapped K/V (copied in before the step's forward pass), the
-        rest are room for the num_new_tokens it computes next. None when the pool cannot supply
-        them (nothing changed)."""
+        num_swapped_blocks hold its swapped K/V, the rest are room for the num_new_tokens it
+        computes next. Its leading full blocks still in the prefix cache are shared as hits (no
+        copy needed); the others of the swapped ones receive their copy before the step's forward
+        pass. Returns (blocks, number of leading hits), or None when the pool cannot supply them
+        (nothing changed)."""
         assert request.request_id not in self.req_to_blocks, request
+        hits: list[int] = []
+        if self.enable_caching:
+            for h in request.block_hashes[:min(num_swapped_blocks, request.num_computed_tokens // self.block_size)]:
+                b = self.pool.get_cached_block(h)
+                if b is None:
+                    break
+                hits.append(b)
         num_total = request.num_computed_tokens + num_new_tokens
-        n = max(num_swapped_blocks, cdiv(num_total, self.block_size))
-        if n > self.pool.num_free_blocks:
+        n = max(num_swapped_blocks, cdiv(num_total, self.block_size)) - len(hits)
+        if n > self._free_besides(hits):
             return None
-        blocks = self.pool.get_new_blocks(n)
+        self.pool.touch(hits)
+        blocks = hits + self.pool.get_new_blocks(n)
         self.req_to_blocks[request.request_id] = blocks
+        self.num_cached_block[request.request_id] = len(hits)
         if self.enable_caching:
             self._cache_full_blocks(request, num_total)
-        return blocks
+        return blocks, len(hits)
 
     def load_cached_block(self, block_hash: bytes, parent_hash: bytes | None = None, token_ids=()) -> int:
         """A free block registered under block_hash, its K/V to be copied in from the host tier

@@ -9,7 +9,8 @@ request's path:
    finished_req_ids (workers drop its state, as for a recompute-preemption).
 2. Each later step, after the running requests and before any waiting one, `_schedule_swapped`
    takes swapped requests in order while the pool has room for their blocks and next tokens:
-   fresh device blocks, (host, device) copies, and v goes back to the workers as a new request
+   its leading blocks still in the device's prefix cache are shared as hits, the rest get fresh
+   device blocks and (host, device) copies, and v goes back to the workers as a new request
    whose num_computed_tokens is where it stopped; no token is recomputed but, at most, the last.
 3. The worker runs the step's copies (out, in, copy) before its forward pass.
 
@@ -101,11 +102,12 @@ class SwapMixin:
                 break
             num_new = min(num_new, budget)
             num_host = len(self.swap.req_to_blocks[req.request_id])
-            blocks = self.kv.allocate_swapped_in(req, num_host, num_new)
-            if blocks is None:
+            got = self.kv.allocate_swapped_in(req, num_host, num_new)
+            if got is None:
                 break
+            blocks, num_hits = got  # leading blocks still cached on the device: nothing to copy
             self.swapped.pop(0)
-            self.swap.swap_in(req.request_id, blocks[:num_host])
+            self.swap.swap_in(req.request_id, blocks[:num_host], num_hits)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             num_scheduled[req.request_id] = num_new

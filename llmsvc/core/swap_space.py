@@ -69,15 +69,16 @@ class SwapSpace:
         self.num_swap_outs += 1
         self.num_blocks_swapped_out += len(host)
 
-    def swap_in(self, req_id: str, device_blocks: list[int]) -> None:
-        """Copy req_id's host blocks to these device blocks (as many) and give the host blocks up
-        once the step is built (full ones stay in the host tier)."""
+    def swap_in(self, req_id: str, device_blocks: list[int], num_cached: int = 0) -> None:
+        """Copy req_id's host blocks to these device blocks (as many), but for the first
+        num_cached (prefix-cache hits on the device hold them already), and give the host blocks
+        up once the step is built (full ones stay in the host tier)."""
         host = self.req_to_blocks.pop(req_id)
         assert len(device_blocks) == len(host), (len(device_blocks), len(host))
-        self.blocks_to_swap_in.extend(zip(host, device_blocks))
+        self.blocks_to_swap_in.extend(zip(host[num_cached:], device_blocks[num_cached:]))
         self._pinned.extend(host)  # their reference moves to the pin
         self.num_swap_ins += 1
-        self.num_blocks_swapped_in += len(host)
+        self.num_blocks_swapped_in += len(host) - num_cached
 
     def free(self, req_id: str) -> None:
         """A swapped request finished (abort, deadline): its host blocks go back to the pool."""
