@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmsvc.config import ModelConfig
-from llmsvc.models.llama import build_model
+from llmsvc.models.loader import build_model
 from llmsvc.models.resolve import check_quantization, gguf_file, resolve_model_config
 from model_utils import PagedRunner, load_hf_model, make_tiny_model_dir
 from server_harness import TINY_VOCAB

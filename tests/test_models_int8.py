@@ -8,7 +8,7 @@ import torch
 from kernels.cpu_ops import int8
 from llmsvc import LLM, SamplingParams
 from llmsvc.config import QUANTIZATION_CHOICES, ModelConfig
-from llmsvc.models.llama import build_model
+from llmsvc.models.loader import build_model
 from llmsvc.models.resolve import check_quantization, resolve_model_config
 from tests.lora_utils import make_lora_adapter
 from tests.model_utils import PagedRunner, make_tiny_model_dir

@@ -18,7 +18,7 @@ CASES = {"llama": dict(arch="llama", tie=False), "gemma3": dict(arch="gemma3", t
 
 def _load(model_dir: str, quantization: str):
     from llmsvc.config import ModelConfig
-    from llmsvc.models.llama import build_model
+    from llmsvc.models.loader import build_model
     from llmsvc.models.resolve import resolve_model_config
 
     return build_model(resolve_model_config(ModelConfig(model=model_dir, dtype="float32", quantization=quantization)))

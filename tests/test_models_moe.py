@@ -222,7 +222,7 @@ def test_unknown_architecture_keeps_its_clear_error(tmp_path):
     import json
 
     from llmsvc.config import ModelConfig
-    from llmsvc.models.llama import get_model_class
+    from llmsvc.models.loader import get_model_class
     from llmsvc.models.resolve import resolve_model_config
     d = make_tiny_model_dir(tmp_path, "qwen3_moe")
     cfg = json.load(open(f"{d}/config.json"))

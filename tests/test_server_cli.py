@@ -221,7 +221,7 @@ def test_dtype_names_have_one_source():
     import torch
 
     from llmsvc.config import DTYPES
-    from llmsvc.models.llama import to_torch_dtype
+    from llmsvc.models.loader import to_torch_dtype
 
     assert [to_torch_dtype(name) for name in DTYPES] == [torch.float32, torch.bfloat16, torch.float16]
     for name in DTYPES:

@@ -91,7 +91,7 @@ def gemm_flops(dtype: str = "float32", n: int = 4096, repeats: int = 3, device: 
     import torch
 
     device, sync = bench_device(device)
-    from llmsvc.models.llama import to_torch_dtype
+    from llmsvc.models.loader import to_torch_dtype
 
     dt = to_torch_dtype(dtype)
     a, b = (torch.randn(n, n, dtype=dt, device=device) for _ in range(2))

@@ -18,7 +18,7 @@ def run_hf(model_dir: str, prompts: list[list[int]], output_len: int, dtype: str
     from transformers import AutoModelForCausalLM
 
     from llmsvc.bench.ceiling import bench_device
-    from llmsvc.models.llama import to_torch_dtype
+    from llmsvc.models.loader import to_torch_dtype
 
     device, sync = bench_device(device)
     dt = to_torch_dtype(dtype)

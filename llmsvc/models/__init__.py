@@ -4,8 +4,8 @@ Torch-free to import: the engine imports `llmsvc.models.resolve`, which needs no
   resolve.py   default_model_path, resolve_model_dir (GGUF -> cached HF dir), resolve_model_config
   hf_config.py HFConfig: the transformers config as plain data, cached (json_cache.py)
   tokenizer.py load_tokenizer: AutoTokenizer's choice of class, remembered
-  llama.py     LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM, build_model,
-               get_model_class, kv_cache_spec
+  llama.py     LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM, kv_cache_spec
+  loader.py    build_model (class, dtype, weights, quantization), get_model_class
   moe.py       Qwen3MoeForCausalLM / MixtralForCausalLM (experts over kernels.ops.fused_moe)
   parallel.py  tensor-parallel rank / world size and collectives
   layers/      parallel linears, vocab-parallel embedding, RoPE, paged attention, RMSNorm,

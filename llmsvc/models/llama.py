@@ -11,26 +11,20 @@ the layers `layer_types` marks) and are honoured by every attention path.
 """
 from __future__ import annotations
 
-import importlib
-import logging
-
 import torch
 import torch.nn as nn
 
 from kernels import ops
-from llmsvc.config import DTYPES, ModelConfig
 from llmsvc.models.layers.activation import SiluAndMul
 from llmsvc.models.layers.attention import Attention, AttentionMetadata
 from llmsvc.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from llmsvc.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from llmsvc.models.layers.norm import RMSNorm
 from llmsvc.models.layers.rotary import get_rope
-from llmsvc.models.loader_names import ARCHITECTURES, layer_sliding_windows
+from llmsvc.models.loader_names import layer_sliding_windows
 from llmsvc.models.parallel import get_tp_world_size
 from llmsvc.models.tp_split import check_tensor_parallel
 from llmsvc.models.weights import load_checkpoint
-
-logger = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): [num_blocks, block_size, Hkv_rank, D]
 
@@ -256,57 +250,3 @@ def kv_cache_spec(hf_config, tp_size: int | None = None) -> tuple[int, int, int]
     total_kv = hf_config.num_key_value_heads or hf_config.num_attention_heads
     check_tensor_parallel(hf_config, tp)
     return hf_config.num_hidden_layers, max(1, total_kv // tp), head_dim_of(hf_config)
-
-
-_DTYPES = {name: getattr(torch, name) for name in DTYPES}
-
-
-def get_model_class(architecture: str) -> type[nn.Module]:
-    try:
-        module, _, name = ARCHITECTURES[architecture].partition(":")
-    except KeyError:
-        raise ValueError(f"unsupported architecture {architecture!r}; "
-                         f"supported: {', '.join(ARCHITECTURES)}") from None
-    return getattr(importlib.import_module(module), name)
-
-
-def to_torch_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPES[str(dtype).removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}") from None
-
-
-@torch.no_grad()
-def build_model(model_config: ModelConfig, device: str | torch.device = "cpu", dtype=None) -> nn.Module:
-    """Build the model for `model_config` on `device` and load this TP rank's weights.
-
-    model_config is resolved first if it is not yet (no hf_config). dtype (str or
-    torch.dtype) defaults to model_config.dtype. A TP process group, if any, must be
-    initialised before: the layers read rank and world size at construction."""
-    if model_config.hf_config is None or model_config.model_dir is None:
-        from llmsvc.models.resolve import resolve_model_config
-        model_config = resolve_model_config(model_config)
-    torch_dtype = to_torch_dtype(dtype or model_config.dtype)
-    cls = get_model_class(model_config.architecture)
-    with torch.device(device):
-        model = cls(model_config.hf_config, torch_dtype, model_config.max_model_len)
-    model.load_weights(model_config.model_dir)
-    if model_config.quantization == "gguf" and torch.device(device).type != "cpu":
-        logger.warning("quantization 'gguf': the GPU multiplies the dequantized weights")
-    elif model_config.quantization == "gguf":
-        from llmsvc.models.gguf_blocks import load_gguf_blocks
-        from llmsvc.models.resolve import gguf_file
-
-        load_gguf_blocks(model, gguf_file(model_config.model), model_config.model_dir,
-                         head_dim_of(model_config.hf_config))
-    for module in model.modules():
-        if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading()
-    if model_config.quantization == "int8":
-        from llmsvc.models.int8_weights import quantize_linear_layers
-
-        quantize_linear_layers(model)
-    return model.eval()

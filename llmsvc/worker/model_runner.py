@@ -8,7 +8,7 @@ import torch
 
 from kernels.triton_ops import DEFAULT_DECODE_SPLIT
 from llmsvc.config import EngineConfig
-from llmsvc.models.llama import build_model, kv_cache_spec, to_torch_dtype
+from llmsvc.models.loader import build_model, kv_cache_spec, to_torch_dtype
 from llmsvc.models.lora import create_lora_manager
 from llmsvc.models.parallel import get_tp_rank, get_tp_world_size
 from llmsvc.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
