@@ -3,23 +3,36 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
-from llmsvc import outputs
 from llmsvc.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.core.errors import PromptTooLongError
 from llmsvc.core.grammar_wait import GrammarWaitMixin
 from llmsvc.core.kv_cache_manager import KVCacheManager
 from llmsvc.core.preemption import PreemptionMixin
 from llmsvc.core.request import Request, RequestStatus
 from llmsvc.core.request_queue import create_request_queue
+from llmsvc.core.scheduler_update import UpdateMixin
 from llmsvc.core.spec_decode import Speculator
 from llmsvc.core.swap import SwapMixin
-from llmsvc.core.stop import check_stop, fresh_prompt_logprobs, grammar_complete, grammar_rejects
-from llmsvc.wire import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from llmsvc.wire import CachedRequestData, NewRequestData, SchedulerOutput
 
 
-class Scheduler(PreemptionMixin, SwapMixin, GrammarWaitMixin):
+@dataclass
+class _Step:
+    """What schedule() has decided so far in one step."""
+
+    budget: int  # tokens left of max_num_batched_tokens
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached: CachedRequestData = field(default_factory=CachedRequestData.make_empty)
+    preempted: bool = False
+    decode_only: bool = True  # every request scheduled decodes (the draft governor times those steps)
+    now: float = field(default_factory=time.time)
+
+
+class Scheduler(PreemptionMixin, SwapMixin, GrammarWaitMixin, UpdateMixin):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_cache_manager: KVCacheManager, max_model_len: int,
                  speculative_config: SpeculativeConfig | None = None) -> None:
@@ -107,59 +120,53 @@ class Scheduler(PreemptionMixin, SwapMixin, GrammarWaitMixin):
         # num_computed_tokens catches up with its num_tokens (prompt + output). A prompt longer
         # than the budget is computed in chunks over several steps (chunked prefill), prefix-cache
         # hits start a request with num_computed_tokens > 0, and a preempted request restarts
-        # from its cache hits (recompute). Running requests go first, then waiting ones.
+        # from its cache hits (recompute) or its swapped blocks. Running requests go first, then
+        # swapped ones, then waiting ones.
         if self.waiting_for_fsm:
             self._promote_ready_grammars()
-        budget = self.config.max_num_batched_tokens
-        chunked = self.config.enable_chunked_prefill
-        num_scheduled: dict[str, int] = {}
-        spec_tokens: dict[str, list[int]] = {}
-        draft = self.speculator is not None and self.speculator.enabled(len(self.running))
-        decode_only = True  # every request scheduled decodes (the draft governor times those steps)
-        new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData.make_empty()
-        preempted = False
-        now = time.time()
+        step = _Step(self.config.max_num_batched_tokens)
         if self.config.policy == "priority":
             self._preempt_for_waiting()
+        self._schedule_running(step)
+        if self.swapped and not step.preempted:
+            step.budget = self._schedule_swapped(step.budget, step.num_scheduled, step.new_reqs, step.now)
+        if not step.preempted:  # no admissions in a step that had to preempt: the pool is under pressure
+            self._schedule_waiting(step)
+        total = sum(step.num_scheduled.values())
+        if self.speculator is not None:
+            self.speculator.scheduled(bool(step.spec_tokens), step.decode_only and not step.new_reqs)
+        finished = set(self.finished_req_ids)
+        if total > 0:  # otherwise nothing runs; keep them for the next executed step
+            self.finished_req_ids.clear()
+        so = SchedulerOutput(step.new_reqs, step.cached, step.num_scheduled, total, finished,
+                             scheduled_spec_decode_tokens=step.spec_tokens)
+        self._attach_copies(so)
+        return so
 
+    def _schedule_running(self, step: "_Step") -> None:
+        chunked = self.config.enable_chunked_prefill
+        draft = self.speculator is not None and self.speculator.enabled(len(self.running))
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.budget > 0:
             req = self.running[i]
             num_new = req.num_tokens - req.num_computed_tokens
-            if (num_new > budget and not chunked) or (req.num_output_placeholders and self._finishes_in_flight(req)):
+            if (num_new > step.budget and not chunked) or (
+                    req.num_output_placeholders and self._finishes_in_flight(req)):
                 i += 1
                 continue
-            num_new = min(num_new, budget)
+            num_new = min(num_new, step.budget)
             assert num_new > 0, req
-            decode_only = decode_only and num_new == 1
-            drafts = self.speculator.propose(req, budget, self.max_len) if draft and num_new == 1 else []
-            while True:
-                new_blocks = self.kv.allocate_slots(req, num_new, num_lookahead_tokens=len(drafts))
-                if new_blocks is not None:
-                    break
-                if drafts:  # no room for the drafts: decode one token as usual
-                    drafts = []
-                    continue
-                # recompute-preemption: the lowest-ranked running request under priority (taken
-                # back out of this step if it was scheduled already), else the newest of those
-                # not scheduled yet
-                victim = self._pick_victim(self.running if self.config.policy == "priority" else self.running[i:])
-                if self.running.index(victim) < i:
-                    i -= 1
-                    budget += self._unschedule(victim, num_scheduled, spec_tokens, cached)
-                self.running.remove(victim)
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
+            step.decode_only = step.decode_only and num_new == 1
+            drafts = self.speculator.propose(req, step.budget, self.max_len) if draft and num_new == 1 else []
+            new_blocks, drafts, i = self._allocate_or_preempt(req, i, num_new, drafts, step)
             if new_blocks is None:
                 continue  # req itself was preempted; running[i] is now the next one
             if drafts:
-                spec_tokens[req.request_id] = drafts
+                step.spec_tokens[req.request_id] = drafts
                 num_new += len(drafts)
-            num_scheduled[req.request_id] = num_new
-            budget -= num_new
+            step.num_scheduled[req.request_id] = num_new
+            step.budget -= num_new
+            cached = step.cached
             cached.req_ids.append(req.request_id)
             cached.new_token_ids.append(req.output_token_ids[req.num_output_tokens_sent:])
             cached.new_block_ids.append(new_blocks)
@@ -167,12 +174,34 @@ class Scheduler(PreemptionMixin, SwapMixin, GrammarWaitMixin):
             req.num_output_tokens_sent = req.num_output_tokens
             i += 1
 
-        if self.swapped and not preempted:
-            budget = self._schedule_swapped(budget, num_scheduled, new_reqs, now)
-        admission_budget = budget  # what this step's running work left
-        # no admissions in a step that had to preempt: the pool is under pressure
-        while (not preempted and len(self.waiting) and budget > 0
-               and len(self.running) < self.config.max_num_seqs and not self._swapped_first()):
+    def _allocate_or_preempt(self, req: Request, i: int, num_new: int, drafts: list[int], step: "_Step"):
+        """Blocks for running[i]'s next num_new tokens (+ drafts), preempting others until they
+        fit. Returns (new block ids or None when req itself was preempted, the drafts kept, i
+        corrected for victims taken back out of this step)."""
+        while True:
+            new_blocks = self.kv.allocate_slots(req, num_new, num_lookahead_tokens=len(drafts))
+            if new_blocks is not None:
+                return new_blocks, drafts, i
+            if drafts:  # no room for the drafts: decode one token as usual
+                drafts = []
+                continue
+            # preemption: the lowest-ranked running request under priority (taken back out of this
+            # step if it was scheduled already), else the newest of those not scheduled yet
+            victim = self._pick_victim(self.running if self.config.policy == "priority" else self.running[i:])
+            if self.running.index(victim) < i:
+                i -= 1
+                step.budget += self._unschedule(victim, step.num_scheduled, step.spec_tokens, step.cached)
+            self.running.remove(victim)
+            self._preempt(victim)
+            step.preempted = True
+            if victim is req:
+                return None, [], i
+
+    def _schedule_waiting(self, step: "_Step") -> None:
+        chunked = self.config.enable_chunked_prefill
+        admission_budget = step.budget  # what this step's running work left
+        while (len(self.waiting) and step.budget > 0 and len(self.running) < self.config.max_num_seqs
+               and not self._swapped_first()):
             req = self.waiting.peek()
             self._load_host_hits(req)
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
@@ -183,39 +212,31 @@ class Scheduler(PreemptionMixin, SwapMixin, GrammarWaitMixin):
                 # with prompt logprobs or without prefix caching). It waits for them instead.
                 break
             num_new = req.num_tokens - num_hit
-            if num_new > budget and (not chunked or num_new <= admission_budget):
+            if num_new > step.budget and (not chunked or num_new <= admission_budget):
                 # The second case: an earlier admission of this step took the budget this prompt
                 # needed, and a step carrying only this step's running work takes it whole. It
                 # then waits one step instead of being split: a partial chunk would lengthen this
                 # step, delaying every first token it yields, and finish the prompt no sooner.
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new, step.budget)
             if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
                 break
             self.waiting.pop()
-            req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:  # first admission: its prompt is a lookup (a resumed one is not)
-                req.num_cached_tokens = num_hit
-                self.kv.record_lookup(req.num_tokens, num_hit)
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            num_scheduled[req.request_id] = num_new
-            budget -= num_new
-            new_reqs.append(NewRequestData.from_request(req, self.kv.get_block_ids(req.request_id)))
-            req.num_output_tokens_sent = req.num_output_tokens
+            self._admit(req, num_hit, num_new, step)
 
-        total = sum(num_scheduled.values())
-        if self.speculator is not None:
-            self.speculator.scheduled(bool(spec_tokens), decode_only and not new_reqs)
-        finished = set(self.finished_req_ids)
-        if total > 0:  # otherwise nothing runs; keep them for the next executed step
-            self.finished_req_ids.clear()
-        so = SchedulerOutput(new_reqs, cached, num_scheduled, total, finished,
-                             scheduled_spec_decode_tokens=spec_tokens)
-        self._attach_copies(so)
-        return so
+    def _admit(self, req: Request, num_hit: int, num_new: int, step: "_Step") -> None:
+        req.num_computed_tokens = num_hit
+        if req.num_cached_tokens < 0:  # first admission: its prompt is a lookup (a resumed one is not)
+            req.num_cached_tokens = num_hit
+            self.kv.record_lookup(req.num_tokens, num_hit)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = step.now
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        step.num_scheduled[req.request_id] = num_new
+        step.budget -= num_new
+        step.new_reqs.append(NewRequestData.from_request(req, self.kv.get_block_ids(req.request_id)))
+        req.num_output_tokens_sent = req.num_output_tokens
 
     # ---- async scheduling hooks (no-ops here; llmsvc.core.async_scheduler) -------------------
     def after_schedule(self, scheduler_output: SchedulerOutput) -> None:
@@ -244,77 +265,6 @@ class Scheduler(PreemptionMixin, SwapMixin, GrammarWaitMixin):
     def _scheduled_request(self, scheduler_output: SchedulerOutput, req_id: str) -> Request | None:
         """The unfinished request the step computed for req_id (None: finished since)."""
         return self.requests.get(req_id)
-
-    # ---- results ---------------------------------------------------------------------------
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Advance num_computed_tokens, append sampled tokens, apply the stop conditions that
-        need no text, and report per request. Finished requests free their blocks here."""
-        index = {rid: k for k, rid in enumerate(runner_output.req_ids)}
-        out: list[EngineCoreOutput] = []
-        stopped: list[Request] = []
-        for rid, n in scheduler_output.num_scheduled_tokens.items():
-            req = self._scheduled_request(scheduler_output, rid)
-            if req is not None and req.num_stale_samples and rid in index:
-                req.num_stale_samples -= 1  # sampled before the request was preempted
-                continue
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # finished or preempted meanwhile
-            k = index.get(rid)
-            tokens = runner_output.sampled_token_ids[k] if k is not None else []
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
-            if drafts:  # the rejected drafts' positions are computed again next step
-                n -= len(drafts) + 1 - len(tokens)
-                self.speculator.observe(len(drafts), len(tokens) - 1)
-            self._advance(req, n)
-            prompt_lp = fresh_prompt_logprobs(req, runner_output.prompt_logprobs.get(rid))
-            if k is None:
-                if prompt_lp:
-                    out.append(self._output(req, [], None, prompt_lp))
-                continue
-            lps = None
-            if runner_output.logprobs is not None and req.sampling_params.logprobs is not None:
-                lps = runner_output.logprobs[k]
-            kept = 0
-            for token in tokens:  # an accepted draft may end the request: the rest are dropped
-                if grammar_rejects(req, token):
-                    stopped.append(req)
-                    break
-                kept += 1
-                self._record_token(req, token)
-                self.generation_tokens_total += 1
-                if check_stop(req, token, self.max_len) or grammar_complete(req):
-                    stopped.append(req)
-                    break
-            out.append(self._output(req, tokens[:kept], lps[:kept] if lps is not None else None, prompt_lp))
-        for req in stopped:
-            req.discard_placeholders()  # async: a next step already scheduled computes in vain
-            self.running.remove(req)
-            self._free(req)
-        out.extend(self._expire(time.monotonic()))
-        if self._grammar_failed:
-            out.extend(self._output(r, [], None, None) for r in self._grammar_failed)
-            self._grammar_failed = []
-        return out
-
-    def _expire(self, now: float) -> list[EngineCoreOutput]:
-        """Finish every unfinished request past its time_limit_ms deadline (output kept)."""
-        expired = [r.request_id for r in self.requests.values() if r.deadline is not None and now >= r.deadline]
-        return [self._output(r, [], None, None) for r in self.finish_requests(expired, outputs.TIME_LIMIT)]
-
-    def _output(self, req: Request, tokens: list[int], lp, prompt_lp) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            req_id=req.request_id,
-            new_token_ids=tokens,
-            new_logprobs=lp,
-            new_prompt_logprobs=prompt_lp,
-            finish_reason=req.get_finished_reason(),
-            stop_reason=req.stop_reason,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            first_scheduled_time=req.first_scheduled_time,
-            num_preemptions=req.num_preemptions,
-            num_swaps=req.num_swaps,
-        )
 
     # ---- observability ---------------------------------------------------------------------
     @property
