@@ -11,6 +11,7 @@ import sys
 import time
 
 from executors.registry import executor_names
+from llmsvc.bench.after_runs import compare_again, print_ceiling, run_sweeps, structured_run
 from llmsvc.bench.compare import (check_peer_args, parse_baselines, peer_systems, print_ratios, print_spreads,
                                    record_runs, vllm_peer)
 from llmsvc.bench.fairness import IDLE_WAIT_S
@@ -101,11 +102,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--async-scheduling", action="store_true", help="as `llmsvc serve`'s")
     e.add_argument("--stream-interval", type=int, default=None, help="as `llmsvc serve`'s")
     e.add_argument("--speculative-config", default=None, metavar="JSON", help="as `llmsvc serve`'s")
-
-
-def _recompute_only(a):
-    """The flags of `a` with preemption by recompute and no swap space (--compare-preemption)."""
-    return argparse.Namespace(**{**vars(a), "swap_space": None, "preemption_mode": "recompute"})
 
 
 def _serve_args(a, prefix_caching: bool = True) -> list[str]:
@@ -243,92 +239,13 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
                   f"(gRPC streaming cost vs offline: {100 * res['grpc_cost']:.1f}%)")
     ours = res.get("serve") or res["offline"]
     if a.json_schema:
-        _structured_run(a, res, model_dir, offline, serve, tally)
-    if a.compare_prefix_caching:  # the same mode again, prefix caching off
-        kind, run = ("offline", offline) if a.mode == "offline" else ("serve", serve)
-        _, off = run(prefix_caching=False)
-        res[f"{kind}_no_prefix_caching"] = off
-        on = ours["prefill_tok_s"]
-        res["prefix_caching_prefill_speedup"] = on / off["prefill_tok_s"] if off["prefill_tok_s"] else float("nan")
-        tally.report(f"llmsvc {'offline' if kind == 'offline' else 'gRPC'}, no prefix cache", off)
-        print(f"  prefill throughput with / without prefix caching: {on:.0f} / {off['prefill_tok_s']:.0f} "
-              f"tok/s = {res['prefix_caching_prefill_speedup']:.2f}x")
-    if a.compare_preemption:  # the same mode again, preempting by recompute
-        kind, run = ("offline", offline) if a.mode == "offline" else ("serve", serve)
-        _, rec = run(flags=_recompute_only(a))
-        res[f"{kind}_recompute_preemption"] = rec
-        res["swap_output_speedup"] = ours["output_tok_s"] / rec["output_tok_s"] if rec["output_tok_s"] else float("nan")
-        tally.report(f"llmsvc {'offline' if kind == 'offline' else 'gRPC'}, recompute preemption", rec)
-        print(f"  output throughput with swap / recompute preemption: {ours['output_tok_s']:.1f} / "
-              f"{rec['output_tok_s']:.1f} tok/s = {res['swap_output_speedup']:.2f}x")
+        structured_run(a, res, model_dir, offline, serve, tally)
+    compare_again(a, res, ours, offline, serve, tally)
     print_ratios(w, res, a.baseline)
     print_openai_ratios(res, getattr(a, "openai", []))
     if a.ceiling:
-        from llmsvc.bench.ceiling import (arithmetic_dtype, ceiling, decode_step, gemm_flops,
-                                          kv_bytes_per_token, memory_floor, param_counts, read_bandwidth)
-
-        counts = param_counts(model_dir)
-        arith = arithmetic_dtype(a.dtype)
-        c = ceiling(w, counts, gemm_flops(arith))
-        c["fraction"] = ours["output_tok_s"] / c["output_tok_s"]
-        c["gemm_dtype"] = arith
-        res["ceiling"] = c
-        label = a.dtype if arith == a.dtype else f"{arith}, as {a.dtype} computes on this CPU,"
-        print(f"  ceiling ({label} GEMM {c['gemm_gflops']:.0f} GFLOP/s, {c['workload_tflop']:.2f} TFLOP): "
-              f"{c['output_tok_s']:.0f} out tok/s; llmsvc reaches {100 * c['fraction']:.0f}%")
-        nb = 4 if a.dtype == "float32" else 2
-        m = memory_floor(w, counts, kv_bytes_per_token(model_dir, nb), nb, read_bandwidth())
-        res["memory_floor"] = m
-        print(f"  memory floor ({m['weight_read_gb']:.1f} GB of weights + {m['kv_read_gb']:.1f} GB of K/V "
-              f"at {m['read_gb_s']:.1f} GB/s): {m['output_tok_s']:.0f} out tok/s; the K/V reads alone take "
-              f"{m['kv_seconds']:.1f} s, outside the FLOP ceiling")
-        quantization = getattr(a, "quantization", "none")
-        if d := decode_step(model_dir, a.dtype, m["read_gb_s"] * 1e9, quantization=quantization):  # None on a GPU
-            res["decode_step"] = d
-            print(f"  {d['seqs']}-seq decode step: {d['step_ms']:.1f} ms = {d['ratio']:.2f} x its memory floor")
-    for kind, values in (("rate", a.sweep_rate), ("concurrency", a.sweep_concurrency)):
-        if values:
-            sweep = res.setdefault(f"sweep_{kind}", {})
-            for v in [float(x) for x in values.split(",")]:
-                _, s = serve(**{kind: v if kind == "rate" else int(v)})
-                sweep[str(v)] = s
-                tally.report(f"{kind}={v:g}", s)
-
-
-def _structured_run(a, res: dict, model_dir: str, offline, serve, tally: Tally) -> None:
-    """The same workload with a JSON Schema on every request, and the schema's compile time.
-
-    The constrained run is bracketed by the unconstrained one before it and another after it,
-    and compared with their mean, so that load drifting on a shared machine biases neither."""
-    from llmsvc.bench.structured import compile_seconds
-
-    with open(a.json_schema) as f:
-        schema = f.read()
-    cold, warm = compile_seconds(model_dir, schema)
-    res["json_schema"] = {"file": a.json_schema, "compile_s": cold, "cached_compile_s": warm}
-    print(f"  JSON Schema {a.json_schema}: compiles in {1e3 * cold:.1f} ms (once per distinct schema; "
-          f"{1e3 * warm:.3f} ms from the grammar cache)")
-    for kind, run in (("offline", offline), ("serve", serve)):
-        if kind not in res:
-            continue
-        tag = "offline" if kind == "offline" else "gRPC"
-        _, s = run(json_schema=schema)
-        res[f"{kind}_json_schema"] = s
-        tally.report(f"llmsvc {tag}, JSON Schema", s)
-        _, after = run()
-        res[f"{kind}_after_json_schema"] = after
-        tally.report(f"llmsvc {tag}, again", after)
-        base = (res[kind]["output_tok_s"] + after["output_tok_s"]) / 2
-        ratio = s["output_tok_s"] / base if base else float("nan")
-        res["json_schema"][f"{kind}_ratio"] = ratio
-        print(f"  output tok/s with the schema / without (mean of the runs before and after): "
-              f"{s['output_tok_s']:.1f} / {base:.1f} = {ratio:.2f}x ({_tokens(s)} vs {_tokens(after)} "
-              "tokens: a complete document ends its request)")
-
-
-def _tokens(s: dict) -> int:
-    return round(s["output_tok_s"] * s["wall_s"])
-
+        print_ceiling(a, w, res, ours, model_dir)
+    run_sweeps(a, res, serve, tally)
 
 def _executors_main(a) -> int:
     from llmsvc.bench import executors
