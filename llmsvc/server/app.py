@@ -28,7 +28,8 @@ from llmsvc.sampling_params import SamplingParams
 from llmsvc.server.admin import AdminService
 from llmsvc.server.auth import ADMIN_PREFIXES, BearerTokenInterceptor
 from llmsvc.server.health import Health, add_reflection
-from llmsvc.server.metrics import EngineSnapshot, MetricsHttpServer, ServerMetrics
+from llmsvc.server.engine_metrics import EngineSnapshot
+from llmsvc.server.metrics import MetricsHttpServer, ServerMetrics
 from llmsvc.server.rpc_wrap import DecodeGuardInterceptor
 from llmsvc.server.servicer import LlmService, ServerState
 from llmsvc.server.tls import TlsConfig
