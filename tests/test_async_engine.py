@@ -211,6 +211,37 @@ def test_duplicate_id_and_add_errors():
     run(main())
 
 
+def test_sample_ids_of_an_n_request_are_reserved_too():
+    """AsyncEngine's check is the serving path's only one (the engine queues what it admits): a
+    request may not take a sample id of a request in flight ("0_p" of n=2 "p"), nor give its own
+    samples ids in flight; once the request ends, the ids are free again."""
+    fe = FakeEngine()
+
+    async def main():
+        ae = await _started(fe)
+        fe.gate.clear()
+        agen = ae.generate(EngineRequest("p", [1], SamplingParams(max_tokens=3, n=2)))
+        task = asyncio.create_task(agen.__anext__())
+        await _wait_for(lambda: "p" in ae._streams)
+        for rid, n in (("0_p", 1), ("1_p", 1), ("1_p", 3)):
+            with pytest.raises(DuplicateRequestError, match="sample"):
+                await ae.generate(EngineRequest(rid, [2], SamplingParams(n=n))).__anext__()
+        one = ae.generate(EngineRequest("0_r", [3], SamplingParams(max_tokens=2)))
+        t2 = asyncio.create_task(one.__anext__())
+        await _wait_for(lambda: "0_r" in ae._streams)
+        with pytest.raises(DuplicateRequestError, match="would give sample 0 the id '0_r'"):
+            await ae.generate(EngineRequest("r", [4], SamplingParams(n=2))).__anext__()
+        fe.gate.set()
+        await task
+        await t2
+        await _collect(agen)
+        await _collect(one)
+        assert await _collect(ae.generate(EngineRequest("0_p", [5], SamplingParams(max_tokens=1))))
+        await ae.shutdown()
+
+    run(main())
+
+
 @pytest.mark.parametrize("max_running,cap", [(1, 2), (3, 2), (2, 0)])
 def test_queue_full(max_running, cap):
     # a burst before any step: max_running of it can run at once, cap more may wait, the next is refused

@@ -141,9 +141,12 @@ def test_every_sampling_field_reaches_a_stage_that_reads_it():
 
 
 def test_a_served_request_is_checked_once():
-    """verify(), the engine's rules, the cache salt and the LoRA lookup each run once per
-    request served over llmsvc.v1 (they ran three to five times before admission existed)."""
-    counts = {"verify": 0, "check_request": 0, "check_cache_salt": 0, "lookup": 0}
+    """verify(), the engine's rules, the cache salt, the LoRA lookup and the duplicate-id check
+    each run once per request served over llmsvc.v1 (they ran two to five times before admission
+    existed); the scheduler keeps only its own invariant that an id is new to it."""
+    from llmsvc.engine import async_engine, llm_engine, request_ids
+
+    counts = {"verify": 0, "check_request": 0, "check_cache_salt": 0, "lookup": 0, "check_free": 0}
 
     def counting(key, fn):
         def wrapped(*a, **kw):
@@ -154,7 +157,9 @@ def test_a_served_request_is_checked_once():
     with mock.patch.object(SamplingParams, "verify", counting("verify", SamplingParams.verify)), \
             mock.patch.object(admission, "check_request", counting("check_request", validation.check_request)), \
             mock.patch.object(admission, "check_cache_salt", counting("check_cache_salt", validation.check_cache_salt)), \
-            mock.patch.object(LoRARegistry, "lookup", counting("lookup", LoRARegistry.lookup)):
+            mock.patch.object(LoRARegistry, "lookup", counting("lookup", LoRARegistry.lookup)), \
+            mock.patch.object(async_engine, "check_free", counting("check_free", request_ids.check_free)), \
+            mock.patch.object(llm_engine, "check_free", counting("check_free", request_ids.check_free)):
         with ServerThread(fake_engine_factory()) as s:
             counts.update(dict.fromkeys(counts, 0))  # the server's own warm-up request is not ours
             req = pb.GenerateRequest(text="hello", cache_salt="tenant-a",
@@ -162,4 +167,4 @@ def test_a_served_request_is_checked_once():
                                      stopping=pb.StoppingCriteria(max_tokens=3))
             out = list(s.stub.Generate(req, timeout=30))
     assert out[-1].finish.reason == pb.FinishInfo.REASON_LENGTH
-    assert counts == {"verify": 1, "check_request": 1, "check_cache_salt": 1, "lookup": 1}, counts
+    assert counts == {"verify": 1, "check_request": 1, "check_cache_salt": 1, "lookup": 1, "check_free": 1}, counts

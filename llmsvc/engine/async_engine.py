@@ -24,7 +24,7 @@ from collections import deque
 from typing import AsyncIterator, Awaitable, Callable
 
 from llmsvc.core.burst import IDLE_HEALTH_CHECK_S
-from llmsvc.core.errors import DuplicateRequestError, QueueFullError
+from llmsvc.core.errors import QueueFullError
 from llmsvc.engine.commands import AbortRequests, AddRequest, Command
 from llmsvc.engine.constraint_wait import submit_constraint, wait_compiled
 from llmsvc.engine.engine_calls import EngineCallsMixin
@@ -32,6 +32,7 @@ from llmsvc.engine.engine_thread import EngineThreadMixin
 from llmsvc.engine.errors import (  # noqa: F401 - importable from here too, as the servicer does
     AsyncEngineError, EngineDeadError, EngineStepError, EngineStoppedError, OutputBacklogError, is_worker_failure)
 from llmsvc.engine.output_stream import RequestStream
+from llmsvc.engine.request_ids import RequestIds, check_free
 from llmsvc.outputs import EngineStats, RequestOutput
 from llmsvc.engine_request import EngineRequest
 from llmsvc.sampling_params import RequestOutputKind
@@ -58,6 +59,7 @@ class AsyncEngine(EngineThreadMixin, EngineCallsMixin):
         self._commands: deque[Command] = deque()
         self._stop = False
         self._streams: dict[str, RequestStream] = {}  # event-loop side
+        self._ids = RequestIds()  # the streams' ids and their samples' (request_ids.py)
         self._num_seqs = 0  # sum of the streams' n: the sequences they are in the engine
         self._stats = EngineStats()
         self._dead: BaseException | None = None
@@ -126,6 +128,7 @@ class AsyncEngine(EngineThreadMixin, EngineCallsMixin):
         for s in list(self._streams.values()):
             s.fail(EngineStoppedError("engine stopped"))
         self._streams.clear()
+        self._ids.clear()
         self._num_seqs = 0
         with self._cond:  # commands the thread never took
             for cmd in self._swap_commands():
@@ -223,8 +226,9 @@ class AsyncEngine(EngineThreadMixin, EngineCallsMixin):
             raise EngineStoppedError("engine is not accepting requests")
 
     def _admit(self, request_id: str, n: int = 1) -> RequestStream:
-        if request_id in self._streams:
-            raise DuplicateRequestError(request_id)  # in flight, or its abort is not confirmed yet
+        """Reserve the id (the serving path's one duplicate check: in flight, or its abort not
+        confirmed yet, or a sample's) and open its stream, unless too many wait."""
+        check_free(request_id, n, self._ids.holder)
         # Waiting: in flight, but beyond what runs, in sequences (an n>1 request is n of them in
         # the engine, as num_running and max_num_seqs count). The engine's last stats may predate
         # a burst still arriving: while its queue was empty, the first max_num_seqs sequences are
@@ -237,12 +241,15 @@ class AsyncEngine(EngineThreadMixin, EngineCallsMixin):
                                  f"{self.max_waiting_requests}; a request with n samples counts n)")
         stream = RequestStream(request_id, self.max_backlog_bytes, self.max_backlog_age_s)
         stream.n = n
+        self._ids.reserve(request_id, n)
         self._streams[request_id] = stream
         self._num_seqs += n
         return stream
 
     def _drop(self, request_id: str) -> None:
-        self._num_seqs -= self._streams.pop(request_id).n
+        stream = self._streams.pop(request_id)
+        self._ids.release(request_id, stream.n)
+        self._num_seqs -= stream.n
 
     def _abort_stream(self, stream: RequestStream, reason: str) -> None:
         if not stream.aborting and not stream.finished:
@@ -287,4 +294,5 @@ class AsyncEngine(EngineThreadMixin, EngineCallsMixin):
         for s in list(self._streams.values()):
             s.fail(err)
         self._streams.clear()
+        self._ids.clear()
         self._num_seqs = 0

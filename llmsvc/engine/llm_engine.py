@@ -17,12 +17,13 @@ from executors.base import Executor
 from llmsvc.config import EngineConfig
 from llmsvc.core.client import EngineCoreClient, InprocClient
 from llmsvc.core.engine_core import EngineCore
-from llmsvc.core.errors import DuplicateRequestError, LoRAAdminError
-from llmsvc.engine.output_processor import OutputProcessor, ParentRequest, child_request_id
+from llmsvc.core.errors import LoRAAdminError
+from llmsvc.engine.output_processor import OutputProcessor, ParentRequest
 from llmsvc.core.request import Request
 from llmsvc.engine.stats import StatsLogger
 from llmsvc.engine.lora_registry import LoRAEntry, LoRARegistry
 from llmsvc.engine.admission import AdmittedRequest, Admission
+from llmsvc.engine.request_ids import check_free
 from llmsvc.engine.validation import RequestLimits
 from llmsvc.engine_request import EngineRequest
 from llmsvc.outputs import ABORT, STOP, EngineStats, RequestOutput
@@ -124,22 +125,12 @@ class LLMEngine:
         for AsyncEngine to call on its event loop while this engine steps on its thread."""
         return self.admission.admit(request)
 
-    def _check_unique(self, request_id: str, n: int) -> None:
-        """DuplicateRequestError unless the request's id and its samples' ids are all free: two
-        requests with one id in the engine core would end its process. A sample of an n>1
-        request "foo" has the id "{index}_foo", which a request may also be given."""
+    def _holder(self, any_id: str) -> str | None:
+        """The request in flight holding any_id (itself, or as a sample), or None."""
+        if any_id in self.output_processor:
+            return any_id
         taken = self.output_processor.child_to_parent  # every id the engine core holds -> (request, sample)
-        if request_id in self.output_processor:
-            raise DuplicateRequestError(request_id)
-        if request_id in taken:
-            owner = taken[request_id][0].request_id
-            raise DuplicateRequestError(request_id, f"is the id of a sample of request {owner!r}, in flight")
-        for i in range(n):
-            child = child_request_id(request_id, i, n)
-            if child in taken:
-                owner = taken[child][0].request_id
-                raise DuplicateRequestError(request_id, f"would give sample {i} the id {child!r}, which "
-                                            f"request {owner!r} in flight holds")
+        return taken[any_id][0].request_id if any_id in taken else None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, priority: int = 0, arrival_time: float | None = None,
@@ -148,12 +139,15 @@ class LLMEngine:
         request = EngineRequest(request_id, prompt_token_ids, params, prompt=prompt, priority=priority,
                                 cache_salt=cache_salt, lora_name=lora_name,
                                 arrival_time=time.time() if arrival_time is None else arrival_time)
-        self.add_admitted(self.admit(request))
+        admitted = self.admit(request)
+        check_free(request.request_id, admitted.request.sampling_params.n, self._holder)
+        self.add_admitted(admitted)
 
     def add_admitted(self, admitted: AdmittedRequest) -> None:
-        """Queue a request that passed admit(): fan it out into its samples in the engine core."""
+        """Queue a request that passed admit() and whose ids are free (check_free: add_request
+        checks offline, AsyncEngine on the serving path): fan it out into its samples in the
+        engine core."""
         req = admitted.request
-        self._check_unique(req.request_id, req.sampling_params.n)
         parent = ParentRequest(req.request_id, req.prompt, req.prompt_token_ids, req.sampling_params,
                                self.tokenizer, req.arrival_time, self.output_processor.stream_interval)
         added: list[str] = []
