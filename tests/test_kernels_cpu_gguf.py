@@ -107,4 +107,4 @@ print("ok")
 
 def test_gguf_gemm_built_for_avx2(tmp_path):
     """The same, as an AVX2 CPU without AVX-512 runs it (three [K][16] sub-panels)."""
-    run_avx2_build_probe(tmp_path, _AVX2_PROBE)
+    run_avx2_build_probe(_AVX2_PROBE)

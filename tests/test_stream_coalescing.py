@@ -10,6 +10,7 @@ import time
 
 from llmsvc.engine.async_engine import AsyncEngine
 from llmsvc.engine.llm_engine import LLMEngine
+from llmsvc.engine_request import EngineRequest
 from llmsvc.outputs import STOP
 from llmsvc.sampling_params import SamplingParams
 from tests.engine_fakes import FakeExecutor, make_config
@@ -41,7 +42,7 @@ def _engine() -> LLMEngine:
 
 
 async def _read(ae: AsyncEngine, rid: str, params: SamplingParams, slow: bool):
-    agen = ae.generate(rid, PROMPT, params)
+    agen = ae.generate(EngineRequest(rid, PROMPT, params))
     outs = [await agen.__anext__()]
     if slow:  # do not read until the engine has finished the request: every later delta waits
         while rid in ae._streams:

@@ -261,10 +261,8 @@ class MPClient(EngineCoreClient):
         self.proc.join(self.shutdown_timeout_s if self._ready else 0.5)
         if self.proc.exitcode is None:  # loading, or hung (a stopped or stuck worker): its workers go too
             workers = descendants(self.proc.pid)
-            for stop in (self.proc.terminate, self.proc.kill):
-                if self.proc.exitcode is None:
-                    stop()
-                    self.proc.join(2.0)
+            self.proc.kill()  # it ignores SIGTERM (a signal to the whole group is the front end's to act on)
+            self.proc.join(2.0)
             left = kill_all(workers)
             if self._ready:
                 logger.error("engine core did not stop within %.0f s: killed it%s", self.shutdown_timeout_s,

@@ -92,7 +92,8 @@ def run_engine_core(config, in_addr: str, out_addr: str, death_reader, log_level
         except BaseException:
             executor.shutdown()
             raise
-    except ValueError as e:  # the configuration does not fit the model or this machine: one line
+    except (ValueError, FileNotFoundError) as e:  # the configuration does not fit the model or this machine
+        # (or names files that are not there): one line
         logger.error("engine core failed to start: %s", e)
         logger.debug("engine core failed to start", exc_info=True)
         out.send(m.encode((m.FAILED, (m.FAILED_CONFIG, str(e)))))
