@@ -21,6 +21,7 @@
  * for the tile state once. Timings against oneDNN (`python -m benchmarks.gemm --dtype
  * bfloat16`): docs/cpu-kernels.md.
  */
+#define _GNU_SOURCE /* syscall() (amx_tiles.h) under -std=c11 */
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
@@ -31,31 +32,15 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx_tiles.h"
 #include "panel_runs.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
-
-static int amx_state = 0; /* 0 unknown, 1 usable, -1 refused by the kernel */
-
-int llmsvc_gemm_bf16_amx_supported(void) {
-    if (amx_state == 0)
-        amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return amx_state == 1;
-}
+int llmsvc_gemm_bf16_amx_supported(void) { return amx_permission(); }
 
 /* mr1 == 0: one row block of mr rows (tmm0-4 mr rows); else two blocks, 16 and mr1 rows */
 static void configure(int mr, int mr1) {
-    tilecfg_t cfg;
+    amx_tilecfg_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int t = 0; t < 8; t++) {

@@ -17,28 +17,15 @@
 
 #if defined(__x86_64__) && defined(__linux__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} i8_tilecfg_t;
+#include "amx_tiles.h"
 
 static _Thread_local int cur_rows; /* the loaded configuration's C / A rows; 0: none */
 
-int i8_amx_permitted(void) {
-    static int state; /* 0 unknown, 1 granted, -1 refused */
-    if (!state) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
+int i8_amx_permitted(void) { return amx_permission(); }
 
 __attribute__((target("amx-tile"))) static void configure(int mr) {
-    i8_tilecfg_t cfg;
+    amx_tilecfg_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int t = 0; t < 3; t++) cfg.colsb[t] = 64;
