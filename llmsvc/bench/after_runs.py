@@ -47,6 +47,14 @@ def _tokens(s: dict) -> int:
     return round(s["output_tok_s"] * s["wall_s"])
 
 
+def print_grpc_ratio(res: dict) -> None:
+    """--mode both: gRPC's output tok/s over the in-process engine's, and what streaming costs."""
+    res["grpc_ratio"] = res["serve"]["output_tok_s"] / res["offline"]["output_tok_s"]
+    res["grpc_cost"] = 1 - res["grpc_ratio"]
+    print(f"  gRPC / in-process output tok/s: {res['grpc_ratio']:.3f}x "
+          f"(gRPC streaming cost vs offline: {100 * res['grpc_cost']:.1f}%)")
+
+
 def compare_again(a, res: dict, ours: dict, offline, serve, tally) -> None:
     """--compare-prefix-caching and --compare-preemption: the same mode run again with it changed."""
     if a.compare_prefix_caching:  # the same mode again, prefix caching off

@@ -11,7 +11,7 @@ import sys
 import time
 
 from executors.registry import executor_names
-from llmsvc.bench.after_runs import compare_again, print_ceiling, run_sweeps, structured_run
+from llmsvc.bench.after_runs import compare_again, print_ceiling, print_grpc_ratio, run_sweeps, structured_run
 from llmsvc.bench.compare import (check_peer_args, parse_baselines, peer_systems, print_ratios, print_spreads,
                                    record_runs, vllm_peer)
 from llmsvc.bench.fairness import IDLE_WAIT_S
@@ -231,12 +231,8 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
     print_spreads(res, systems)
     if len(probes) > 1:
         print_latency(res["rpc_latency"], f", {len(probes)} runs")
-    if a.mode in ("serve", "both"):
-        if a.mode == "both":
-            res["grpc_ratio"] = res["serve"]["output_tok_s"] / res["offline"]["output_tok_s"]
-            res["grpc_cost"] = 1 - res["grpc_ratio"]
-            print(f"  gRPC / in-process output tok/s: {res['grpc_ratio']:.3f}x "
-                  f"(gRPC streaming cost vs offline: {100 * res['grpc_cost']:.1f}%)")
+    if a.mode == "both":
+        print_grpc_ratio(res)
     ours = res.get("serve") or res["offline"]
     if a.json_schema:
         structured_run(a, res, model_dir, offline, serve, tally)

@@ -139,25 +139,8 @@ class LlmService(pb_grpc.LlmServiceServicer):
                 await context.send_initial_metadata((("x-request-id", rid),))
             gen = self.engine.generate(req, on_admitted=on_admitted)  # admission validates it, once
             try:
-                if request.stream:
-                    async for out in gen:
-                        self._raise_if_failed(out)
-                        if tracker is not None:
-                            tracker.observe(out)
-                        for msg in builder.stream_messages(out):
-                            yield msg
-                else:
-                    final = None
-                    async for out in gen:
-                        self._raise_if_failed(out)
-                        if tracker is not None:
-                            tracker.observe(out)
-                        if final is None:
-                            final = out
-                        else:
-                            merge_delta(final, out)
-                    for comp in sorted(final.outputs, key=lambda c: c.index):
-                        yield builder.message(final, comp)
+                async for msg in self._messages(gen, request.stream, builder, tracker):
+                    yield msg
             finally:
                 await gen.aclose()
             if tracker is not None and self.log_requests:
@@ -189,6 +172,25 @@ class LlmService(pb_grpc.LlmServiceServicer):
                 # usage only for a request the engine admitted (admission validates inside generate)
                 self._trace(rid if rid_ok else "", context, start_ns, code, message, params, ids,
                             tracker if tracker is not None and tracker.admitted else None)
+
+    async def _messages(self, gen, stream: bool, builder: ResponseBuilder, tracker):
+        """The response messages of the engine's outputs: each delta as it comes (stream), or
+        one message per index once the request finished (unary)."""
+        final = None
+        async for out in gen:
+            self._raise_if_failed(out)
+            if tracker is not None:
+                tracker.observe(out)
+            if stream:
+                for msg in builder.stream_messages(out):
+                    yield msg
+            elif final is None:
+                final = out
+            else:
+                merge_delta(final, out)
+        if not stream:
+            for comp in sorted(final.outputs, key=lambda c: c.index):
+                yield builder.message(final, comp)
 
     def _trace(self, rid, context, start_ns, code, message, params, ids, tracker) -> None:
         if code == grpc.StatusCode.CANCELLED and deadline_passed(context):
