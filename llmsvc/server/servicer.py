@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from executors import registry as executor_registry
-from llmsvc.engine.output_stream import merge_delta
 from llmsvc.server import errors
+from llmsvc.server.door_outputs import door_outputs
 from llmsvc.server.logging_setup import request_id_var, request_labels_var
 from llmsvc.server.prompt import has_chat_template
 from llmsvc.server.tokenize_rpc import detokenize, tokenize
@@ -173,24 +173,17 @@ class LlmService(pb_grpc.LlmServiceServicer):
                 self._trace(rid if rid_ok else "", context, start_ns, code, message, params, ids,
                             tracker if tracker is not None and tracker.admitted else None)
 
-    async def _messages(self, gen, stream: bool, builder: ResponseBuilder, tracker):
+    @staticmethod
+    async def _messages(gen, stream: bool, builder: ResponseBuilder, tracker):
         """The response messages of the engine's outputs: each delta as it comes (stream), or
         one message per index once the request finished (unary)."""
-        final = None
-        async for out in gen:
-            self._raise_if_failed(out)
-            if tracker is not None:
-                tracker.observe(out)
+        async for out in door_outputs(gen, stream, tracker.observe if tracker is not None else None):
             if stream:
                 for msg in builder.stream_messages(out):
                     yield msg
-            elif final is None:
-                final = out
             else:
-                merge_delta(final, out)
-        if not stream:
-            for comp in sorted(final.outputs, key=lambda c: c.index):
-                yield builder.message(final, comp)
+                for comp in sorted(out.outputs, key=lambda c: c.index):
+                    yield builder.message(out, comp)
 
     def _trace(self, rid, context, start_ns, code, message, params, ids, tracker) -> None:
         if code == grpc.StatusCode.CANCELLED and deadline_passed(context):
@@ -203,12 +196,6 @@ class LlmService(pb_grpc.LlmServiceServicer):
                                tracker=tracker)
         except Exception:  # noqa: BLE001 - tracing never fails a request
             logger.warning("tracing: could not record request %s", rid, exc_info=True)
-
-    @staticmethod
-    def _raise_if_failed(out) -> None:
-        if out.error:
-            raise errors.ServiceError(grpc.StatusCode.INTERNAL, f"request failed in the engine: {out.error}",
-                                      reason="ENGINE_ERROR")
 
     # ---- small RPCs ---------------------------------------------------------------------
     async def Abort(self, request, context):

@@ -17,10 +17,10 @@ import uuid
 
 import grpc
 
-from llmsvc.engine.output_stream import merge_delta
 from llmsvc.sampling_fields import declared
 from llmsvc.sampling_params import SamplingParams
 from llmsvc.server import errors
+from llmsvc.server.door_outputs import door_outputs
 from llmsvc.server.logging_setup import request_id_var
 from llmsvc.server.servicer import MAX_ABORT_IDS, ServerState, _version, off_loop_if_large
 from llmsvc.server.validation import ModelLimits, check_abort_ids, check_request_id
@@ -138,23 +138,14 @@ class VllmEngineService(pb_grpc.VllmEngineServicer):
     async def _responses(self, gen, stream: bool, params, rid: str, tracker):
         """The messages of one request's engine outputs (responses.py has the shapes)."""
         builder = ResponseBuilder(params.logprobs, params.prompt_logprobs)
-        final = None
-        async for out in gen:
-            if out.error:
-                raise errors.ServiceError(grpc.StatusCode.INTERNAL, f"request failed in the engine: {out.error}",
-                                          reason="ENGINE_ERROR")
+
+        def observe(out) -> None:
             self.loads.started(rid)
             if tracker is not None:
                 tracker.observe(out)
-            if stream:
-                for msg in builder.stream_messages(out):
-                    yield msg
-            elif final is None:
-                final = out
-            else:
-                merge_delta(final, out)
-        if not stream and final is not None:
-            for msg in builder.final_messages(final):
+
+        async for out in door_outputs(gen, stream, observe):
+            for msg in builder.stream_messages(out) if stream else builder.final_messages(out):
                 yield msg
 
     # ---- small RPCs -------------------------------------------------------------------------
