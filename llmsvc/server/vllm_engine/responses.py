@@ -80,14 +80,18 @@ class ResponseBuilder:
             c.matched_stop_str = sr
         elif isinstance(sr, int) and not isinstance(sr, bool):
             c.matched_token_id = sr
+        self._logprobs_into(c, comp, out, with_prompt_logprobs)
+        return pb.GenerateResponse(complete=c)
+
+    def _logprobs_into(self, msg, comp, out: RequestOutput, with_prompt: bool) -> None:
+        """msg (a chunk or a complete) gets comp's output logprobs and, with_prompt, the prompt's."""
         lps = output_logprobs(comp.token_ids, comp.logprobs, self.k)
         if lps is not None:
-            c.output_logprobs.CopyFrom(lps)
-        if with_prompt_logprobs:
+            msg.output_logprobs.CopyFrom(lps)
+        if with_prompt:
             ilp = input_logprobs(out.prompt_token_ids, self.prompt_logprobs, self.prompt_k)
             if ilp is not None:
-                c.input_logprobs.CopyFrom(ilp)
-        return pb.GenerateResponse(complete=c)
+                msg.input_logprobs.CopyFrom(ilp)
 
     def stream_messages(self, out: RequestOutput) -> list[pb.GenerateResponse]:
         """The chunks (and completes) of one coalesced DELTA output."""
@@ -99,13 +103,8 @@ class ResponseBuilder:
                 chunk = pb.GenerateStreamChunk(
                     token_ids=comp.token_ids, prompt_tokens=len(out.prompt_token_ids),
                     completion_tokens=len(comp.token_ids), cached_tokens=out.num_cached_tokens, index=comp.index)
-                lps = output_logprobs(comp.token_ids, comp.logprobs, self.k)
-                if lps is not None:
-                    chunk.output_logprobs.CopyFrom(lps)
+                self._logprobs_into(chunk, comp, out, first)
                 if first:
-                    ilp = input_logprobs(out.prompt_token_ids, self.prompt_logprobs, self.prompt_k)
-                    if ilp is not None:
-                        chunk.input_logprobs.CopyFrom(ilp)
                     self.prompt_sent.add(comp.index)
                 msgs.append(pb.GenerateResponse(chunk=chunk))
             if comp.finish_reason is not None:
