@@ -158,6 +158,58 @@ def test_turns_freeze_the_peer_for_ours_and_resume_it_for_its_own_run(group):
     _await_state(pids, stopped=False)
 
 
+@pytest.fixture
+def two_groups(group):
+    """A second group beside `group`'s, each as an external server started under setsid would be."""
+    proc = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    grandchild = int(proc.stdout.readline())
+    yield group, (proc, [proc.pid, grandchild])
+    fairness.signal_group(proc.pid, signal.SIGCONT)
+    fairness.signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_held_groups_run_only_for_the_systems_they_name(two_groups):
+    """--freeze llmsvc,smg-llmsvc=PID and --freeze smg-vllm=PID: during each run the other
+    system's group is stopped (child and grandchild), its own runs."""
+    (ours, ours_pids), (theirs, their_pids) = two_groups
+    held = [fairness.parse_held(f"llmsvc,smg-llmsvc={ours.pid}"), fairness.parse_held(f"smg-vllm={theirs.pid}")]
+    assert held[0] == fairness.HeldGroup(frozenset({"llmsvc", "smg-llmsvc"}), ours.pid)
+    turns = fairness.Turns(list, set(), idle=lambda: fairness.IdleCheck(0.0, 0.0, True), out=lambda _: None,
+                           held=held)
+    seen = []
+
+    def run(key):
+        return lambda: seen.append((key, _state(ours_pids[1]) == "T", _state(their_pids[1]) == "T")) or {}
+    keys = ["serve", "openai:smg-llmsvc", "openai:smg-vllm"]
+    systems = [System(k, k, run(k)) for k in keys]
+
+    def before(s):
+        turns.before(s.key, s.label)
+        _await_state(ours_pids, stopped=s.key == "openai:smg-vllm")
+        _await_state(their_pids, stopped=s.key != "openai:smg-vllm")
+    alternate(systems, 2, lambda *a: None, before=before)
+    turns.resume()
+    assert seen == [("serve", False, True), ("openai:smg-llmsvc", False, True), ("openai:smg-vllm", True, False)] * 2
+    _await_state(ours_pids + their_pids, stopped=False)
+
+
+def test_freeze_refuses_the_bench_s_own_group_a_dead_pid_and_unknown_names():
+    import argparse
+
+    for bad in (f"llmsvc={os.getpid()}", "llmsvc", "=123", "llmsvc=abc"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            fairness.parse_held(bad)
+    dead = subprocess.Popen(["true"], start_new_session=True)
+    dead.wait()
+    with pytest.raises(argparse.ArgumentTypeError, match="no process"):
+        fairness.parse_held(f"llmsvc={dead.pid}")
+    held = [fairness.HeldGroup(frozenset({"llmsvc", "smg"}), 1)]
+    assert fairness.check_held(held, ["smg"]) is None
+    assert "'smg'" in fairness.check_held(held, ["other"])
+
+
 def test_a_frozen_peer_still_shuts_down_on_sigterm():
     """vLLM handles SIGTERM to shut down cleanly; a stopped process cannot run its handler, so
     stop_group resumes the group first (else it would wait out the grace, then SIGKILL)."""

@@ -14,11 +14,11 @@ from executors.registry import executor_names
 from llmsvc.bench.after_runs import compare_again, print_ceiling, print_grpc_ratio, run_sweeps, structured_run
 from llmsvc.bench.compare import (check_peer_args, parse_baselines, peer_systems, print_ratios, print_spreads,
                                    record_runs, vllm_peer)
-from llmsvc.bench.fairness import IDLE_WAIT_S
+from llmsvc.bench.fairness import IDLE_WAIT_S, check_held, parse_held
 from llmsvc.bench.metrics import summarize
 from llmsvc.bench.openai_peer import ChatPrompts, check_endpoints, openai_systems, parse_endpoint, print_openai_ratios
 from llmsvc.bench.probe import RpcProbe, merged_summary, print_latency
-from llmsvc.bench.report import result_line
+from llmsvc.bench.report import Tally
 from llmsvc.bench.repeat import System, alternate
 from llmsvc.bench.vllm_peer import PeerError
 from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, get_workload, load_workloads, ordinary_vocab
@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also drive this OpenAI-compatible endpoint (e.g. SMG in front of llmsvc or of vLLM's "
                         "gRPC worker) with the same prompts as streamed chat completions; repeatable. The "
                         "first is compared with llmsvc's gRPC run and with the others (docs/benchmarks.md)")
+    p.add_argument("--freeze", action="append", type=parse_held, default=[], metavar="NAME[,NAME...]=PID",
+                   help="a process group the bench did not start (e.g. SMG and its worker, under setsid): "
+                        "stopped (SIGSTOP) while any system but NAMES runs; NAME: llmsvc, vllm or an --openai name")
     p.add_argument("--repeat", type=int, default=1, help="measure ours and each peer N times, taking turns, "
                    "and compare medians (use 3 for ratios on a shared machine)")
     p.add_argument("--idle-wait", type=float, default=IDLE_WAIT_S, metavar="SECONDS",
@@ -150,19 +153,6 @@ def _offline_engine(a, prefix_caching: bool = True):
         preemption_mode=getattr(a, "preemption_mode", None)))
 
 
-@dataclasses.dataclass
-class Tally:
-    """Requests sent and failed over every run of a bench, for its exit code."""
-    requests: int = 0
-    failed: int = 0
-
-    def report(self, label: str, summary: dict) -> None:
-        """Print a run's result line, counting its requests."""
-        self.requests += summary["completed"] + summary["failed"]
-        self.failed += summary["failed"]
-        print(result_line(label, summary))
-
-
 def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict, tally: Tally,
                  vllm=None, chat: ChatPrompts | None = None) -> None:
     from llmsvc.bench.fairness import Turns, wait_idle, warmup_prompts
@@ -220,7 +210,8 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
         systems += openai_systems(a.openai, texts, prompts, w.output_len, offsets, w.concurrency)[0]
     # the peer frozen while ours runs, an idle box before every run (fairness.py)
     turns = Turns(vllm.process_groups if vllm is not None else list, {"vllm"},
-                  idle=lambda: wait_idle(a.idle_busy, a.idle_wait), threshold=a.idle_busy)
+                  idle=lambda: wait_idle(a.idle_busy, a.idle_wait), threshold=a.idle_busy,
+                  held=getattr(a, "freeze", []))
     try:
         runs = alternate(systems, a.repeat, lambda s, i, summary: tally.report(
             s.label + (f" [{i + 1}/{a.repeat}]" if a.repeat > 1 else ""), summary),
@@ -243,21 +234,11 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
         print_ceiling(a, w, res, ours, model_dir)
     run_sweeps(a, res, serve, tally)
 
-def _executors_main(a) -> int:
-    from llmsvc.bench import executors
-
-    ns = argparse.Namespace(model=a.model, executors=a.executors, workload=(a.workload or ["W2"])[0],
-                            num_requests=a.num_requests, output_len=a.output_len,
-                            tensor_parallel_size=a.tensor_parallel_size if a.tensor_parallel_size > 1 else None,
-                            dtype=a.dtype, device="auto", max_num_seqs=a.max_num_seqs or 128,
-                            max_num_batched_tokens=a.max_num_batched_tokens or 1024,
-                            kv_cache_memory=a.kv_cache_memory or "1GiB", json=a.json)
-    return executors.main(ns)
-
-
 def main(a) -> int:
     if getattr(a, "executors", None):
-        return _executors_main(a)
+        from llmsvc.bench import executors
+
+        return executors.main_from_bench(a)
     if a.server and a.compare_prefix_caching:
         # the no-cache run needs a server started with prefix caching off
         print("llmsvc bench: --compare-prefix-caching starts its own servers; it cannot be used "
@@ -268,7 +249,8 @@ def main(a) -> int:
     except ValueError as e:
         print(f"llmsvc bench: {e}", file=sys.stderr)
         return 2
-    if (why := check_peer_args(a) or check_endpoints(getattr(a, "openai", []))) is not None:
+    if (why := check_peer_args(a) or check_endpoints(getattr(a, "openai", []))
+            or check_held(getattr(a, "freeze", []), [e.name for e in getattr(a, "openai", [])])) is not None:
         print(f"llmsvc bench: {why}", file=sys.stderr)
         return 2
     from llmsvc.config import ModelConfig

@@ -162,7 +162,20 @@ def main(a) -> int:
     return 0
 
 
+def main_from_bench(a) -> int:
+    """`llmsvc bench --executors ...`: the bench's flags mapped onto this module's main."""
+    ns = argparse.Namespace(model=a.model, executors=a.executors, workload=(a.workload or ["W2"])[0],
+                            num_requests=a.num_requests, output_len=a.output_len,
+                            tensor_parallel_size=a.tensor_parallel_size if a.tensor_parallel_size > 1 else None,
+                            dtype=a.dtype, device="auto", max_num_seqs=a.max_num_seqs or 128,
+                            max_num_batched_tokens=a.max_num_batched_tokens or 1024,
+                            kv_cache_memory=a.kv_cache_memory or "1GiB", json=a.json)
+    return main(ns)
+
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m llmsvc.bench.executors", description=__doc__.split("\n")[0])
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))
+

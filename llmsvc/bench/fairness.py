@@ -127,27 +127,78 @@ def frozen(pgids: Iterable[int]):
         resume(stopped)
 
 
+@dataclass(frozen=True)
+class HeldGroup:
+    """`llmsvc bench --freeze NAMES=PID`: the process group of PID, which the bench did not start
+    (a server, a gateway and its worker started together under `setsid`), kept running while
+    the systems NAMES run and stopped while any other system runs."""
+    names: frozenset[str]
+    pgid: int
+
+
+def parse_held(text: str) -> HeldGroup:
+    """argparse type of --freeze: `NAME[,NAME...]=PID` with PID alive and outside the bench's own
+    process group (stopping that group would stop the bench itself)."""
+    import argparse
+
+    names, sep, pid = text.rpartition("=")
+    names_set = frozenset(n.strip() for n in names.split(",") if n.strip())
+    if not sep or not names_set or not pid.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"--freeze {text!r}: expected NAME[,NAME...]=PID")
+    try:
+        pgid = os.getpgid(int(pid))
+    except ProcessLookupError:
+        raise argparse.ArgumentTypeError(f"--freeze {text!r}: no process {pid.strip()}") from None
+    if pgid == os.getpgrp():
+        raise argparse.ArgumentTypeError(f"--freeze {text!r}: process {pid.strip()} is in the bench's own process "
+                                         "group; start it in a group of its own (setsid)")
+    return HeldGroup(names_set, pgid)
+
+
+def check_held(held: Iterable[HeldGroup], endpoint_names: Iterable[str]) -> Optional[str]:
+    """Why --freeze names a system the bench will not run (the message for exit code 2), or None."""
+    known = {"llmsvc", "vllm", "hf", *endpoint_names}
+    unknown = sorted(n for h in held for n in h.names if n not in known)
+    return (f"--freeze: no system named {unknown[0]!r} (llmsvc, vllm, hf or an --openai name)"
+            if unknown else None)
+
+
+def system_name(key: str) -> str:
+    """The name --freeze gives a System key: llmsvc (its gRPC and offline runs), an --openai
+    endpoint's NAME, or the peer's key (vllm, hf)."""
+    if key in ("serve", "offline"):
+        return "llmsvc"
+    return key.split(":", 1)[1] if key.startswith("openai:") else key
+
+
 class Turns:
     """The `before` hook of repeat.alternate: freezes the peer groups before a run of ours,
     resumes them before a peer's, then waits for an idle box and prints what it saw.
 
     peer_groups() -> the process groups up now (they change as a peer starts its offline engine
-    or its server); peer_keys: the System keys that are peers."""
+    or its server); peer_keys: the System keys that are peers; held: groups the bench did not
+    start, each running only for the systems it names."""
 
     def __init__(self, peer_groups: Callable[[], list[int]], peer_keys: set[str],
                  idle: Callable[[], IdleCheck] = wait_idle, out: Callable[[str], None] = print,
-                 threshold: float = IDLE_BUSY, memory: Callable[[], Optional[float]] = mem_available_gib) -> None:
+                 threshold: float = IDLE_BUSY, memory: Callable[[], Optional[float]] = mem_available_gib,
+                 held: Iterable[HeldGroup] = ()) -> None:
         self.peer_groups, self.peer_keys, self.idle, self.out = peer_groups, peer_keys, idle, out
         self.threshold = threshold  # the one `idle` applies, for the printed line
         self.memory = memory
+        self.held = list(held)
         self.frozen: list[int] = []
         self.checks: list[IdleCheck] = []
 
     def before(self, key: str, label: str) -> IdleCheck:
-        if key in self.peer_keys:
-            self.resume()
-        else:
-            self.frozen += freeze([g for g in self.peer_groups() if g not in self.frozen])
+        name = system_name(key)
+        running = {h.pgid for h in self.held if name in h.names}
+        want = [h.pgid for h in self.held if h.pgid not in running]  # stopped for this run
+        if key not in self.peer_keys:
+            want += [g for g in self.peer_groups() if g not in running]
+        resume([g for g in self.frozen if g not in want])
+        self.frozen = [g for g in self.frozen if g in want]
+        self.frozen += freeze([g for g in dict.fromkeys(want) if g not in self.frozen])
         check = self.idle()
         self.checks.append(check)
         held = f"; peer frozen ({len(self.frozen)} process group{'s' * (len(self.frozen) != 1)})" if self.frozen else ""

@@ -1,6 +1,8 @@
 """One run's result as the lines `llmsvc bench` prints."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from llmsvc.bench.metrics import fmt_ms
 
 
@@ -28,3 +30,16 @@ def _cached_note(s: dict) -> str:
         return ""
     return (f"\n  {'':<28} {cached} of {total} prompt tokens ({100 * cached / total:.0f}%) came from "
             "the prefix cache")
+
+
+@dataclass
+class Tally:
+    """Requests sent and failed over every run of a bench, for its exit code."""
+    requests: int = 0
+    failed: int = 0
+
+    def report(self, label: str, summary: dict) -> None:
+        """Print a run's result line, counting its requests."""
+        self.requests += summary["completed"] + summary["failed"]
+        self.failed += summary["failed"]
+        print(result_line(label, summary))
