@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -121,6 +122,21 @@ def test_prompts_are_deterministic_exact_length_and_ordinary_tokens():
     assert len({tuple(p[448:]) for p in a}) == w.num_requests  # own suffixes differ
     w2 = Workload("x", 3, 16, 4, seed=7)
     assert build_prompts(w2, vocab)[1] != build_prompts(w2, vocab)[2]
+
+
+def test_several_prefixes_take_turns_and_the_first_is_the_single_prefix():
+    vocab = list(range(5, 1000))
+    p1 = load_workloads()["P1"]
+    one = build_prompts(p1, vocab)
+    four = build_prompts(dataclasses.replace(p1, num_prefixes=4), vocab)
+    assert [p[448:] for p in four] == [p[448:] for p in one]  # own suffixes unchanged
+    assert all(four[i][:448] == four[i % 4][:448] for i in range(len(four)))
+    assert len({tuple(p[:448]) for p in four}) == 4
+    assert four[0][:448] == one[0][:448]  # prefix 0 is P1's own
+    p = argparse.ArgumentParser()
+    bench_cli.add_arguments(p)
+    (w,) = bench_cli._workloads(p.parse_args(["--workload", "P1", "--num-prefixes", "4"]))
+    assert (w.name, w.num_prefixes, w.shared_prefix_len) == ("P1", 4, 448)
 
 
 def test_ordinary_vocab_excludes_special_tokens():

@@ -36,14 +36,18 @@ def comma_list(item):
     return parse
 
 
+# the custom-workload flags: each overrides the Workload field of its name
+CUSTOM_FIELDS = (("num-requests", int_in(1)), ("input-len", int_in(1)), ("output-len", int_in(1)),
+                 ("rate", positive_float), ("concurrency", int_in(1)), ("shared-prefix-len", int_in(0)),
+                 ("num-prefixes", int_in(1)), ("seed", int))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--workload", action="append",
                    help=f"one of the packaged workloads ({', '.join(load_workloads())}; repeatable); default W2")
     g = p.add_argument_group("custom workload (overrides fields of --workload, or defines one)")
-    for name, typ in (("num-requests", int_in(1)), ("input-len", int_in(1)), ("output-len", int_in(1)),
-                      ("rate", positive_float), ("concurrency", int_in(1)), ("shared-prefix-len", int_in(0)),
-                      ("seed", int)):
+    for name, typ in CUSTOM_FIELDS:
         g.add_argument(f"--{name}", type=typ, default=None)
     p.add_argument("--mode", choices=["serve", "offline", "both"], default="serve",
                    help="serve: over gRPC; offline: in-process engine; both: and print the gRPC cost")
@@ -125,8 +129,8 @@ def _workloads(a) -> list[Workload]:
     out = []
     for name in names:
         w = get_workload(name)
-        over = {k: getattr(a, k) for k in ("num_requests", "input_len", "output_len", "rate", "concurrency",
-                                            "shared_prefix_len", "seed") if getattr(a, k) is not None}
+        fields = [f.replace("-", "_") for f, _ in CUSTOM_FIELDS]
+        over = {k: getattr(a, k) for k in fields if getattr(a, k, None) is not None}
         if over.get("rate"):
             over["arrival"] = "poisson"
         w = dataclasses.replace(w, **over)

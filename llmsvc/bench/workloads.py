@@ -18,6 +18,7 @@ class Workload:
     arrival: str = "all-at-once"  # or "poisson"
     rate: float | None = None  # requests/s for poisson
     shared_prefix_len: int = 0
+    num_prefixes: int = 1  # request i starts with shared prefix i % num_prefixes
     concurrency: int | None = None  # optional client-side cap on in-flight requests
 
     @property
@@ -57,15 +58,18 @@ def ordinary_vocab(tokenizer) -> list[int]:
 
 
 def build_prompts(w: Workload, vocab: list[int]) -> list[list[int]]:
-    """Request i: input_len ids drawn with random.Random(seed + i); with shared_prefix_len, the
-    first shared_prefix_len ids are the same for all requests (drawn with random.Random(seed))."""
-    prefix_rng = random.Random(w.seed)
-    prefix = [prefix_rng.choice(vocab) for _ in range(w.shared_prefix_len)]
+    """Request i: input_len ids drawn with random.Random(seed + i); with shared_prefix_len, its
+    first shared_prefix_len ids are prefix i % num_prefixes, prefix 0 drawn with
+    random.Random(seed) and prefix j > 0 with random.Random(f"{seed}:{j}")."""
+    prefixes = []
+    for j in range(max(1, w.num_prefixes)):
+        prefix_rng = random.Random(w.seed if j == 0 else f"{w.seed}:{j}")
+        prefixes.append([prefix_rng.choice(vocab) for _ in range(w.shared_prefix_len)])
     prompts = []
     for i in range(w.num_requests):
         rng = random.Random(w.seed + i)
         own = [rng.choice(vocab) for _ in range(w.input_len - w.shared_prefix_len)]
-        prompts.append(prefix + own)
+        prompts.append(prefixes[i % len(prefixes)] + own)
     return prompts
 
 
