@@ -184,3 +184,17 @@ def test_engine_death_ends_the_stream_and_health_turns_false():
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
         health = stub.HealthCheck(vpb.HealthCheckRequest())
         assert not health.healthy and "died" in health.message
+
+
+def test_the_bench_empties_a_running_server_s_cache_before_its_runs(srv):
+    """`llmsvc bench --server`: the same prompts run after run must start cold, as through the
+    gateway; the bench flushes through VllmEngine/FlushCache, which needs no admin token."""
+    from llmsvc.bench.server_proc import flush_server_cache
+
+    prompt = list(range(200, 200 + 2 * BS))
+    run(srv.vllm, prompt)
+    assert run(srv.vllm, prompt).cached_tokens > 0
+    free_blocks_back(srv)
+    assert flush_server_cache(f"127.0.0.1:{srv.port}")
+    assert run(srv.vllm, prompt).cached_tokens == 0
+    assert not flush_server_cache("127.0.0.1:1", timeout=1.0)  # nothing listens there

@@ -161,7 +161,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
                  vllm=None, chat: ChatPrompts | None = None) -> None:
     from llmsvc.bench.fairness import Turns, wait_idle, warmup_prompts
     from llmsvc.bench.runners import run_offline, run_serving
-    from llmsvc.bench.server_proc import running_server, wait_serving
+    from llmsvc.bench.server_proc import flush_server_cache, running_server, wait_serving
 
     prompts = build_prompts(w, vocab)
     texts = None
@@ -186,6 +186,8 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
                 target = stack.enter_context(running_server(_serve_args(flags, prefix_caching)))
             warm = warmup_prompts(prompts)  # outside the clock
             run_serving(target, warm, 2, [0.0] * len(warm), conc)
+            if a.server and not flush_server_cache(target):  # earlier runs' prompts would be cached
+                print(f"  note: could not flush {target}'s prefix cache (VllmEngine/FlushCache)")
             rpc = stack.enter_context(RpcProbe(target)) if probe else None
             recs, wall = run_serving(target, prompts, w.output_len, offs, conc, json_schema)
         if rpc is not None:  # small RPCs alongside the workload: how long they waited

@@ -36,6 +36,23 @@ def wait_serving(target: str, timeout: float, proc: subprocess.Popen | None = No
     raise TimeoutError(f"{target} not SERVING after {timeout:.0f}s")
 
 
+def flush_server_cache(target: str, timeout: float = 30.0) -> bool:
+    """Empty a running server's prefix cache before a measured run (as the bench's --openai runs
+    do through the gateway), so that --server runs of the same prompts start cold. Through vLLM's
+    engine protocol, which `llmsvc serve` speaks unless --no-vllm-engine and whose FlushCache
+    needs no admin token. False when the server has no such method or did not flush."""
+    import grpc
+
+    from llmsvc.server.vllm_engine.proto import common_pb2, vllm_engine_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        try:
+            return vllm_engine_pb2_grpc.VllmEngineStub(ch).FlushCache(
+                common_pb2.FlushCacheRequest(timeout_s=timeout), timeout=timeout + 5).success
+        except grpc.RpcError:
+            return False
+
+
 @contextlib.contextmanager
 def running_server(serve_args: list[str], timeout: float = 900.0):
     """Yield "127.0.0.1:PORT" of a fresh `llmsvc serve` child; SIGTERM (then SIGKILL) it afterwards."""
