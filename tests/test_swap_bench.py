@@ -46,3 +46,23 @@ def test_multiturn_host_tier_bench(tmp_path):
     res = json.loads(out.read_text())
     off, on = res["no host tier"], res["host tier"]
     assert on["host_tier_hits"] > 0 and on["prompt_tokens_computed"] < off["prompt_tokens_computed"]
+
+
+def test_preemption_bench_without_prefix_caching_recomputes_what_swap_copies(tmp_path):
+    """--no-prefix-caching: a recomputed request finds none of its blocks again, so recompute
+    computes more prompt tokens than with the prefix cache, while swap's resumed requests compute
+    only their last token either way."""
+    from llmsvc.bench.swap import main
+
+    d = make_tiny_served_model_dir(tmp_path / "m")
+    args = ["preemption", "--model", str(d), "--dtype", "float32", "--kv-cache-memory", _kv_bytes(d, 14),
+            "--swap-space", "4MiB", "--num-requests", "6", "--input-len", "60", "--output-len", "40"]
+    res = {}
+    for label, extra in (("cached", []), ("uncached", ["--no-prefix-caching"])):
+        out = tmp_path / f"{label}.json"
+        assert main(args + extra + ["--json", str(out)]) == 0  # 0: greedy tokens equal
+        res[label] = json.loads(out.read_text())
+    for r in res.values():
+        assert r["recompute"]["preemptions"] > 0 and r["swap"]["swap_outs"] > 0
+        assert r["swap"]["prompt_tokens_computed"] == 6 * 60  # each prompt once
+    assert res["uncached"]["recompute"]["prompt_tokens_computed"] > res["cached"]["recompute"]["prompt_tokens_computed"]

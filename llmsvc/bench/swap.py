@@ -26,7 +26,8 @@ def _engine(a, **kw):
     from llmsvc import LLM
 
     return LLM(model=a.model, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory,
-               max_num_batched_tokens=a.max_num_batched_tokens, **kw)
+               max_num_batched_tokens=a.max_num_batched_tokens,
+               enable_prefix_caching=not getattr(a, "no_prefix_caching", False), **kw)
 
 
 def _prompts(num: int, length: int, seed: int, vocab: int) -> list[list[int]]:
@@ -120,9 +121,14 @@ def main(argv=None) -> int:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--prefix-len", type=int, default=512, help="multiturn: each conversation's own first prompt")
     p.add_argument("--turn-len", type=int, default=32, help="multiturn: tokens the user adds each turn")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="preemption: both engines without prefix caching, so a recomputed request finds none "
+                        "of its blocks again (the recompute of engines without a prefix cache)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)
+    if a.which == "multiturn" and a.no_prefix_caching:
+        p.error("--no-prefix-caching: the host tier is a tier of the prefix cache (multiturn needs it)")
     if a.which == "multiturn" and a.output_len is None:
         a.output_len = 16
     results = preemption(a) if a.which == "preemption" else multiturn(a)
