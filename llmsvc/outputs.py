@@ -46,6 +46,10 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0  # summed over the n samples of the request
     num_swaps: int = 0  # of those, preemptions by swap (KV blocks copied out and back)
+    # speculative decoding, summed over the n samples: draft tokens verified, and of those accepted
+    # (0 and 0 with it off, or when no draft was proposed)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass

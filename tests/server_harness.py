@@ -57,9 +57,11 @@ def make_tiny_served_model_dir(path, **cfg) -> str:
 def fake_engine_factory(*, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256,
                         max_num_seqs: int = 8, max_waiting_requests: int = 4096, step_delay: float = 0.0,
                         chat_template: bool = True, token_fn=letters, fail_after: int | None = None,
-                        policy: str = "fcfs", stream_interval: int = 1, num_host_blocks: int = 0):
+                        policy: str = "fcfs", stream_interval: int = 1, num_host_blocks: int = 0,
+                        speculative_config=None):
     """A factory (as LlmServer wants) of real LLMEngines over the FakeExecutor (num_host_blocks:
-    a swap space of that many blocks, preemption by swap)."""
+    a swap space of that many blocks, preemption by swap; speculative_config: a SpeculativeConfig,
+    drafts the fake verifies against token_fn)."""
     from llmsvc.engine.llm_engine import LLMEngine
     from tests.engine_fakes import FakeExecutor, make_config
 
@@ -72,6 +74,7 @@ def fake_engine_factory(*, num_blocks: int = 64, block_size: int = 4, max_model_
         config.scheduler_config.max_waiting_requests = max_waiting_requests
         config.scheduler_config.stream_interval = stream_interval
         config.cache_config.swap_space_bytes = 1 if num_host_blocks else 0
+        config.speculative_config = speculative_config
         ex = FakeExecutor(config, num_blocks=num_blocks, token_fn=token_fn, fail_after=fail_after,
                           num_host_blocks=num_host_blocks)
         if step_delay:

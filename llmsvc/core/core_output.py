@@ -18,6 +18,8 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     num_preemptions: int = 0  # times this request was preempted so far (recomputed or swapped)
     num_swaps: int = 0  # of those, by swap: its KV blocks copied to the swap space and back
+    num_draft_tokens: int = 0  # speculative decoding so far: draft tokens verified for this request
+    num_accepted_tokens: int = 0  # of those, accepted (each one more token from its step)
 
     @property
     def finished(self) -> bool:

@@ -86,6 +86,10 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0  # by recompute or by swap
         self.num_swaps = 0  # of those, preemptions by swap (its blocks copied out and back)
+        # speculative decoding, over every step so far: draft tokens verified, and of those accepted
+        # (Speculator.observe counts both, with the engine-wide counters)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.first_scheduled_time: float | None = None
         # time_limit_ms is measured on the monotonic clock from admission
         limit = sampling_params.time_limit_ms

@@ -35,7 +35,7 @@ class UpdateMixin:
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
             if drafts:  # the rejected drafts' positions are computed again next step
                 n -= len(drafts) + 1 - len(tokens)
-                self.speculator.observe(len(drafts), len(tokens) - 1)
+                self.speculator.observe(req, len(drafts), len(tokens) - 1)
             self._advance(req, n)
             prompt_lp = fresh_prompt_logprobs(req, runner_output.prompt_logprobs.get(rid))
             if k is None:
@@ -84,4 +84,6 @@ class UpdateMixin:
             first_scheduled_time=req.first_scheduled_time,
             num_preemptions=req.num_preemptions,
             num_swaps=req.num_swaps,
+            num_draft_tokens=req.num_draft_tokens,
+            num_accepted_tokens=req.num_accepted_tokens,
         )

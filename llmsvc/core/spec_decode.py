@@ -92,7 +92,11 @@ class Speculator:
         return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
                                list(self.accepted_per_pos))
 
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+    def observe(self, req: Request, num_draft_tokens: int, num_accepted: int) -> None:
+        """One verified draft of `req`: the engine-wide counters and the request's own move
+        together, so the per-request counts summed over every request are the engine's."""
+        req.num_draft_tokens += num_draft_tokens
+        req.num_accepted_tokens += num_accepted
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted

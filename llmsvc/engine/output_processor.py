@@ -68,14 +68,17 @@ class ParentRequest:
         if self.stream_interval > 1 and not finished and not self._interval_due(changed):
             return None  # `changed` stays set: the next output carries these tokens too
         m = self.metrics
-        preemptions = swaps = 0
+        preemptions = swaps = drafts = accepted = 0
         for c in children:
             m.first_scheduled_time = _min(m.first_scheduled_time, c.first_scheduled_time)
             m.first_token_time = _min(m.first_token_time, c.first_token_time)
             m.last_token_time = _max(m.last_token_time, c.last_token_time)
             preemptions += c.num_preemptions
             swaps += c.num_swaps
+            drafts += c.num_draft_tokens
+            accepted += c.num_accepted_tokens
         m.num_preemptions, m.num_swaps = preemptions, swaps
+        m.num_draft_tokens, m.num_accepted_tokens = drafts, accepted
         if finished:
             m.finished_time = time.time()
         shown = changed if self.kind == RequestOutputKind.DELTA else children
@@ -85,7 +88,8 @@ class ParentRequest:
             finished, first.num_cached_tokens, first.take_prompt_logprobs(self.kind),
             # a snapshot: this object keeps changing while the output waits in a stream
             RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time,
-                           m.finished_time, m.num_preemptions, m.num_swaps),
+                           m.finished_time, m.num_preemptions, m.num_swaps, m.num_draft_tokens,
+                           m.num_accepted_tokens),
             abort_reason=next((c.abort_reason for c in children if c.abort_reason), ""),
             seed=self.params.seed,
         )

@@ -37,6 +37,8 @@ class RequestState:
         self.first_scheduled_time: float | None = None
         self.num_preemptions = 0
         self.num_swaps = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         # what the front end has already been sent (DELTA)
@@ -66,6 +68,8 @@ class RequestState:
         self.first_scheduled_time = self.first_scheduled_time or out.first_scheduled_time
         self.num_preemptions = out.num_preemptions
         self.num_swaps = out.num_swaps
+        self.num_draft_tokens = out.num_draft_tokens
+        self.num_accepted_tokens = out.num_accepted_tokens
         lps = out.new_logprobs or [None] * len(new_ids)
         if new_ids:
             self.first_token_time = self.first_token_time or now

@@ -132,6 +132,8 @@ class ResponseBuilder:
                 t.total.CopyFrom(_duration(m.finished_time - m.arrival_time))
             t.num_preemptions = m.num_preemptions
             t.num_swaps = m.num_swaps
+            t.num_draft_tokens = m.num_draft_tokens
+            t.num_accepted_tokens = m.num_accepted_tokens
         return f
 
     def message(self, out: RequestOutput, comp: CompletionOutput) -> pb.GenerateResponse:
