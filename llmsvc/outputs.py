@@ -32,6 +32,10 @@ class CompletionOutput:
     num_output_tokens: int = 0  # cumulative, also in DELTA mode
     seed: int | None = None  # the seed this index sampled with (the request's seed + index)
     eos_token_id: int | None = None  # the EOS token that ended it (finish "stop", stop_reason None)
+    # speculative decoding for this index alone: draft tokens verified, and of those accepted
+    # (RequestMetrics sums them over the indexes)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import time
 
 from llmsvc.outputs import CompletionOutput, RequestOutput
@@ -30,6 +31,12 @@ def output_nbytes(out: RequestOutput) -> int:
     return sum(_completion_bytes(c) for c in out.outputs)
 
 
+# a DELTA CompletionOutput's fields other than the appended ones (text, token_ids, logprobs) and
+# its index are cumulative or final values: the newer output's replace the pending one's
+_LATEST_WINS = tuple(f.name for f in dataclasses.fields(CompletionOutput)
+                     if f.name not in ("index", "text", "token_ids", "logprobs"))
+
+
 def merge_delta(pending: RequestOutput, new: RequestOutput) -> None:
     """Fold the DELTA output `new` into the not-yet-consumed `pending` (same request), in place."""
     by_index = {c.index: c for c in pending.outputs}
@@ -46,11 +53,8 @@ def merge_delta(pending: RequestOutput, new: RequestOutput) -> None:
         old.token_ids.extend(c.token_ids)
         if c.logprobs is not None:
             old.logprobs = (old.logprobs or []) + list(c.logprobs)
-        old.cumulative_logprob = c.cumulative_logprob
-        old.finish_reason = c.finish_reason
-        old.stop_reason = c.stop_reason
-        old.eos_token_id = c.eos_token_id
-        old.num_output_tokens = c.num_output_tokens
+        for name in _LATEST_WINS:
+            setattr(old, name, getattr(c, name))
     pending.finished = new.finished
     pending.num_cached_tokens = new.num_cached_tokens
     if new.prompt_logprobs:  # DELTA: positions not sent before

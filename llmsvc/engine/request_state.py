@@ -186,7 +186,8 @@ class RequestState:
         return CompletionOutput(
             index=self.index, text=text, token_ids=ids, cumulative_logprob=self.cumulative_logprob,
             logprobs=lps, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-            num_output_tokens=len(self.token_ids), seed=self.params.seed, eos_token_id=self.eos_token_id)
+            num_output_tokens=len(self.token_ids), seed=self.params.seed, eos_token_id=self.eos_token_id,
+            num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens)
 
     def take_prompt_logprobs(self, kind: RequestOutputKind):
         if self.prompt_logprobs is None:

@@ -5,7 +5,7 @@ Stream shape (stream=true), per output index, as vLLM's own gRPC worker sends it
   carries the prompt's logprobs when asked) ... then one `complete` when the index finishes,
   whose output_ids are only the last new tokens (the last chunk's; a gateway accumulates the
   chunks), with finish_reason, the matched stop, prompt / completion (cumulative) / cached token
-  counts, and the request's speculative-decoding counts (spec_draft_tokens / spec_accepted_tokens).
+  counts, and that index's speculative-decoding counts (spec_draft_tokens / spec_accepted_tokens).
   Unary shape (stream=false): one `complete` per index, in index order, with every token.
 
 Finish reasons are vLLM's strings: "stop" (EOS, stop token, stop string, grammar end), "length"
@@ -76,9 +76,8 @@ class ResponseBuilder:
             output_ids=comp.token_ids, finish_reason=FINISH_REASONS.get(comp.finish_reason, "stop"),
             prompt_tokens=len(out.prompt_token_ids), completion_tokens=comp.num_output_tokens,
             cached_tokens=out.num_cached_tokens, index=comp.index)
-        m = out.metrics
-        if m is not None:  # the request's counts (summed over its n samples, as RequestMetrics keeps them)
-            c.spec_draft_tokens, c.spec_accepted_tokens = m.num_draft_tokens, m.num_accepted_tokens
+        # this index's own counts, as vLLM's worker reports each completion's (a gateway may sum them)
+        c.spec_draft_tokens, c.spec_accepted_tokens = comp.num_draft_tokens, comp.num_accepted_tokens
         sr = comp.stop_reason
         if isinstance(sr, str):
             c.matched_stop_str = sr
