@@ -49,6 +49,19 @@ def test_int8_logits_are_close_to_the_fp32_model(tmp_path, arch, tie, dtype):
     assert not torch.equal(int8.unpack(qkv.packed_weight)[2], torch.ones(qkv.weight.shape[1]))  # smoothed
 
 
+def test_calibration_reaches_every_decoder_linear_layer(tmp_path):
+    """Calibration runs layer by layer (the one-call native decoder would bypass the modules'
+    hooks): every quantized layer is smoothed, not only the first (unsmoothed, the default
+    model's teacher-forced KL to bf16 rose from 0.0046 to 0.0114)."""
+    from llmsvc.models.layers.linear import LinearBase
+
+    model = _load(make_tiny_model_dir(tmp_path, "llama"), "int8")
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and int8.is_packed(m.packed_weight)]
+    assert len(layers) == 4 * model.config.num_hidden_layers  # qkv, o, gate_up, down
+    for m in layers:
+        assert not torch.equal(int8.unpack(m.packed_weight)[2], torch.ones(m.weight.shape[1]))
+
+
 def _greedy(model_dir: str, monkeypatch, isa: str | None, lora: str | None = None, **kw) -> list[list[int]]:
     """Greedy tokens of PROMPTS through LLM(quantization="int8") on `isa` (None: the default)."""
     if isa:
