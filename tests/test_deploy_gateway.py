@@ -76,6 +76,7 @@ def test_k8s_gateway_discovers_the_llmsvc_pods_on_their_grpc_port():
     assert args.service_discovery_port == ports["grpc"]
     assert args.service_discovery_namespace == ns
     assert args.policy == "cache_aware" and args.host == "0.0.0.0"
+    assert args.balance_rel_threshold == 1.2  # the spill gate measured with two replicas
     gw_ports = {p["name"]: p["containerPort"] for p in smg["ports"]}
     assert gw_ports == {"http": args.port, "metrics": args.prometheus_port}
     assert smg["image"].endswith(":" + smg_pin())
@@ -125,6 +126,7 @@ def test_compose_gateway_profile_fronts_two_replicas_default_unchanged():
     smg = services["smg"]
     args = gateway_args(smg["command"])
     assert args.policy == "cache_aware" and args.host == "0.0.0.0"
+    assert args.balance_rel_threshold == 1.2  # the spill gate measured with two replicas
     workers = []
     for url in args.worker_urls:
         m = re.fullmatch(r"grpc://([\w-]+):(\d+)", url)
