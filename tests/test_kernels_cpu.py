@@ -198,6 +198,41 @@ def test_packed_linear_matches_f_linear(dtype, m, with_bias, n, k):
     torch.testing.assert_close(out, F.linear(x, w, b), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_beyond_the_native_limit_run_in_slices_of_it(dtype, monkeypatch):
+    """A step longer than the native GEMM's row limit (a --max-num-batched-tokens above 1024)
+    is multiplied in slices of the limit through the same kernel, bit for bit the slices' own
+    results, instead of falling to torch's GEMM (which emulates bf16 on CPUs without it);
+    under AMX, torch's (oneDNN's AMX) GEMM stays the one beyond the limit."""
+    n, k = 96, 64
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    packed = linear.pack(w)
+    if packed is None or packed.dim() != 3:
+        pytest.skip("no native packed GEMM for this dtype on this CPU")
+    limit = linear.PANEL_MAX_M if dtype == torch.float32 else linear.bf16_max_m()
+    x = torch.randn(2 * limit + 5, k, generator=g).to(dtype)
+    calls = []
+    native = linear._native
+
+    def counting(entry, xs, *a):
+        calls.append(xs.shape[0])
+        return native(entry, xs, *a)
+    monkeypatch.setattr(linear, "_native", counting)
+    out = ops.linear(x, w, b, packed)
+    if dtype == torch.bfloat16 and linear.has_amx():
+        assert calls == []  # F.linear: oneDNN's AMX GEMM
+    else:
+        assert calls == [limit, limit, 5]
+        parts = torch.cat([native(linear.load().llmsvc_gemm_f32 if dtype == torch.float32 else
+                                  linear.load().llmsvc_gemm_bf16, x[i:i + limit], packed, b, w)
+                           for i in range(0, x.shape[0], limit)])
+        assert torch.equal(out, parts)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(out, F.linear(x, w, b), **tol)
+
+
 @pytest.mark.parametrize("m", [1, 7, 300])
 @pytest.mark.parametrize("k", [80, 4100])
 def test_fp32_library_gemm_matches_f_linear(monkeypatch, m, k):

@@ -8,7 +8,7 @@ copy:
   fp32  our column panels [ceil(N / 48), K, 48] for `gemm.c` (AVX-512, or AVX2 + FMA, where
         each panel is stored as three [K][16] blocks), which streams the weights at decode
         batch sizes faster than MKL and keeps up with it on prefill steps of the default
-        budget; rows beyond PANEL_MAX_M go to F.linear on the original weight.
+        budget; rows beyond PANEL_MAX_M are multiplied in slices of it.
         Without either ISA or the native library: on Intel CPUs MKL `cblas_sgemm_pack` / `_compute`
         (`mkl::_mkl_reorder_linear_weight`, `mkl::_mkl_linear`), the ops torch's inductor
         uses for frozen weights (faster than F.linear's repacking, docs/cpu-kernels.md); on
@@ -16,10 +16,11 @@ copy:
         (1.2-1.8x MKL's for 1-256 rows on an AVX2 AMD EPYC, parity at 1024)
   bf16  with AMX or AVX512-BF16 and K % 32 == 0: VNNI tile panels [ceil(N / 64), K / 2, 128]
         for `gemm_bf16.c` (AMX tiles, `gemm_amx.c`, up to AMX_MAX_M rows; else AVX512-BF16
-        dot products, `gemm_bf16dp.c`, up to DP_MAX_M), F.linear on the original weight
-        beyond; with AVX2 + FMA only: the fp32 panel layout in bf16, which gemm.c widens to
-        fp32 a panel at a time (up to PANEL_MAX_M rows: torch's own bf16 GEMM on such a CPU runs
-        at a fraction of the fp32 one's speed and oneDNN has no bf16 there); elsewhere oneDNN
+        dot products, `gemm_bf16dp.c`, up to DP_MAX_M); beyond, F.linear on the original
+        weight under AMX and slices of DP_MAX_M rows without it; with AVX2 + FMA only: the fp32
+        panel layout in bf16, which gemm.c widens to fp32 a panel at a time (in slices of
+        PANEL_MAX_M rows: torch's own bf16 GEMM on such a CPU emulates bf16 at a tenth of the fp32
+        one's speed, and oneDNN has no bf16 there); elsewhere oneDNN
         (`mkldnn::_reorder_linear_weight`, `mkldnn::_linear_pointwise`), likewise faster than
         F.linear
 
@@ -29,7 +30,7 @@ kept as one int8 per weight in the fp32 panel layout plus fp32 scale and offset 
 gemm_gguf.h): the fp32 panels' result on the dequantized weight, bit for bit, from ~1/3 the bytes.
 
 Every path packs B independently of the row count M of the input (MKL gets the call's own
-M as `prepack_batch_size`); the tests check M = 1 .. 1024 against F.linear. The packed copy
+M as `prepack_batch_size`); the tests check M = 1 .. 1024, and slices beyond, against F.linear. The packed copy
 lives beside the original weight (the embedding and checkpoint-shaped code keep using that),
 except that a layer multiplying GGUF blocks drops its fp32 copy (llmsvc/models/layers/gguf.py).
 """
@@ -46,7 +47,8 @@ from kernels.cpu_ops.build import load
 
 PANEL = 48  # gemm.c's panel width (NR)
 # rows up to which gemm.c is used: the default step budget (max_num_batched_tokens), so a
-# whole prefill step also runs its layers in one native call (decoder.py). Beyond, F.linear.
+# whole prefill step also runs its layers in one native call (decoder.py). Beyond, the layers
+# run one by one, their GEMMs on slices of PANEL_MAX_M rows.
 # Up to this size the panels are within a few percent of MKL on an AMX Intel CPU and ahead of
 # it on AMD Zen 4 (figures in docs/cpu-kernels.md).
 PANEL_MAX_M = 1024
@@ -219,14 +221,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     if m == 0 or x.dtype != dt:
         return F.linear(x, weight, bias)
     if dt == torch.float32:
-        if packed.dim() == 3:
-            return _gemm_panels(x, packed, bias, weight) if m <= PANEL_MAX_M else F.linear(x, weight, bias)
+        if packed.dim() == 3:  # beyond PANEL_MAX_M, slices of it: within a few percent of MKL at 1024 rows
+            return _in_row_slices(lambda xs: _gemm_panels(xs, packed, bias, weight), x, PANEL_MAX_M)
         if FP32_LIBRARY == "mkl":  # pack() chose by the same flag (both packed kinds are is_mkldnn)
             return _mkl_linear(x, packed, weight, bias, m)
         return _onednn_linear(x, packed, bias, "none", [], "")
     if packed.dim() == 3:
-        return _gemm_bf16(x, packed, bias, weight) if m <= bf16_max_m() else F.linear(x, weight, bias)
+        if m <= bf16_max_m():
+            return _gemm_bf16(x, packed, bias, weight)
+        if has_amx():  # oneDNN's AMX GEMM is ahead of gemm_amx.c beyond AMX_MAX_M rows
+            return F.linear(x, weight, bias)
+        # bf16 dot products or widened panels: torch's bf16 GEMM on a CPU without AMX is no faster
+        # (AVX512-BF16) or up to 10x slower (no bf16 arithmetic, which it emulates): slices
+        return _in_row_slices(lambda xs: _gemm_bf16(xs, packed, bias, weight), x, bf16_max_m())
     return _linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _in_row_slices(gemm, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """gemm(x) for x [..., K], run on slices of at most `rows` rows of x: each output row depends
+    on its own input row alone, so the result is the one call's bit for bit."""
+    m = x.numel() // x.shape[-1]
+    if m <= rows:
+        return gemm(x)
+    x2 = x.reshape(-1, x.shape[-1])
+    out = torch.cat([gemm(x2[i:i + rows]) for i in range(0, m, rows)])
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _native(entry, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
@@ -259,10 +278,7 @@ def _gguf_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Ten
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()  # _native's F.linear fallback has no weight here
     bias = None if bias is None else bias.float().contiguous()
     entry = load().llmsvc_gemm_q8
-    if m <= PANEL_MAX_M:
-        out = _native(entry, x2, packed, bias, weight)
-    else:
-        out = torch.cat([_native(entry, x2[i:i + PANEL_MAX_M], packed, bias, weight) for i in range(0, m, PANEL_MAX_M)])
+    out = _in_row_slices(lambda xs: _native(entry, xs, packed, bias, weight), x2, PANEL_MAX_M)
     return out.view(*x.shape[:-1], n)
 
 
