@@ -16,7 +16,8 @@ from llmsvc.bench.compare import (check_peer_args, parse_baselines, peer_systems
                                    record_runs, vllm_peer)
 from llmsvc.bench.fairness import IDLE_WAIT_S, check_held, parse_held
 from llmsvc.bench.metrics import summarize
-from llmsvc.bench.openai_peer import ChatPrompts, check_endpoints, openai_systems, parse_endpoint, print_openai_ratios
+from llmsvc.bench.openai_peer import (ChatPrompts, as_chat, check_endpoints, openai_systems, parse_endpoint,
+                                      print_openai_ratios)
 from llmsvc.bench.probe import RpcProbe, merged_summary, print_latency
 from llmsvc.bench.report import Tally
 from llmsvc.bench.repeat import System, alternate
@@ -163,11 +164,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
     from llmsvc.bench.runners import run_offline, run_serving
     from llmsvc.bench.server_proc import flush_server_cache, running_server, wait_serving
 
-    prompts = build_prompts(w, vocab)
-    texts = None
-    if chat is not None:  # --openai: every system gets the prompts as chat (openai_peer.py)
-        texts = chat.texts(prompts)
-        prompts = chat.rendered(texts)
+    prompts, texts = as_chat(build_prompts(w, vocab), chat)
     offsets = arrival_offsets(w)
     res = results["workloads"].setdefault(w.name, {"workload": dataclasses.asdict(w)})
     print(f"\n== {w.name}: {w.num_requests} requests x {w.input_len} in / {w.output_len} out, "
@@ -239,6 +236,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
     if a.ceiling:
         print_ceiling(a, w, res, ours, model_dir)
     run_sweeps(a, res, serve, tally)
+
 
 def main(a) -> int:
     if getattr(a, "executors", None):

@@ -63,6 +63,15 @@ class ChatPrompts:
         return out
 
 
+def as_chat(prompts: list[list[int]], chat: ChatPrompts | None) -> tuple[list[list[int]], list[str] | None]:
+    """(prompt ids, user texts): unchanged and None without --openai; with it, each prompt's text
+    and that text rendered by the chat template, so every system computes the same prompt."""
+    if chat is None:
+        return prompts, None
+    texts = chat.texts(prompts)
+    return chat.rendered(texts), texts
+
+
 def openai_systems(endpoints: list[Endpoint], texts: list[str], prompt_ids: list[list[int]], output_len: int,
                    offsets: list[float], concurrency: int | None) -> tuple[list[System], dict[str, str]]:
     """A system per endpoint (key "openai:NAME"), and the notes of endpoints whose prefix cache
