@@ -200,10 +200,11 @@ def test_packed_linear_matches_f_linear(dtype, m, with_bias, n, k):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_beyond_the_native_limit_run_in_slices_of_it(dtype, monkeypatch):
-    """A step longer than the native GEMM's row limit (a --max-num-batched-tokens above 1024)
-    is multiplied in slices of the limit through the same kernel, bit for bit the slices' own
-    results, instead of falling to torch's GEMM (which emulates bf16 on CPUs without it);
-    under AMX, torch's (oneDNN's AMX) GEMM stays the one beyond the limit."""
+    """A bf16 step longer than the widened panels' row limit (a --max-num-batched-tokens above
+    1024 on a CPU without bf16 arithmetic) is multiplied in slices of the limit through the same
+    kernel, bit for bit the slices' own results, instead of falling to torch's GEMM, which
+    emulates bf16 there; fp32 and the VNNI layouts (AMX, AVX512-BF16) take torch's GEMM beyond
+    their limit, which has their arithmetic."""
     n, k = 96, 64
     g = torch.Generator().manual_seed(7)
     w = torch.randn(n, k, generator=g).to(dtype)
@@ -221,8 +222,8 @@ def test_rows_beyond_the_native_limit_run_in_slices_of_it(dtype, monkeypatch):
         return native(entry, xs, *a)
     monkeypatch.setattr(linear, "_native", counting)
     out = ops.linear(x, w, b, packed)
-    if dtype == torch.bfloat16 and linear.has_amx():
-        assert calls == []  # F.linear: oneDNN's AMX GEMM
+    if dtype == torch.float32 or linear.bf16_layout() == "vnni":
+        assert calls == []  # F.linear
     else:
         assert calls == [limit, limit, 5]
         parts = torch.cat([native(linear.load().llmsvc_gemm_f32 if dtype == torch.float32 else

@@ -8,7 +8,7 @@ copy:
   fp32  our column panels [ceil(N / 48), K, 48] for `gemm.c` (AVX-512, or AVX2 + FMA, where
         each panel is stored as three [K][16] blocks), which streams the weights at decode
         batch sizes faster than MKL and keeps up with it on prefill steps of the default
-        budget; rows beyond PANEL_MAX_M are multiplied in slices of it.
+        budget; rows beyond PANEL_MAX_M go to F.linear on the original weight.
         Without either ISA or the native library: on Intel CPUs MKL `cblas_sgemm_pack` / `_compute`
         (`mkl::_mkl_reorder_linear_weight`, `mkl::_mkl_linear`), the ops torch's inductor
         uses for frozen weights (faster than F.linear's repacking, docs/cpu-kernels.md); on
@@ -16,11 +16,11 @@ copy:
         (1.2-1.8x MKL's for 1-256 rows on an AVX2 AMD EPYC, parity at 1024)
   bf16  with AMX or AVX512-BF16 and K % 32 == 0: VNNI tile panels [ceil(N / 64), K / 2, 128]
         for `gemm_bf16.c` (AMX tiles, `gemm_amx.c`, up to AMX_MAX_M rows; else AVX512-BF16
-        dot products, `gemm_bf16dp.c`, up to DP_MAX_M); beyond, F.linear on the original
-        weight under AMX and slices of DP_MAX_M rows without it; with AVX2 + FMA only: the fp32
-        panel layout in bf16, which gemm.c widens to fp32 a panel at a time (in slices of
-        PANEL_MAX_M rows: torch's own bf16 GEMM on such a CPU emulates bf16 at a tenth of the fp32
-        one's speed, and oneDNN has no bf16 there); elsewhere oneDNN
+        dot products, `gemm_bf16dp.c`, up to DP_MAX_M), F.linear on the original weight
+        beyond; with AVX2 + FMA only: the fp32 panel layout in bf16, which gemm.c widens to
+        fp32 a panel at a time (in slices of PANEL_MAX_M rows: torch's own bf16 GEMM on such a
+        CPU emulates bf16 at a tenth of the fp32 one's speed, and oneDNN has no bf16 there);
+        elsewhere oneDNN
         (`mkldnn::_reorder_linear_weight`, `mkldnn::_linear_pointwise`), likewise faster than
         F.linear
 
@@ -48,7 +48,7 @@ from kernels.cpu_ops.build import load
 PANEL = 48  # gemm.c's panel width (NR)
 # rows up to which gemm.c is used: the default step budget (max_num_batched_tokens), so a
 # whole prefill step also runs its layers in one native call (decoder.py). Beyond, the layers
-# run one by one, their GEMMs on slices of PANEL_MAX_M rows.
+# run one by one: fp32 on F.linear, bf16 panels on slices of PANEL_MAX_M rows.
 # Up to this size the panels are within a few percent of MKL on an AMX Intel CPU and ahead of
 # it on AMD Zen 4 (figures in docs/cpu-kernels.md).
 PANEL_MAX_M = 1024
@@ -221,18 +221,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     if m == 0 or x.dtype != dt:
         return F.linear(x, weight, bias)
     if dt == torch.float32:
-        if packed.dim() == 3:  # beyond PANEL_MAX_M, slices of it: within a few percent of MKL at 1024 rows
-            return _in_row_slices(lambda xs: _gemm_panels(xs, packed, bias, weight), x, PANEL_MAX_M)
+        if packed.dim() == 3:  # beyond PANEL_MAX_M the library GEMM keeps up (7-11% ahead at 2048)
+            return _gemm_panels(x, packed, bias, weight) if m <= PANEL_MAX_M else F.linear(x, weight, bias)
         if FP32_LIBRARY == "mkl":  # pack() chose by the same flag (both packed kinds are is_mkldnn)
             return _mkl_linear(x, packed, weight, bias, m)
         return _onednn_linear(x, packed, bias, "none", [], "")
     if packed.dim() == 3:
         if m <= bf16_max_m():
             return _gemm_bf16(x, packed, bias, weight)
-        if has_amx():  # oneDNN's AMX GEMM is ahead of gemm_amx.c beyond AMX_MAX_M rows
+        if bf16_layout() == "vnni":  # AMX or AVX512-BF16: oneDNN has the same arithmetic beyond
             return F.linear(x, weight, bias)
-        # bf16 dot products or widened panels: torch's bf16 GEMM on a CPU without AMX is no faster
-        # (AVX512-BF16) or up to 10x slower (no bf16 arithmetic, which it emulates): slices
+        # widened panels: the CPU has no bf16 arithmetic and torch's bf16 GEMM emulates it at a
+        # tenth of the panels' speed, so longer steps are multiplied in slices of the panels' limit
         return _in_row_slices(lambda xs: _gemm_bf16(xs, packed, bias, weight), x, bf16_max_m())
     return _linear_pointwise(x, packed, bias, "none", [], "")
 
