@@ -37,6 +37,7 @@ from llmsvc.server.vllm_engine import SERVICE_NAME as VLLM_ENGINE_SERVICE, VllmE
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("llmsvc.server")
+_HEALTH_FLUSH_S = 0.5  # after the engine dies, how long Health.Watch streams get to send NOT_SERVING
 
 SERVER_OPTIONS = (
     ("grpc.max_receive_message_length", 64 << 20),  # long token-id prompts
@@ -199,6 +200,10 @@ class LlmServer:
         self.engine_died = True
         logger.error("engine loop died (%s: %s); reporting NOT_SERVING", type(exc).__name__, exc)
         await self.health.not_serving()
+        # serve() stops the server when this returns: first let open Health.Watch streams send
+        # NOT_SERVING (a stop right away could cancel them before the update is written, and a
+        # watcher would see the stream end without knowing why)
+        await asyncio.sleep(_HEALTH_FLUSH_S)
 
     async def serve(self, stop: asyncio.Event) -> int:
         """start + load, then run until `stop` is set or the engine dies. Returns an exit code."""
