@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # top to bottom; a module may import its own layer and any layer below it
 LAYERS = ["entry", "server", "client", "engine", "core", "structured", "executors", "worker", "models",
           "kernels", "shared"]
-SHARED = {"llmsvc.config", "llmsvc.sampling_params", "llmsvc.wire", "llmsvc.outputs", "llmsvc.engine_request",
-          "llmsvc.sampling_fields", "llmsvc.sampling_params_error", "llmsvc.structured_params"}
+SHARED = {"llmsvc.config", "llmsvc.speculative_config", "llmsvc.sampling_params", "llmsvc.wire", "llmsvc.outputs",
+          "llmsvc.engine_request", "llmsvc.sampling_fields", "llmsvc.sampling_params_error", "llmsvc.structured_params"}
 # the dependency-free declarations the client derives its flags from
 CLIENT_SHARED = {"llmsvc.sampling_params", "llmsvc.sampling_params.SamplingParams", "llmsvc.sampling_fields",
                  "llmsvc.sampling_fields.declared", "llmsvc.sampling_params_error", "llmsvc.structured_params"}
