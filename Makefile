@@ -37,7 +37,9 @@ test-all: setup-test
 
 # the kernel tests under every LLMSVC_CPU_ISA level below this CPU's own (docs/cpu-kernels.md);
 # `make test` runs a subset of them per level
-ISA_TESTS := tests/test_cpu_isa_levels.py tests/test_kernels_cpu.py tests/test_kernels_cpu_bf16_widen.py tests/test_native_layers.py
+ISA_TESTS := tests/test_cpu_isa_levels.py tests/test_kernels_cpu_build.py tests/test_kernels_cpu_attention.py \
+	tests/test_kernels_cpu_linear.py tests/test_kernels_cpu_bf16_gemm.py tests/test_kernels_cpu_elementwise.py \
+	tests/test_kernels_cpu_bf16_widen.py tests/test_native_layers.py
 
 test-isa: setup-test
 	for level in $$($(VPY) -c "from kernels.cpu_ops import isa; l = isa.cpu_level(); print(*isa.LEVELS[:isa.LEVELS.index(l)] if l else '')"); do \

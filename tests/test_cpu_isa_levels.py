@@ -95,7 +95,8 @@ def test_the_library_is_built_for_the_level_here():
 # in fp32 and bf16 (every kernel of a step)
 _SUBSET = [
     "tests/test_cpu_isa_levels.py::test_the_library_is_built_for_the_level_here",
-    "tests/test_kernels_cpu.py", "tests/test_native_layers.py",
+    "tests/test_kernels_cpu_attention.py", "tests/test_kernels_cpu_linear.py", "tests/test_kernels_cpu_elementwise.py",
+    "tests/test_native_layers.py",
     "-k", "test_cpu_isa_levels or (test_kernels_cpu and (packed_linear_matches or test_decode or rms_norm"
           " or test_silu_and_mul)) or (test_native_layers and (llama-untied or prefill_longer))",
 ]
