@@ -6,6 +6,8 @@ import os
 import time
 import urllib.request
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from llmsvc.v1 import llmsvc_pb2 as pb
 
 SWAP_COUNTERS = ("llmsvc_num_swap_outs_total", "llmsvc_num_swap_ins_total")
@@ -56,11 +58,9 @@ def swap_counters(url: str | None) -> dict[str, int] | None:
             text = r.read().decode()
     except OSError:  # a sample goes without; the summary then says the count is unknown
         return None
-    found = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in SWAP_COUNTERS:
-            found[name] = int(float(value))
+    # counters are exposed as <name>_total samples of families named without the suffix
+    found = {s.name: int(s.value) for fam in text_string_to_metric_families(text)
+             for s in fam.samples if s.name in SWAP_COUNTERS}
     if len(found) < len(SWAP_COUNTERS):
         return None
     return {"swap_outs": found[SWAP_COUNTERS[0]], "swap_ins": found[SWAP_COUNTERS[1]]}
