@@ -58,8 +58,7 @@ def test_rows_beyond_the_native_limit_run_in_slices_of_it(dtype, monkeypatch):
         assert calls == []  # F.linear
     else:
         assert calls == [limit, limit, 5]
-        parts = torch.cat([native(linear.load().llmsvc_gemm_f32 if dtype == torch.float32 else
-                                  linear.load().llmsvc_gemm_bf16, x[i:i + limit], packed, b, w)
+        parts = torch.cat([native(linear.load().llmsvc_gemm_bf16, x[i:i + limit], packed, b, w)
                            for i in range(0, x.shape[0], limit)])
         assert torch.equal(out, parts)
     tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else TOL[dtype]
