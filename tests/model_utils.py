@@ -83,11 +83,12 @@ def load_hf_model(model_dir: str, dtype=torch.float32):
 
 
 def load_our_model(model_dir: str, dtype: str = "float32", max_model_len: int | None = None,
-                   device: str = "cpu"):
+                   device: str = "cpu", quantization: str = "none"):
     from llmsvc.config import ModelConfig
     from llmsvc.models.loader import build_model
     from llmsvc.models.resolve import resolve_model_config
-    mc = resolve_model_config(ModelConfig(model=model_dir, dtype=dtype, max_model_len=max_model_len))
+    mc = resolve_model_config(ModelConfig(model=model_dir, dtype=dtype, max_model_len=max_model_len,
+                                          quantization=quantization))
     return build_model(mc, device)
 
 

@@ -48,15 +48,15 @@ def _steps(runner: PagedRunner, seed: int) -> list[dict]:
     return out
 
 
-def _native_and_per_op(model_dir, dtype: str, steps) -> tuple[list[dict], list[dict]]:
+def _native_and_per_op(model_dir, dtype: str, steps, num_blocks: int = 48, **load) -> tuple[list[dict], list[dict]]:
     """steps(runner) -> each step's logits, run on a model that takes the one-call path and on one
     held to the per-op layers (same weights, same runner seed)."""
     out = []
     for native in (True, False):
-        model = load_our_model(model_dir, dtype=dtype)
+        model = load_our_model(model_dir, dtype=dtype, **load)
         if not native:
             model.model._native_plan, model.model._native_planned = None, True
-        out.append(steps(PagedRunner(model, num_blocks=48, seed=3)))
+        out.append(steps(PagedRunner(model, num_blocks=num_blocks, seed=3)))
     return out[0], out[1]
 
 
@@ -113,6 +113,34 @@ def test_a_prefill_longer_than_an_mlp_chunk_equals_the_per_op_layers(tmp_path, c
         d, dtype, lambda runner: [runner.step(prompts), runner.step({i: [20 + i] for i in range(3)})])
     assert count_native == {"native": 2, "per_op": 0}
     _assert_same_logits(native, per_op)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias"])
+def test_int8_weights_in_the_native_call_equal_the_per_op_layers(tmp_path, count_native, caplog, dtype, name):
+    """`--quantization int8`: the call multiplies through llmsvc_gemm_i8 on the ISA the per-op
+    layers use, and takes steps of any size (no float panel limit): here a prefill one row past
+    the fp32 panels' limit, whose MLP runs in fp32's row chunks."""
+    from kernels.cpu_ops import int8
+
+    if not _native_available(dtype) or int8.isa() == "ref":
+        pytest.skip(f"no native {dtype} or int8 GEMM on this CPU")
+    d = make_tiny_model_dir(tmp_path, **CONFIGS[name], max_position_embeddings=2048)
+    long_prompt = {9: [3 + i % 300 for i in range(linear.PANEL_MAX_M + 1)]}  # a fifth sequence
+
+    def steps(runner):
+        return _steps(runner, seed=7) + [runner.step(long_prompt, last_only=True)]
+    with caplog.at_level("INFO", logger="kernels.cpu_ops.decoder"):
+        native, per_op = _native_and_per_op(d, dtype, steps, num_blocks=96, quantization="int8")
+    assert count_native == {"native": 6, "per_op": 0}
+    assert f"steps of any size ({dtype}, int8 {int8.isa()} GEMM)" in caplog.text
+    _assert_same_logits(native, per_op)
+
+
+def test_int8_weights_on_the_torch_reference_take_the_per_op_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMSVC_INT8_ISA", "ref")
+    model = load_our_model(make_tiny_model_dir(tmp_path, "llama"), quantization="int8")
+    assert model.model._make_native_plan() is None
 
 
 def test_steps_beyond_the_native_gemm_rows_take_the_per_op_path(tmp_path, count_native, caplog):

@@ -12,8 +12,10 @@
  * lp: [L][LP_N] int64 addresses per layer, see LP_* below (qkv bias 0 = none; the o, gate_up
  * and down projections have no bias on this path). dtype 0 = fp32 (weights packed for
  * gemm.c), 1 = bf16 (packed for gemm_bf16.c). LP_GGUF: a bit per projection (1 << LP_QKV, ...)
- * whose weight is GGUF blocks for llmsvc_gemm_q8 (fp32 only). Stops at the first rejected call
- * and returns -1.
+ * whose weight is GGUF blocks for llmsvc_gemm_q8 (fp32 only). LP_INT8: the same bits for the
+ * projections whose weight is an int8 blob for llmsvc_gemm_i8 (`--quantization int8`, either
+ * dtype), with that GEMM's ISA code in bits 16 and up. Stops at the first rejected call and
+ * returns -1.
  * prof: NULL, or [2][PROF_N] doubles to which each kind of call adds its wall seconds (row 0)
  * and the calling thread's CPU seconds (row 1: unlike wall time, not inflated while another
  * process holds the core; the whole work with one thread). PROF_* below;
@@ -30,7 +32,7 @@
 #include "bf16.h"
 
 enum { LP_IN_NORM, LP_POST_NORM, LP_QKV, LP_QKV_BIAS, LP_O, LP_GATE_UP, LP_DOWN, LP_K_CACHE,
-       LP_V_CACHE, LP_GGUF, LP_N };
+       LP_V_CACHE, LP_GGUF, LP_INT8, LP_N };
 enum { PROF_NORM, PROF_QKV, PROF_ROPE, PROF_STORE_KV, PROF_ATTENTION, PROF_O, PROF_GATE_UP,
        PROF_SILU, PROF_DOWN, PROF_N };
 
@@ -59,6 +61,8 @@ int llmsvc_gemm_bf16(const uint16_t *a, int64_t lda, const uint16_t *packed, con
                      uint16_t *c, int64_t ldc, int64_t M, int64_t N, int64_t K, int nt);
 int llmsvc_gemm_q8(const float *a, int64_t lda, const void *blob, const float *bias, float *c,
                    int64_t ldc, int64_t M, int64_t N, int64_t K, int nt);
+int llmsvc_gemm_i8(int isa, const void *a, int64_t lda, int dtype, const int8_t *packed, const void *bias,
+                   void *c, int64_t ldc, int64_t M, int64_t N, int64_t K, int nt);
 
 /* The step's LoRA adapters. Group g holds rows[off[g] .. off[g+1]) (ascending token indexes)
  * that run with adapter slot slot[g]. ptrs [L][LORA_N][S][2]: the packed A [R, K] and B [N, R]
@@ -72,15 +76,25 @@ typedef struct {
     int64_t *ridx;
 } lora_t;
 
-/* c [M, N] (contiguous) = a [M, K] (contiguous) @ packed weight (+ bias); dtype 2: fp32 with
- * the weight as GGUF blocks */
+/* c [M, N] (contiguous) = a [M, K] (contiguous) @ packed float weight (+ bias), in dtype */
 static int gemm(int dtype, const void *a, int64_t K, int64_t packed, int64_t bias, void *c,
                 int64_t M, int64_t N, int nt) {
-    if (dtype == 2)
-        return llmsvc_gemm_q8(a, K, (const void *)packed, (const float *)bias, c, N, M, N, K, nt);
     if (dtype == 1)
         return llmsvc_gemm_bf16(a, K, (const uint16_t *)packed, (const uint16_t *)bias, c, N, M, N, K, nt);
     return llmsvc_gemm_f32(a, K, (const float *)packed, (const float *)bias, c, N, M, N, K, nt);
+}
+
+/* gemm() with projection `proj` of the layer whose LP_* row is lp (bias: an address or 0): its
+ * weight is packed floats, GGUF blocks (its LP_GGUF bit) or an int8 blob (its LP_INT8 bit) */
+static int project(const int64_t *lp, int proj, int dtype, const void *a, int64_t K, int64_t bias,
+                   void *c, int64_t M, int64_t N, int nt) {
+    const int64_t w = lp[proj];
+    if ((lp[LP_INT8] >> proj) & 1)
+        return llmsvc_gemm_i8((int)(lp[LP_INT8] >> 16), a, K, dtype, (const int8_t *)(intptr_t)w,
+                              (const void *)(intptr_t)bias, c, N, M, N, K, nt);
+    if ((lp[LP_GGUF] >> proj) & 1)
+        return llmsvc_gemm_q8(a, K, (const void *)(intptr_t)w, (const float *)(intptr_t)bias, c, N, M, N, K, nt);
+    return gemm(dtype, a, K, w, bias, c, M, N, nt);
 }
 
 /* out rows [r0, r0 + m) (out, in: row r0 first; widths N, K) += each group's LoRA update of
@@ -134,8 +148,6 @@ static double seconds(clockid_t clock) {
         }                                                                                   \
     } while (0)
 #define P(i) ((void *)(intptr_t)lp[(i)])
-/* the GEMM dtype of projection i: 2 where its weight is GGUF blocks */
-#define W(i) ((lp[LP_GGUF] >> (i)) & 1 ? 2 : dtype)
 
 /* In fp32 the MLP of a prefill step runs MLP_ROWS rows at a time: its gate_up output ([rows, 2 I],
  * 1.5 MB at 128 rows for I = 1536) and activation then stay in L2 between the GEMM, SiLU-and-mul
@@ -165,24 +177,24 @@ int llmsvc_llama_layers(int dtype, int64_t L, const int64_t *lps, void *x, void 
         } else {
             CALL(PROF_NORM, llmsvc_fused_add_rms_norm(dtype, x, H, res, H, P(LP_IN_NORM), nrm, res, T, H, eps, nt));
         }
-        CALL(PROF_QKV, gemm(W(LP_QKV), nrm, H, lp[LP_QKV], lp[LP_QKV_BIAS], qkv, T, NQKV, nt));
+        CALL(PROF_QKV, project(lp, LP_QKV, dtype, nrm, H, lp[LP_QKV_BIAS], qkv, T, NQKV, nt));
         if (lora) CALL(PROF_QKV, lora_add(dtype, lora, l, LORA_QKV, nrm, H, qkv, NQKV, 0, T, nt));
         CALL(PROF_ROPE, llmsvc_rotary_neox(dtype, pos, q, NQKV, Hq, k, NQKV, Hkv, D, cos_sin, rot, max_pos, T, nt));
         CALL(PROF_STORE_KV, llmsvc_store_kv(k, NQKV, v, NQKV, P(LP_K_CACHE), P(LP_V_CACHE), slots, T, KV,
                                             num_slots, esz));
         CALL(PROF_ATTENTION, llmsvc_paged_attention(dtype, q, NQKV, P(LP_K_CACHE), P(LP_V_CACHE), bt, bt_stride,
                                                     qsl, seq_lens, B, Hq, Hkv, D, BS, scale, window, 0.f, att, nt));
-        CALL(PROF_O, gemm(W(LP_O), att, Q, lp[LP_O], 0, x, T, H, nt));
+        CALL(PROF_O, project(lp, LP_O, dtype, att, Q, 0, x, T, H, nt));
         if (lora) CALL(PROF_O, lora_add(dtype, lora, l, LORA_O, att, Q, x, H, 0, T, nt));
         CALL(PROF_NORM, llmsvc_fused_add_rms_norm(dtype, x, H, res, H, P(LP_POST_NORM), nrm, res, T, H, eps, nt));
         for (int64_t r0 = 0; r0 < T; r0 += mlp_rows) {
             const int64_t m = T - r0 < mlp_rows ? T - r0 : mlp_rows;
-            CALL(PROF_GATE_UP, gemm(W(LP_GATE_UP), (char *)nrm + r0 * H * esz, H, lp[LP_GATE_UP], 0, gu, m, 2 * I, nt));
+            CALL(PROF_GATE_UP, project(lp, LP_GATE_UP, dtype, (char *)nrm + r0 * H * esz, H, 0, gu, m, 2 * I, nt));
             if (lora)
                 CALL(PROF_GATE_UP, lora_add(dtype, lora, l, LORA_GATE_UP, (char *)nrm + r0 * H * esz, H, gu, 2 * I,
                                             r0, m, nt));
             CALL(PROF_SILU, llmsvc_silu_and_mul(dtype, gu, 2 * I, act, m, I, nt));
-            CALL(PROF_DOWN, gemm(W(LP_DOWN), act, I, lp[LP_DOWN], 0, (char *)x + r0 * H * esz, m, H, nt));
+            CALL(PROF_DOWN, project(lp, LP_DOWN, dtype, act, I, 0, (char *)x + r0 * H * esz, m, H, nt));
             if (lora)
                 CALL(PROF_DOWN, lora_add(dtype, lora, l, LORA_DOWN, act, I, (char *)x + r0 * H * esz, H, r0, m, nt));
         }

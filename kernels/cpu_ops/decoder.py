@@ -13,18 +13,20 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from kernels.cpu_ops import linear
+from kernels.cpu_ops import int8, linear
 from kernels.cpu_ops.build import DTYPE_CODES, as_c_array, as_c_rows, load
 
 logger = logging.getLogger(__name__)
 
-LP_N = 10  # decoder.c's LP_* fields per layer
-_LP_QKV, _LP_O, _LP_GATE_UP, _LP_DOWN, _LP_GGUF = 2, 4, 5, 6, 9  # and the bits of LP_GGUF
+LP_N = 11  # decoder.c's LP_* fields per layer
+_LP_QKV, _LP_O, _LP_GATE_UP, _LP_DOWN, _LP_GGUF, _LP_INT8 = 2, 4, 5, 6, 9, 10  # and the bits of LP_GGUF / LP_INT8
+_INT8_ISA_SHIFT = 16  # LP_INT8 holds the int8 GEMM's ISA code from this bit up
 # decoder.c's PROF_* slots, in order: what `DecoderPlan.profile` accumulates seconds under
 PROFILE_KINDS = ("norm", "qkv", "rope", "store_kv", "attention", "o", "gate_up", "silu", "down")
 
@@ -50,7 +52,8 @@ class NativeLoRA:
 @dataclass
 class LayerWeights:
     """One layer's tensors as the model holds them: norm weights [H], packed projection
-    weights (from `pack_linear_weight`, or `pack_gguf_blocks` in an fp32 model), the optional
+    weights (from `pack_linear_weight`, `pack_gguf_blocks` in an fp32 model, or int8 blobs from
+    `pack_int8_weight` under `--quantization int8`), the optional
     qkv bias [(Hq + 2 Hkv) D]."""
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -75,14 +78,19 @@ class DecoderPlan:
         self.h, self.hq, self.hkv, self.d, self.i = hidden, num_heads, num_kv_heads, head_dim, intermediate
         self.eps, self.scale, self.cos_sin = float(eps), float(scale), cos_sin_cache
         self.window = int(sliding_window)  # every layer's (0: full attention)
-        self.max_m = linear.PANEL_MAX_M if dtype == torch.float32 else linear.bf16_max_m()
         self.ptrs = torch.zeros((len(layers), LP_N), dtype=torch.int64)
+        int8_isa = int8.ISAS.index(int8.isa()) << _INT8_ISA_SHIFT if _has_int8(layers) else 0
         for row, lw in zip(self.ptrs, layers):
             row[:7] = torch.tensor([lw.input_norm.data_ptr(), lw.post_norm.data_ptr(), lw.qkv.data_ptr(),
                                     0 if lw.qkv_bias is None else lw.qkv_bias.data_ptr(), lw.o.data_ptr(),
                                     lw.gate_up.data_ptr(), lw.down.data_ptr()])
             projections = ((_LP_QKV, lw.qkv), (_LP_O, lw.o), (_LP_GATE_UP, lw.gate_up), (_LP_DOWN, lw.down))
             row[_LP_GGUF] = sum(1 << bit for bit, p in projections if _is_gguf(p))
+            row[_LP_INT8] = sum(1 << bit for bit, p in projections if int8.is_packed(p)) | int8_isa
+        # the float panels' row limit; the int8 GEMM has none, so an all-int8 model takes any step
+        all_int8 = all(int8.is_packed(p) for lw in layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down))
+        self.max_m = (sys.maxsize if all_int8 else linear.PANEL_MAX_M if dtype == torch.float32
+                      else linear.bf16_max_m())
         self._caches_key: tuple = ()
         self._fn = load().llmsvc_llama_layers
         self.profile: Optional[torch.Tensor] = None  # see enable_profile
@@ -160,12 +168,16 @@ def _is_gguf(packed: torch.Tensor) -> bool:
     return packed.dtype == torch.uint8 and packed.dim() == 1
 
 
+def _has_int8(layers: list[LayerWeights]) -> bool:
+    return any(int8.is_packed(p) for lw in layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down))
+
+
 def make_plan(layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_heads: int,
               num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
               cos_sin_cache: torch.Tensor, scale: float, sliding_window: int = 0) -> Optional[DecoderPlan]:
     """A plan when every layer's tensors suit the native kernels (CPU, fp32 with gemm.c
-    panels or bf16 with gemm_bf16.c's panels, contiguous, head_dim a multiple of 16), else
-    None."""
+    panels or bf16 with gemm_bf16.c's panels, GGUF blocks in fp32, int8 blobs where a native
+    int8 GEMM runs; contiguous, head_dim a multiple of 16), else None."""
     if not enabled() or dtype not in DTYPE_CODES or not layers:
         return None
     if head_dim % 16 or head_dim > 512 or hidden > 65536 or num_heads % num_kv_heads:
@@ -175,19 +187,24 @@ def make_plan(layers: list[LayerWeights], dtype: torch.dtype, hidden: int, num_h
     for lw in layers:
         for p in (lw.qkv, lw.o, lw.gate_up, lw.down):  # 3-D: our own panels, not MKL / oneDNN's
             if p is None or not p.is_cpu or not ((p.dim() == 3 and p.dtype == dtype)
-                                                 or (_is_gguf(p) and dtype == torch.float32)):
+                                                 or (_is_gguf(p) and dtype == torch.float32)
+                                                 or int8.is_packed(p)):
                 return None
         for w in (lw.input_norm, lw.post_norm, lw.qkv_bias):
             if w is not None and (w.dtype != dtype or not w.is_cpu or not w.is_contiguous()):
                 return None
     if load() is None:  # last: a GPU model never builds the CPU library for this
         return None
+    if _has_int8(layers) and int8.isa() == "ref":  # no native int8 GEMM: the torch reference per op
+        return None
     plan = DecoderPlan(layers, dtype, hidden, num_heads, num_kv_heads, head_dim, intermediate, eps,
                        cos_sin_cache, scale, sliding_window)
-    logger.info("CPU decoder layers: %d layers in one native call for steps of up to %d tokens (%s, %s "
-                "GEMM); larger steps run layer by layer", len(layers), plan.max_m,
-                str(dtype).removeprefix("torch."), "GGUF-block panel" if int(plan.ptrs[:, _LP_GGUF].sum())
+    limit = "any size" if plan.max_m == sys.maxsize else f"up to {plan.max_m} tokens"
+    logger.info("CPU decoder layers: %d layers in one native call for steps of %s (%s, %s GEMM)%s",
+                len(layers), limit, str(dtype).removeprefix("torch."),
+                f"int8 {int8.isa()}" if _has_int8(layers)
+                else "GGUF-block panel" if int(plan.ptrs[:, _LP_GGUF].sum())
                 else "panel" if dtype == torch.float32
                 else "AMX" if linear.has_amx() else "AVX512-BF16" if linear.bf16_layout() == "vnni"
-                else "widened panel")
+                else "widened panel", "" if plan.max_m == sys.maxsize else "; larger steps run layer by layer")
     return plan

@@ -24,7 +24,7 @@ from llmsvc.bench.repeat import System, alternate
 from llmsvc.bench.vllm_peer import PeerError
 from llmsvc.bench.workloads import Workload, arrival_offsets, build_prompts, get_workload, load_workloads, ordinary_vocab
 from llmsvc.client.cli_common import int_in, positive_float, readable_file
-from llmsvc.config import DTYPES
+from llmsvc.config import DTYPES, QUANTIZATION_CHOICES
 
 
 def comma_list(item):
@@ -95,7 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine (passed to the server it starts, or used offline)")
     # explicit: the peers (HF, vLLM) and the ceiling run in the dtype named here
     e.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    e.add_argument("--quantization", default="none", choices=["none", "gguf", "int8"],
+    e.add_argument("--quantization", default="none", choices=list(QUANTIZATION_CHOICES),
                    help="as `llmsvc serve`'s (the peers and the ceiling keep the dequantized weights)")
     e.add_argument("--executor", default="auto", help="as `llmsvc serve`'s; auto: its default when serving, "
                    "uniproc (the model in this process, as LLM) offline")

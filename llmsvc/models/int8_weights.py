@@ -40,7 +40,8 @@ layer), LoRA adapters (their low-rank update is added in the compute dtype after
 product, from the unsmoothed activations), tensor parallelism (every rank calibrates on the same
 ids in lockstep and quantizes its own shard; a row-parallel shard's scales cover its K slice).
 MoE experts are not linear layers here and stay in the compute dtype. The one-call native
-decoder (decoder.c) takes no int8 weights, so steps run layer by layer.
+decoder (decoder.c) multiplies the int8 blobs through the same GEMM as the per-op layers, bit for
+bit, and with no float panel's row limit takes steps of any size.
 """
 from __future__ import annotations
 
