@@ -27,7 +27,7 @@ def _rows(t: int, h: int, dtype, seed: int, pad: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", EW_DTYPES)
-@pytest.mark.parametrize("t,h", [(1, 64), (7, 576), (300, 200), (0, 64)])
+@pytest.mark.parametrize("t,h", [(1, 64), (7, 576), (300, 200), (0, 64), (3, 203)])
 def test_rms_norm_and_fused_add(dtype, t, h):
     x, res = _rows(t, h, dtype, 1, pad=5), _rows(t, h, dtype, 2, pad=3)
     w = _rows(1, h, dtype, 3)[0]
@@ -74,11 +74,12 @@ def test_silu_and_mul_far_gates_stay_finite(dtype):
     torch.testing.assert_close(out, ref.silu_and_mul(x), **EW_TOL[dtype])
 
 
-@pytest.mark.parametrize("flag", ["-mno-avx512bf16", "-mno-avx512f"])
+@pytest.mark.parametrize("flag", ["-mno-avx512bf16", "-mno-avx512f", "-mno-avx2"])
 def test_elementwise_on_cpus_without_the_vector_paths(tmp_path, flag):
     """elementwise.c built for a CPU without AVX512-BF16 (bf16 through the scalar macros and
-    bf16.h's integer rounding) or without AVX-512 (every op through the macros), against the
-    reference: the paths such CPUs run, which this machine would not."""
+    bf16.h's integer rounding, or on AVX2 elementwise_avx2.h), without AVX-512 (AVX2's header)
+    or without AVX2 (every op through the macros), against the reference: the paths such CPUs
+    run, which this machine may not."""
     import ctypes
 
     cc = build._compiler()

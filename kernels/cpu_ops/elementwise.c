@@ -92,12 +92,21 @@ static void NAME(const int64_t *pos, T_ *q, int64_t qs, int64_t hq, T_ *k, int64
 }
 
 DEFINE_NORM(norm_f32, float, F32_LD, F32_ST, F32_RND)
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
 #include "elementwise_avx512.h" /* silu_f32; with AVX512-BF16 also silu_bf16 and norm_bf16 */
+#ifdef __AVX512BF16__
+#define HAVE_BF16_EW 1 /* silu_bf16 and norm_bf16 come from the header */
+#else
+#define HAVE_BF16_EW 0
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "elementwise_avx2.h" /* silu_f32, silu_bf16 and norm_bf16 */
+#define HAVE_BF16_EW 1
 #else
 DEFINE_SILU(silu_f32, float, F32_LD, F32_ST, F32_RND)
+#define HAVE_BF16_EW 0
 #endif
-#if !(defined(__AVX512F__) && defined(__AVX512BF16__))
+#if !HAVE_BF16_EW
 DEFINE_NORM(norm_bf16, uint16_t, BF16_LD, BF16_ST, BF16_RND)
 DEFINE_SILU(silu_bf16, uint16_t, BF16_LD, BF16_ST, BF16_RND)
 #endif
