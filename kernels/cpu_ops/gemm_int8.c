@@ -9,11 +9,8 @@
  * outputs. The ISA paths, each chosen only where cpuid and the OS say it runs and LLMSVC_CPU_ISA
  * does not cap it (i8_cpu_has; the code of all of them is compiled on every x86 build through
  * target attributes, whatever -march=native allows):
- *   AVX2 (here): the int8 weights widened to int16 in registers (vpmovsxbw) and multiplied
- *     with int16 activations by vpmaddwd: exact with no saturation, where vpmaddubsw's u8 x s8
- *     pair sums (255 * 127 * 2) would overflow int16 under the unsigned-offset trick, and
- *     the sign trick (vpsignb + vpabsb) costs two more uops per multiply for the same
- *     16 multiply-adds per vector multiply. Weights stay int8 in memory (the decode stream).
+ *   AVX2 (gemm_int8_avx2.c): the int8 weights widened to int16 in registers and multiplied
+ *     with int16 activations by vpmaddwd. Weights stay int8 in memory (the decode stream).
  *   AVX-VNNI, AVX512-VNNI (gemm_int8_vnni.c): vpdpbusd on u8 = q + 128 activations; the
  *     epilogue subtracts 128 colsum.
  *   AMX-INT8 (gemm_int8_amx.c): tdpbssd on s8 x s8 tiles.
@@ -77,41 +74,6 @@ int llmsvc_gemm_i8_supported(int isa) {
     if (isa <= I8_REF || isa >= I8_NISA) return 0;
     if (!cache[isa]) cache[isa] = i8_cpu_has(isa) ? 1 : -1;
     return cache[isa] == 1;
-}
-
-/* ---- AVX2 kernel: MR = 3 rows x 16 columns, 12 int32 accumulators ----
- * Per k-quad: the panel's 64-byte row as four 16-byte pieces (columns 4j .. 4j + 3, 4 k each),
- * each widened to 16 int16; each row's 4 int16 activations broadcast to every 64-bit lane;
- * vpmaddwd then gives per column two partial sums (k 0-1, k 2-3), added pairwise at the end. */
-
-#define AVX2_T __attribute__((target("avx2"), always_inline)) static inline
-
-AVX2_T void avx2_block(const i8_gemm_t *g, int64_t r0, int64_t p, int32_t acc[][I8_NP], const int mr) {
-    const int64_t kp = g->Kp, nq = kp / 4;
-    const int8_t *w = g->panels + p * kp * I8_NP;
-    const int16_t *a = (const int16_t *)g->aq + r0 * kp;
-    __m256i s[I8_MR_AVX2][4];
-    for (int r = 0; r < mr; r++)
-        for (int j = 0; j < 4; j++) s[r][j] = _mm256_setzero_si256();
-    for (int64_t q = 0; q < nq; q++, w += 64) {
-        __m256i av[I8_MR_AVX2];
-        for (int r = 0; r < mr; r++) av[r] = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(a + r * kp + 4 * q)));
-        for (int j = 0; j < 4; j++) {
-            const __m256i wv = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)(w + 16 * j)));
-            for (int r = 0; r < mr; r++) s[r][j] = _mm256_add_epi32(s[r][j], _mm256_madd_epi16(wv, av[r]));
-        }
-    }
-    for (int r = 0; r < mr; r++) /* hadd: [c0 c1 c4 c5 | c2 c3 c6 c7] -> 0xD8 puts them in order */
-        for (int h = 0; h < 2; h++)
-            _mm256_storeu_si256((__m256i *)(acc[r] + 8 * h),
-                                _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[r][2 * h], s[r][2 * h + 1]), 0xD8));
-}
-
-__attribute__((target("avx2"))) static void i8_kernel_avx2(const i8_gemm_t *g, int64_t r0, int mr, int64_t p,
-                                                           int32_t acc[][I8_NP]) {
-    if (mr == 3) avx2_block(g, r0, p, acc, 3);
-    else if (mr == 2) avx2_block(g, r0, p, acc, 2);
-    else avx2_block(g, r0, p, acc, 1);
 }
 
 /* ---- activations ---- */

@@ -1,5 +1,5 @@
-/* Shared by the int8 GEMM files (gemm_int8.c: driver, detection, AVX2; gemm_int8_vnni.c;
- * gemm_int8_amx.c). kernels/cpu_ops/int8.py packs the weights; the layout is restated here.
+/* Shared by the int8 GEMM files (gemm_int8.c: driver, detection; gemm_int8_avx2.c;
+ * gemm_int8_vnni.c; gemm_int8_amx.c). kernels/cpu_ops/int8.py packs the weights; the layout is restated here.
  *
  * Weights, per panel p of NP = 16 output columns: [Kp / 4][16][4] int8, the k-quad row g holding
  * q_w[16 p + c, 4 g + e] at [g][c][e] (64 bytes, one line), zero past N and K; Kp = K rounded up
@@ -32,6 +32,7 @@ typedef void (*i8_kernel_fn)(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, 
 /* CPU and OS support, by runtime detection (cpuid, xgetbv, and for AMX the tile permission) */
 int i8_cpu_has(int isa);
 
+void i8_kernel_avx2(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, int32_t acc[][I8_NP]);
 void i8_kernel_avxvnni(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, int32_t acc[][I8_NP]);
 void i8_kernel_avx512vnni(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, int32_t acc[][I8_NP]);
 void i8_kernel_amx(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, int32_t acc[][I8_NP]);

@@ -1,0 +1,101 @@
+/* The int8 GEMM's AVX2 kernel (gemm_int8.h has the contract; gemm_int8.c runs it only where
+ * i8_cpu_has says the CPU and OS do). Compiled on every x86 build through target attributes.
+ *
+ * The int8 weights are widened to int16 in registers (vpmovsxbw) and multiplied with int16
+ * activations by vpmaddwd: exact, with no saturation. vpmaddubsw's u8 x s8 pair sums would
+ * overflow int16 under the unsigned-offset trick (255 * 127 * 2), and the sign trick (vpsignb +
+ * vpabsb) costs two more uops per multiply for the same 16 multiply-adds per vector multiply.
+ * Zen 3 issues two vpmaddwd a cycle (32 multiply-adds, against its two FMAs' 16), so the
+ * 3-row block's k-loop is written in assembly to keep its sums in registers.
+ */
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "gemm_int8.h"
+
+/* ---- AVX2 kernel: MR = 3 rows x 16 columns, 12 int32 accumulators ----
+ * Per k-quad: the panel's 64-byte row as four 16-byte pieces (columns 4j .. 4j + 3, 4 k each),
+ * each widened to 16 int16; each row's 4 int16 activations broadcast to every 64-bit lane;
+ * vpmaddwd then gives per column two partial sums (k 0-1, k 2-3), added pairwise at the end. */
+
+#define AVX2_T __attribute__((target("avx2"), always_inline)) static inline
+
+AVX2_T void avx2_block(const i8_gemm_t *g, int64_t r0, int64_t p, int32_t acc[][I8_NP], const int mr) {
+    const int64_t kp = g->Kp, nq = kp / 4;
+    const int8_t *w = g->panels + p * kp * I8_NP;
+    const int16_t *a = (const int16_t *)g->aq + r0 * kp;
+    __m256i s[I8_MR_AVX2][4];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < 4; j++) s[r][j] = _mm256_setzero_si256();
+    for (int64_t q = 0; q < nq; q++, w += 64) {
+        __m256i av[I8_MR_AVX2];
+        for (int r = 0; r < mr; r++) av[r] = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(a + r * kp + 4 * q)));
+        for (int j = 0; j < 4; j++) {
+            const __m256i wv = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)(w + 16 * j)));
+            for (int r = 0; r < mr; r++) s[r][j] = _mm256_add_epi32(s[r][j], _mm256_madd_epi16(wv, av[r]));
+        }
+    }
+    for (int r = 0; r < mr; r++) /* hadd: [c0 c1 c4 c5 | c2 c3 c6 c7] -> 0xD8 puts them in order */
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_si256((__m256i *)(acc[r] + 8 * h),
+                                _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[r][2 * h], s[r][2 * h + 1]), 0xD8));
+}
+
+/* avx2_block for 3 rows with its k-loop in assembly. GCC kept 9 of the 12 accumulators on the
+ * stack (a store and a reload per k-quad each: a store-forwarding round trip in every sum's
+ * dependency chain). Here the sums live in ymm0-11 (row r, piece j in ymm 4 r + j), rows 0 and
+ * 1's broadcast activations in ymm12-13 for the whole k-quad, the widened weight piece in ymm14;
+ * row 2's activations are broadcast again for each piece into ymm15, which then takes products.
+ * 16 registers, no spill. A broadcast from memory costs about a cycle on Zen 3, so six per
+ * k-quad instead of twelve. Integer sums: avx2_block's result exactly. */
+AVX2_T void avx2_block3_asm(const i8_gemm_t *g, int64_t r0, int64_t p, int32_t acc[][I8_NP]) {
+    const int64_t kp = g->Kp;
+    int64_t nq = kp / 4; /* >= 16: Kp is a multiple of 64 */
+    const int8_t *w = g->panels + p * kp * I8_NP;
+    const int16_t *a0 = (const int16_t *)g->aq + r0 * kp, *a1 = a0 + kp, *a2 = a1 + kp;
+    __m256i s[I8_MR_AVX2][4];
+    /* piece J (byte offset 16 J of the k-quad's 64) into sums ymm J, 4 + J, 8 + J */
+#define I8_PIECE(OFF, A, B, C)                                                              \
+    "vpmovsxbw " #OFF "(%[w]), %%ymm14\n\t"                                                 \
+    "vpbroadcastq (%[a2]), %%ymm15\n\t"                                                     \
+    "vpmaddwd %%ymm14, %%ymm15, %%ymm15\n\t"                                                \
+    "vpaddd %%ymm15, %%ymm" #C ", %%ymm" #C "\n\t"                                          \
+    "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"                                                \
+    "vpaddd %%ymm15, %%ymm" #A ", %%ymm" #A "\n\t"                                          \
+    "vpmaddwd %%ymm14, %%ymm13, %%ymm14\n\t"                                                \
+    "vpaddd %%ymm14, %%ymm" #B ", %%ymm" #B "\n\t"
+    __asm__ volatile(
+        "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
+        "vmovdqa %%ymm0, %%ymm1\n\t" "vmovdqa %%ymm0, %%ymm2\n\t" "vmovdqa %%ymm0, %%ymm3\n\t"
+        "vmovdqa %%ymm0, %%ymm4\n\t" "vmovdqa %%ymm0, %%ymm5\n\t" "vmovdqa %%ymm0, %%ymm6\n\t"
+        "vmovdqa %%ymm0, %%ymm7\n\t" "vmovdqa %%ymm0, %%ymm8\n\t" "vmovdqa %%ymm0, %%ymm9\n\t"
+        "vmovdqa %%ymm0, %%ymm10\n\t" "vmovdqa %%ymm0, %%ymm11\n\t"
+        "1:\n\t"
+        "vpbroadcastq (%[a0]), %%ymm12\n\t"
+        "vpbroadcastq (%[a1]), %%ymm13\n\t"
+        I8_PIECE(0, 0, 4, 8) I8_PIECE(16, 1, 5, 9) I8_PIECE(32, 2, 6, 10) I8_PIECE(48, 3, 7, 11)
+        "add $64, %[w]\n\t" "add $8, %[a0]\n\t" "add $8, %[a1]\n\t" "add $8, %[a2]\n\t"
+        "dec %[n]\n\t" "jnz 1b\n\t"
+        "vmovdqu %%ymm0, 0(%[s])\n\t" "vmovdqu %%ymm1, 32(%[s])\n\t" "vmovdqu %%ymm2, 64(%[s])\n\t"
+        "vmovdqu %%ymm3, 96(%[s])\n\t" "vmovdqu %%ymm4, 128(%[s])\n\t" "vmovdqu %%ymm5, 160(%[s])\n\t"
+        "vmovdqu %%ymm6, 192(%[s])\n\t" "vmovdqu %%ymm7, 224(%[s])\n\t" "vmovdqu %%ymm8, 256(%[s])\n\t"
+        "vmovdqu %%ymm9, 288(%[s])\n\t" "vmovdqu %%ymm10, 320(%[s])\n\t" "vmovdqu %%ymm11, 352(%[s])\n\t"
+        : [w] "+r"(w), [a0] "+r"(a0), [a1] "+r"(a1), [a2] "+r"(a2), [n] "+r"(nq)
+        : [s] "r"(&s[0][0])
+        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+          "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+#undef I8_PIECE
+    for (int r = 0; r < 3; r++)
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_si256((__m256i *)(acc[r] + 8 * h),
+                                _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[r][2 * h], s[r][2 * h + 1]), 0xD8));
+}
+
+__attribute__((target("avx2"))) void i8_kernel_avx2(const i8_gemm_t *g, int64_t r0, int mr, int64_t p,
+                                                           int32_t acc[][I8_NP]) {
+    if (mr == 3) avx2_block3_asm(g, r0, p, acc);
+    else if (mr == 2) avx2_block(g, r0, p, acc, 2);
+    else avx2_block(g, r0, p, acc, 1);
+}
+#endif
