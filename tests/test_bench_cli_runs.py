@@ -91,3 +91,37 @@ def test_offline_compare_prefix_caching_reruns_offline(tmp_path):
     assert res["offline_no_prefix_caching"]["cached_prompt_tokens"] == 0
     assert res["offline"]["prefill_tok_s"] > 0 and res["offline_no_prefix_caching"]["prefill_tok_s"] > 0
     assert "llmsvc offline, no prefix cache" in r.stdout
+
+
+def test_compare_quantization_takes_turns_with_the_run_as_given(tmp_path, caplog, capsys):
+    """--compare-quantization int8: our engine quantized is one more system in the turns, so
+    --repeat alternates it with the run as given, and the ratios are of the medians. In process,
+    so that the quantized engines' load is seen to quantize."""
+    import argparse
+
+    from llmsvc.bench import cli
+    from tests.server_harness import make_tiny_served_model_dir
+
+    d = make_tiny_served_model_dir(tmp_path / "m")
+    out = tmp_path / "r.json"
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    a = p.parse_args([str(d), "--num-requests", "3", "--input-len", "20", "--output-len", "4", "--mode", "offline",
+                      "--dtype", "bfloat16", "--compare-quantization", "int8", "--repeat", "2", "--idle-wait", "-1",
+                      "--json", str(out)])
+    with caplog.at_level("INFO", logger="llmsvc.models.int8_weights"):
+        assert cli.main(a) == 0
+    stdout = capsys.readouterr().out
+    assert sum(r.getMessage().startswith("quantization int8:") for r in caplog.records) == 2  # its two runs only
+    res = json.loads(out.read_text())["workloads"]["custom"]
+    assert [len(res[k]) for k in ("offline_runs", "offline_int8_runs")] == [2, 2]
+    assert res["offline_int8"]["completed"] == 3 and res["offline_int8"]["failed"] == 0
+    ratio = res["quantization_ratio"]["offline"]
+    assert ratio["quantization"] == "int8"
+    assert ratio["output_tok_s"] == pytest.approx(res["offline_int8"]["output_tok_s"] / res["offline"]["output_tok_s"])
+    assert "offline output tok/s with --quantization int8 / none:" in stdout
+    assert stdout.index("llmsvc offline [1/2]") < stdout.index("llmsvc offline, int8 [1/2]") \
+        < stdout.index("llmsvc offline [2/2]")
+    served = subprocess.run([sys.executable, "-m", "llmsvc", "bench", "--server", "127.0.0.1:1",
+                             "--compare-quantization", "int8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert served.returncode == 2 and "cannot be used with --server" in served.stderr

@@ -1,10 +1,44 @@
-"""The parts of a bench run that come after its main runs: the structured-output run, the same
-workload again with one feature changed (prefix caching off, recompute preemption), the
-FLOP ceiling and memory floor, and the rate / concurrency sweeps. Each reads and extends the
+"""The parts of a bench run beside and after its main runs: our engine quantized as another
+system in the turns (--compare-quantization), the structured-output run, the same workload again
+with one feature changed (prefix caching off, recompute preemption), the FLOP ceiling and memory
+floor, and the rate / concurrency sweeps. Each reads and extends the
 workload's result dict `res`; `ours` is llmsvc's own main result (gRPC, else offline)."""
 from __future__ import annotations
 
 import argparse
+
+
+def quantized_systems(a, offline, serve) -> list:
+    """--compare-quantization Q: our engine again with --quantization Q, one System per mode, to
+    take turns with the runs as given (so --repeat and the idle check apply to both alike)."""
+    from llmsvc.bench.repeat import System
+
+    q = getattr(a, "compare_quantization", None)
+    if not q:
+        return []
+    flags = argparse.Namespace(**{**vars(a), "quantization": q})
+    out = []
+    if a.mode in ("offline", "both"):
+        out.append(System(f"offline_{q}", f"llmsvc offline, {q}", lambda: offline(flags=flags)[1]))
+    if a.mode in ("serve", "both"):
+        out.append(System(f"serve_{q}", f"llmsvc gRPC, {q}", lambda: serve(flags=flags)[1]))
+    return out
+
+
+def print_quantization_ratio(a, res: dict) -> None:
+    """Output tok/s and TTFT p50 of the quantized runs against the runs as given (medians)."""
+    q = getattr(a, "compare_quantization", None)
+    for kind in ("offline", "serve"):
+        if not q or f"{kind}_{q}" not in res:
+            continue
+        qs, base = res[f"{kind}_{q}"], res[kind]
+        ratio = qs["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else float("nan")
+        t_q, t_base = qs["ttft_s"]["p50"], base["ttft_s"]["p50"]
+        ttft = t_q / t_base if t_q is not None and t_base else float("nan")
+        res.setdefault("quantization_ratio", {})[kind] = {"quantization": q, "output_tok_s": ratio, "ttft_p50": ttft}
+        was = getattr(a, "quantization", "none")
+        print(f"  {'offline' if kind == 'offline' else 'gRPC'} output tok/s with --quantization {q} / {was}: "
+              f"{qs['output_tok_s']:.1f} / {base['output_tok_s']:.1f} = {ratio:.2f}x; TTFT p50 {ttft:.2f}x")
 
 
 def _recompute_only(a):

@@ -11,7 +11,8 @@ import sys
 import time
 
 from executors.registry import executor_names
-from llmsvc.bench.after_runs import compare_again, print_ceiling, print_grpc_ratio, run_sweeps, structured_run
+from llmsvc.bench.after_runs import (compare_again, print_ceiling, print_grpc_ratio, print_quantization_ratio,
+                                     quantized_systems, run_sweeps, structured_run)
 from llmsvc.bench.compare import (check_peer_args, parse_baselines, peer_systems, print_ratios, print_spreads,
                                    record_runs, vllm_peer)
 from llmsvc.bench.fairness import IDLE_WAIT_S, check_held, parse_held
@@ -75,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--ceiling", action="store_true", help="measure GEMM FLOP/s and print the tokens/s ceiling")
     p.add_argument("--compare-prefix-caching", action="store_true", help="run again with prefix caching off")
+    p.add_argument("--compare-quantization", choices=[q for q in QUANTIZATION_CHOICES if q != "none"],
+                   help="also run our engine with --quantization Q, in turns with the run as given; print the ratios")
     p.add_argument("--compare-preemption", action="store_true",
                    help="run again with --preemption-mode recompute and no swap space, and print swap's output tok/s "
                         "against it (give --swap-space and a small --kv-cache-memory, e.g. --workload PR1 "
@@ -114,8 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _serve_args(a, prefix_caching: bool = True) -> list[str]:
     out = ([a.model] if a.model else []) + ["--dtype", a.dtype, "--quantization", getattr(a, "quantization", "none"),
-                                            "--executor", a.executor,
-                                            "--engine-core", a.engine_core,
+                                            "--executor", a.executor, "--engine-core", a.engine_core,
                                             "--tensor-parallel-size", str(a.tensor_parallel_size)]
     for flag in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "stream_interval",
                  "speculative_config", "swap_space", "preemption_mode"):
@@ -208,6 +210,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
         systems.append(System("offline", "llmsvc offline", lambda: offline()[1]))
     if a.mode in ("serve", "both"):
         systems.append(System("serve", "llmsvc gRPC", lambda: serve(probe=True)[1]))
+    systems += quantized_systems(a, offline, serve)
     systems += peer_systems(a, w, prompts, offsets, model_dir, vllm)
     if texts is not None:
         systems += openai_systems(a.openai, texts, prompts, w.output_len, offsets, w.concurrency)[0]
@@ -230,6 +233,7 @@ def run_workload(a, w: Workload, model_dir: str, vocab: list[int], results: dict
     ours = res.get("serve") or res["offline"]
     if a.json_schema:
         structured_run(a, res, model_dir, offline, serve, tally)
+    print_quantization_ratio(a, res)
     compare_again(a, res, ours, offline, serve, tally)
     print_ratios(w, res, a.baseline)
     print_openai_ratios(res, getattr(a, "openai", []))
@@ -243,10 +247,10 @@ def main(a) -> int:
         from llmsvc.bench import executors
 
         return executors.main_from_bench(a)
-    if a.server and a.compare_prefix_caching:
-        # the no-cache run needs a server started with prefix caching off
-        print("llmsvc bench: --compare-prefix-caching starts its own servers; it cannot be used "
-              "with --server", file=sys.stderr)
+    if a.server and (a.compare_prefix_caching or getattr(a, "compare_quantization", None)):
+        # the second run needs a server started with prefix caching off, or quantized
+        print("llmsvc bench: --compare-prefix-caching and --compare-quantization start their own "
+              "servers; they cannot be used with --server", file=sys.stderr)
         return 2
     try:
         workloads = _workloads(a)
