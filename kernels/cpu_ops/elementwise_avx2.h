@@ -38,36 +38,34 @@ static inline void store8_bf16(uint16_t *p, __m256i h) {
     _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
 }
 
-/* as DEFINE_SILU in fp32: out[t] = silu(gate) * up */
-static void silu_f32(const float *x, int64_t xs, float *out, int64_t T, int64_t d, int nt) {
-#pragma omp parallel for num_threads(nt) schedule(static) if (T * d >= PAR_MIN_ELEMS && nt > 1)
-    for (int64_t t = 0; t < T; t++) {
-        const float *g = x + t * xs, *u = g + d;
-        float *o = out + t * d;
-        int64_t i = 0;
-        for (; i + 8 <= d; i += 8)
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8_ps(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
-        for (; i < d; i++) o[i] = g[i] / (1.f + expf(fminf(-g[i], 88.f))) * u[i];
-    }
+/* 8 lanes of SiLU-and-mul, one storage type each: o[0:8) = RND(silu(g)) * u (RND only in bf16) */
+static inline void silu8_f32(const float *g, const float *u, float *o) {
+    _mm256_storeu_ps(o, _mm256_mul_ps(silu8_ps(_mm256_loadu_ps(g)), _mm256_loadu_ps(u)));
 }
 
-/* as DEFINE_SILU: out[t] = RND(silu(gate)) * up */
-static void silu_bf16(const uint16_t *x, int64_t xs, uint16_t *out, int64_t T, int64_t d, int nt) {
-#pragma omp parallel for num_threads(nt) schedule(static) if (T * d >= PAR_MIN_ELEMS && nt > 1)
-    for (int64_t t = 0; t < T; t++) {
-        const uint16_t *g = x + t * xs, *u = g + d;
-        uint16_t *o = out + t * d;
-        int64_t i = 0;
-        for (; i + 8 <= d; i += 8) {
-            const __m256 s = widen8_bf16(round8_bf16(silu8_ps(bf16x8_to_f32(g + i))));
-            store8_bf16(o + i, round8_bf16(_mm256_mul_ps(s, bf16x8_to_f32(u + i))));
-        }
-        for (; i < d; i++) {
-            const float gv = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(gv / (1.f + expf(fminf(-gv, 88.f))))) * bf16_to_f32(u[i]));
-        }
-    }
+static inline void silu8_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o) {
+    const __m256 s = widen8_bf16(round8_bf16(silu8_ps(bf16x8_to_f32(g))));
+    store8_bf16(o, round8_bf16(_mm256_mul_ps(s, bf16x8_to_f32(u))));
 }
+
+/* as DEFINE_SILU: out[t] = RND(silu(gate)) * up, 8 lanes at a time, the row's last d % 8 values
+ * by the macros' scalar arithmetic */
+#define DEFINE_SILU8(NAME, T_, LANES8, LD, ST, RND)                                            \
+static void NAME(const T_ *x, int64_t xs, T_ *out, int64_t T, int64_t d, int nt) {           \
+    _Pragma("omp parallel for num_threads(nt) schedule(static) if (T * d >= PAR_MIN_ELEMS && nt > 1)") \
+    for (int64_t t = 0; t < T; t++) {                                                         \
+        const T_ *g = x + t * xs, *u = g + d;                                                 \
+        T_ *o = out + t * d;                                                                  \
+        int64_t i = 0;                                                                        \
+        for (; i + 8 <= d; i += 8) LANES8(g + i, u + i, o + i);                               \
+        for (; i < d; i++) {                                                                  \
+            const float gv = LD(g[i]);                                                        \
+            o[i] = ST(RND(gv / (1.f + expf(fminf(-gv, 88.f)))) * LD(u[i]));                   \
+        }                                                                                     \
+    }                                                                                         \
+}
+DEFINE_SILU8(silu_f32, float, silu8_f32, F32_LD, F32_ST, F32_RND)
+DEFINE_SILU8(silu_bf16, uint16_t, silu8_bf16, BF16_LD, BF16_ST, BF16_RND)
 
 /* as DEFINE_NORM: out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w; with res, s = RND(x[t] + res[t])
  * is normalised and written to res_out[t] */
