@@ -54,6 +54,11 @@ static void NAME(const T_ *x, int64_t xs, const T_ *res, int64_t rs, const T_ *w
     }                                                                                         \
 }
 
+/* RND(silu(g)) * u of one fp32 gate g and up value u. e^-g <= e^88 stays finite: -ffast-math
+ * divides by a reciprocal estimate and a Newton step, which give NaN for an infinite divisor
+ * (silu(-89) was NaN). elementwise_avx2.h's row tails use it too. */
+#define SILU_MUL(g, u, RND) (RND((g) / (1.f + expf(fminf(-(g), 88.f)))) * (u))
+
 /* x: [T, 2d] stride xs (gate | up) -> out [T, d] = RND(silu(gate)) * up (bf16 rounds silu
  * first, as torch's F.silu then product does) */
 #define DEFINE_SILU(NAME, T_, LD, ST, RND)                                                     \
@@ -62,12 +67,7 @@ static void NAME(const T_ *x, int64_t xs, T_ *out, int64_t T, int64_t d, int nt)
     for (int64_t t = 0; t < T; t++) {                                                         \
         const T_ *g = x + t * xs, *u = g + d;                                                 \
         T_ *o = out + t * d;                                                                  \
-        for (int64_t i = 0; i < d; i++) {                                                     \
-            const float gv = LD(g[i]);                                                        \
-            /* e^-g <= e^88 stays finite: -ffast-math divides by a reciprocal estimate and \
-             * a Newton step, which give NaN for an infinite divisor (silu(-89) was NaN) */    \
-            o[i] = ST(RND(gv / (1.f + expf(fminf(-gv, 88.f)))) * LD(u[i]));                    \
-        }                                                                                     \
+        for (int64_t i = 0; i < d; i++) o[i] = ST(SILU_MUL(LD(g[i]), LD(u[i]), RND));         \
     }                                                                                         \
 }
 

@@ -49,7 +49,7 @@ static inline void silu8_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o)
 }
 
 /* as DEFINE_SILU: out[t] = RND(silu(gate)) * up, 8 lanes at a time, the row's last d % 8 values
- * by the macros' scalar arithmetic */
+ * by the macros' scalar SILU_MUL */
 #define DEFINE_SILU8(NAME, T_, LANES8, LD, ST, RND)                                            \
 static void NAME(const T_ *x, int64_t xs, T_ *out, int64_t T, int64_t d, int nt) {           \
     _Pragma("omp parallel for num_threads(nt) schedule(static) if (T * d >= PAR_MIN_ELEMS && nt > 1)") \
@@ -58,10 +58,7 @@ static void NAME(const T_ *x, int64_t xs, T_ *out, int64_t T, int64_t d, int nt)
         T_ *o = out + t * d;                                                                  \
         int64_t i = 0;                                                                        \
         for (; i + 8 <= d; i += 8) LANES8(g + i, u + i, o + i);                               \
-        for (; i < d; i++) {                                                                  \
-            const float gv = LD(g[i]);                                                        \
-            o[i] = ST(RND(gv / (1.f + expf(fminf(-gv, 88.f)))) * LD(u[i]));                   \
-        }                                                                                     \
+        for (; i < d; i++) o[i] = ST(SILU_MUL(LD(g[i]), LD(u[i]), RND));                      \
     }                                                                                         \
 }
 DEFINE_SILU8(silu_f32, float, silu8_f32, F32_LD, F32_ST, F32_RND)
