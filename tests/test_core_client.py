@@ -141,6 +141,35 @@ def test_core_killed_while_idle_fails_health_check(model_dir):
         engine.shutdown()
 
 
+def test_a_call_to_a_dead_core_raises_instead_of_blocking_the_send(model_dir):
+    # once ZeroMQ has seen the core's end of the command socket go, a plain PUSH send waits for
+    # a peer forever: an idle server's periodic utility call (take_kv_events) hung its engine thread
+    import threading
+
+    engine = LLMEngine.from_config(_config(model_dir))
+    errors: list[BaseException] = []
+    caller = threading.Thread(target=lambda: call(), daemon=True)
+
+    def call():
+        try:
+            engine.take_kv_events(0)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            errors.append(e)
+
+    try:
+        os.kill(_core_pid(engine), signal.SIGKILL)
+        engine.core_client.proc.join(5)
+        time.sleep(0.5)  # ZeroMQ notices the closed ipc connection
+        caller.start()
+        caller.join(10)
+        assert not caller.is_alive(), "the call to a dead core never returned"
+        assert len(errors) == 1 and isinstance(errors[0], ExecutorError), errors
+        assert "died" in str(errors[0])
+    finally:
+        if not caller.is_alive():  # a hung caller holds the client: leave it to the process' exit
+            engine.shutdown()
+
+
 def test_idle_core_reports_a_tp_rank_death_before_it_exits(model_dir):
     # the core sends why it died, then stops its executor (seconds, with a rank gone); the idle
     # front end's health check used to wait for the process to exit

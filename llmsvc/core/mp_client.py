@@ -88,6 +88,9 @@ class MPClient(EngineCoreClient):
         self._poller.register(self._out, zmq.POLLIN)
         self._poller.register(self.proc.sentinel, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        self._send_poller = zmq.Poller()
+        self._send_poller.register(self._cmd, zmq.POLLOUT)
+        self._send_poller.register(self.proc.sentinel, zmq.POLLIN)
         self._outstanding: set[str] = set()  # added, not yet reported finished nor aborted
         self._aborting: set[str] = set()  # aborted, abort not yet acknowledged: drop their outputs
         self._stats = EngineStats()
@@ -122,9 +125,19 @@ class MPClient(EngineCoreClient):
 
     # ---- plumbing ---------------------------------------------------------------------------
     def _send(self, msg: tuple) -> None:
+        """Queue one command for the core. A PUSH socket blocks while no peer is connected, so a
+        core that died would hang a plain send forever: wait for room and the sentinel together."""
         if self._dead is not None:
             raise EngineCoreDeadError(self._dead)
-        self._cmd.send(m.encode(msg), copy=False)
+        frame = m.encode(msg)
+        while True:
+            try:
+                self._cmd.send(frame, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:  # the core is gone, or not connected yet, or its queue is full
+                events = dict(self._send_poller.poll(1000))
+                if self.proc.sentinel in events:
+                    self._died("a send")
 
     def _recv(self, timeout_ms: float | None, what: str) -> tuple | None:
         """The next message from the core; None on timeout or wake(). Raises once the core died."""
@@ -139,11 +152,17 @@ class MPClient(EngineCoreClient):
         if self.proc.sentinel in events:  # died; a last message may still be in the socket
             if self._out.poll(200):
                 return self._decode(self._out.recv(copy=False))
-            self.proc.join(1.0)
-            self._dead = (f"engine-core process (pid {self.proc.pid}) died with exit code {self.proc.exitcode} "
-                          f"during {what}")
-            raise EngineCoreDeadError(self._dead)
+            self._died(what)
         return None
+
+    def _died(self, what: str) -> None:
+        """The process is gone: raise its last word (DEAD, read by _decode) or its exit code."""
+        while self._out.poll(200):
+            self._held.append(self._apply(self._decode(self._out.recv(copy=False))[1]))
+        self.proc.join(1.0)
+        self._dead = (f"engine-core process (pid {self.proc.pid}) died with exit code {self.proc.exitcode} "
+                      f"during {what}")
+        raise EngineCoreDeadError(self._dead)
 
     def _decode(self, frame) -> tuple:
         msg = m.decode(frame.buffer)
