@@ -57,6 +57,29 @@ def test_a_reader_sees_where_it_fell_behind():
     assert j.take(5).events == [] and j.take(4).events[0][0] == 5
 
 
+def test_a_mirror_fed_by_drains_reads_like_the_journal():
+    # the engine-core process drains its journal into each output batch; the front end's
+    # mirror must number, dedupe and report falling behind as the journal itself does
+    src, mirror = KVEventJournal(block_size=BS), KVEventJournal(block_size=BS, capacity=3)
+    src.removed(b"x" * 32)
+    assert src.drain() == []  # nothing is recorded before a reader asks
+    src.take(0)
+    for i in range(2):
+        src.removed(bytes([i]) * 32)
+    first = src.drain()
+    assert [e[0] for e in first] == [1, 2] and src.drain() == []
+    mirror.extend(first)
+    mirror.extend(first[1:])  # already held: skipped
+    assert [e[0] for e in mirror.take(0).events] == [1, 2]
+    for i in range(2, 4):
+        src.removed(bytes([i]) * 32)
+    src.drain()  # lost on the way: the mirror sees a gap
+    src.removed(b"z" * 32)
+    mirror.extend(src.drain())
+    page = mirror.take(2)
+    assert page.first_seq == 5 and [e[0] for e in page.events] == [5] and page.first_seq > 2 + 1
+
+
 def test_a_block_back_from_the_host_tier_is_stored_again():
     import random
 

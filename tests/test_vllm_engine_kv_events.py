@@ -198,3 +198,54 @@ def test_the_bench_empties_a_running_server_s_cache_before_its_runs(srv):
     assert flush_server_cache(f"127.0.0.1:{srv.port}")
     assert run(srv.vllm, prompt).cached_tokens == 0
     assert not flush_server_cache("127.0.0.1:1", timeout=1.0)  # nothing listens there
+
+
+async def _blocks_known_at_the_final_output(engine, prompt: list[int]) -> tuple[int, int]:
+    """(stored blocks the relay held when generate() yielded the final output, after shutdown)."""
+    import asyncio
+
+    from llmsvc.engine.async_engine import AsyncEngine
+    from llmsvc.engine_request import EngineRequest
+    from llmsvc.sampling_params import SamplingParams
+    from llmsvc.server.vllm_engine.kv_events import KVEventRelay
+
+    def stored(relay) -> int:
+        return len(stored_blocks(relay.snapshot().events))
+
+    ae = AsyncEngine(engine)
+    await ae.start()
+    relay = KVEventRelay(ae.follow_kv_events, ae.wait_dead)
+    try:
+        await relay.start()
+        at_final = None
+        async for out in ae.generate(EngineRequest("r", prompt, SamplingParams(max_tokens=2, temperature=0.0))):
+            if out.finished:
+                at_final = stored(relay)
+        await asyncio.sleep(0.2)
+        return at_final, stored(relay)
+    finally:
+        await relay.stop()
+        await ae.shutdown()
+
+
+@pytest.mark.parametrize("core", ["inline", "process"])
+def test_a_request_s_blocks_reach_the_relay_before_its_final_output(core, tmp_path):
+    # a gateway routes a conversation's next turn, sent the moment this one ends, by what the
+    # relay said this request cached: those events must not trail its last output
+    import asyncio
+
+    if core == "inline":
+        engine, bs = fake_engine_factory(num_blocks=16, block_size=BS)(), BS
+    else:
+        from llmsvc.config import CacheConfig, EngineConfig, ModelConfig
+        from llmsvc.engine.llm_engine import LLMEngine
+        from tests.server_harness import make_tiny_served_model_dir
+
+        bs = 16
+        engine = LLMEngine.from_config(EngineConfig(
+            model_config=ModelConfig(model=make_tiny_served_model_dir(tmp_path)), device="cpu",
+            engine_core="process", cache_config=CacheConfig(kv_cache_memory_bytes=1 << 20, block_size=bs),
+            log_stats_interval_s=0.0))
+    prompt = list(range(97, 97 + 3 * bs))  # three full blocks
+    at_final, later = asyncio.run(asyncio.wait_for(_blocks_known_at_the_final_output(engine, prompt), 120))
+    assert at_final == later and at_final >= 3, (at_final, later)

@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 
 from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.core.engine_core import EngineCore
+from llmsvc.core.kv_events import KVEventPage
 from llmsvc.core.request import Request
 from llmsvc.outputs import ABORT, EngineStats
 
@@ -62,6 +63,11 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def call_utility(self, method: str, *args):
         """EngineCore.<method>(*args) between two steps (add_lora, remove_lora); its result."""
+
+    def take_kv_events(self, after_seq: int) -> KVEventPage:
+        """The prefix cache's events numbered after `after_seq` (llmsvc.core.kv_events); the first
+        call turns their recording on in the core."""
+        return self.call_utility("take_kv_events", after_seq)
 
     @abstractmethod
     def check_health(self) -> None:

@@ -13,6 +13,10 @@ nobody routes by records nothing. Once on, every change of the prefix cache is o
 Events get consecutive sequence numbers from 1. The journal keeps the last `capacity` of them;
 a reader passes the last number it has and gets the ones after it, plus the oldest number
 still held, so it can tell when it fell behind (then it must start over from a snapshot).
+
+Across processes the engine core pushes: `drain()` gives what was recorded since the last drain
+and goes out with each output batch; the front end keeps a mirror (`extend`, numbers kept) that
+its readers take from, so events reach a gateway with the step's outputs, not a poll later.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ class KVEventJournal:
         self.enabled = False
         self._events: deque[tuple] = deque(maxlen=capacity)
         self._last_seq = 0
+        self._drained = 0  # the last number drain() gave
 
     def _add(self, *event) -> None:
         self._last_seq += 1
@@ -65,3 +70,24 @@ class KVEventJournal:
         start = max(0, after_seq + 1 - first)
         events = [self._events[i] for i in range(start, min(len(self._events), start + limit))]
         return KVEventPage(events, first, self._last_seq, self.block_size)
+
+    def drain(self) -> list[tuple]:
+        """Every event recorded since the last drain (none while recording is off)."""
+        if self._last_seq == self._drained:
+            return []
+        page = self.take(self._drained, limit=len(self._events))
+        self._drained = self._last_seq
+        return page.events
+
+    def extend(self, events: list[tuple]) -> None:
+        """Mirror another journal: append its events, numbered as there, skipping those already
+        held. After a gap the older events are dropped, so a reader behind it sees that it fell
+        behind (`first_seq`)."""
+        self.enabled = True
+        for event in events:
+            if event[0] <= self._last_seq:
+                continue
+            if event[0] != self._last_seq + 1:
+                self._events.clear()
+            self._events.append(event)
+            self._last_seq = event[0]

@@ -47,6 +47,7 @@ class CoreOutputBatch:
     stats: EngineStats
     aborted: list[str] = field(default_factory=list)
     utility: list[tuple[int, Any]] = field(default_factory=list)  # (call_id, result)
+    kv_events: list[tuple] = field(default_factory=list)  # the prefix cache's, since the last batch (kv_events.py)
 
 
 def encode(msg: tuple) -> bytes:

@@ -33,6 +33,7 @@ from llmsvc.core.proc_tree import descendants, kill_all
 from llmsvc.core.client import EngineCoreClient
 from llmsvc.core.proc import run_engine_core
 from llmsvc.core.core_output import EngineCoreOutput
+from llmsvc.core.kv_events import KVEventJournal, KVEventPage
 from llmsvc.core.request import Request
 from llmsvc.outputs import ABORT, EngineStats
 
@@ -98,6 +99,8 @@ class MPClient(EngineCoreClient):
         self._call_ids = itertools.count()
         self._replies: dict[int, object] = {}
         self._held: list[tuple[list[EngineCoreOutput], bool]] = []  # read while waiting for a reply
+        self._kv_events = KVEventJournal(0)  # the core's, as pushed with each batch
+        self._kv_on = False  # the core records them (turned on by the first take_kv_events)
         self._dead: str | None = None
         self._closed = False
         self._ready = False
@@ -180,6 +183,8 @@ class MPClient(EngineCoreClient):
 
     def _apply(self, batch: m.CoreOutputBatch) -> tuple[list[EngineCoreOutput], bool]:
         self._stats = batch.stats
+        if batch.kv_events:
+            self._kv_events.extend(batch.kv_events)
         self._aborting.difference_update(batch.aborted)
         for call_id, result in batch.utility:
             self._replies[call_id] = result
@@ -247,6 +252,16 @@ class MPClient(EngineCoreClient):
             if msg is not None:
                 self._held.append(self._apply(msg[1]))
         return self._replies.pop(call_id)
+
+    def take_kv_events(self, after_seq: int) -> KVEventPage:
+        """From the mirror of the core's journal: no round trip but the first, which turns the
+        core's recording on (its events come with every batch after that)."""
+        if not self._kv_on:
+            page = self.call_utility("take_kv_events", 0)
+            self._kv_events.block_size = page.block_size
+            self._kv_events.extend(page.events)
+            self._kv_on = True
+        return self._kv_events.take(after_seq)
 
     def check_health(self) -> None:
         if self._dead is not None:

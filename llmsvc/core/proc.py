@@ -160,9 +160,11 @@ class EngineCoreLoop:
                     core.shutdown()
                     return 0
                 outputs, executed = core.step() if core.has_unfinished() else ([], False)
-                if outputs or executed or aborted or utility or refused:
+                kv_events = core.kv_cache_manager.events.drain()  # with the outputs: a gateway
+                # knows what this step cached before the client sees the request finish
+                if outputs or executed or aborted or utility or refused or kv_events:
                     self.out.send(m.encode((m.OUTPUTS, m.CoreOutputBatch(
-                        refused + outputs, executed, core.stats, aborted, utility))), copy=False)
+                        refused + outputs, executed, core.stats, aborted, utility, kv_events))), copy=False)
         except BaseException as e:  # noqa: BLE001 - every failure is reported, then the process ends
             logger.exception("engine core loop died")
             self.out.send(m.encode((m.DEAD, type(e).__name__, f"{e}")))

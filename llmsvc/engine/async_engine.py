@@ -66,6 +66,8 @@ class AsyncEngine(EngineThreadMixin, EngineCallsMixin):
         self._accepting = True
         self._grace_end = float("inf")  # monotonic time shutdown() stops waiting (end_grace, cap_grace lower it)
         self._dead_event: asyncio.Event | None = None
+        self._kv_listener: Callable | None = None  # follow_kv_events'; called on the loop
+        self._kv_cursor = 0  # the engine thread's: the last KV event handed to it
         self.health_check_interval_s = IDLE_HEALTH_CHECK_S  # idle engine thread polls engine.check_health()
 
     # ---- lifecycle -------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """AsyncEngine's utility calls: engine methods run on the engine thread between two steps.
 
-The mixin keeps no state; it uses AsyncEngine's engine, _dead, _thread, _stop, _loop and _send.
+The mixin keeps no state; it uses AsyncEngine's engine, _dead, _thread, _stop, _loop, _send and
+sets _kv_listener.
 """
 from __future__ import annotations
 
@@ -15,10 +16,15 @@ class EngineCallsMixin:
         engine to ask."""
         return bool(await self._engine_call("reset_prefix_cache"))
 
-    async def take_kv_events(self, after_seq: int):
-        """The engine's take_kv_events (the prefix cache's stored / removed / cleared events after
-        `after_seq`, llmsvc.core.kv_events.KVEventPage), between two steps."""
-        return await self._engine_call("take_kv_events", after_seq)
+    async def follow_kv_events(self, listener) -> None:
+        """From now on call listener(page) on the event loop with the prefix cache's new stored /
+        removed / cleared events (llmsvc.core.kv_events.KVEventPage, numbered from 1), after every
+        step or utility call that made some and before that step's outputs reach their streams:
+        a gateway routing by cache contents has a request's blocks before its client sees it
+        finish. Turns the engine's recording on; raises as the engine call does (AttributeError
+        for an engine without a journal)."""
+        await self._engine_call("take_kv_events", 0)
+        self._kv_listener = listener
 
     async def add_lora(self, name: str, path: str):
         """The engine's add_lora (LoRAEntry; LoRAAdminError), between two steps."""

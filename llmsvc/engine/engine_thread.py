@@ -7,8 +7,8 @@ inline engine core, a burst of requests that finds the engine idle is gathered b
 step (llmsvc/core/burst.py), as the engine-core process does for its own core.
 
 The mixin keeps no state of its own (the burst window is a local of the thread); it uses
-AsyncEngine's engine, _cond, _commands, _stop, _loop, _stats, _dead and its event-loop
-callbacks (_on_outputs, _on_stats, _on_dead).
+AsyncEngine's engine, _cond, _commands, _stop, _loop, _stats, _dead, _kv_listener, _kv_cursor
+and its event-loop callbacks (_on_outputs, _on_stats, _on_dead).
 """
 from __future__ import annotations
 
@@ -95,6 +95,19 @@ class EngineThreadMixin:
         else:
             self._post(_set_future, call.future, None, result)
 
+    def _push_kv_events(self) -> None:
+        """The prefix cache's new events to the follower (follow_kv_events), posted before the
+        outputs of the step that made them."""
+        listener = self._kv_listener
+        if listener is None:
+            return
+        while True:  # a page holds at most take()'s limit
+            page = self.engine.take_kv_events(self._kv_cursor)
+            if not page.events:
+                return
+            self._kv_cursor = page.events[-1][0]
+            self._post(listener, page)
+
     def _gather_burst(self, burst: BurstWindow) -> bool:
         """The engine was idle: take the rest of a burst before the first step. Returns whether
         an abort came meanwhile."""
@@ -147,8 +160,10 @@ class EngineThreadMixin:
                     had_abort |= self._gather_burst(burst)
                 if had_abort or engine.has_unfinished_requests():
                     outputs = engine.step()
+                    self._push_kv_events()
                     self._post(self._on_outputs, outputs, self._safe_stats())
                 else:
+                    self._push_kv_events()  # a utility call's (a flush's `cleared`)
                     self._post(self._on_stats, self._safe_stats())
         except BaseException as e:  # noqa: BLE001 - any failure kills the loop; streams are told
             logger.exception("engine loop died")

@@ -219,7 +219,7 @@ class LLMEngine:
     def take_kv_events(self, after_seq: int):
         """The prefix cache's events after `after_seq` (llmsvc.core.kv_events.KVEventPage); the
         first call turns their recording on in the engine core."""
-        return self.core_client.call_utility("take_kv_events", after_seq)
+        return self.core_client.take_kv_events(after_seq)
 
     def get_stats(self) -> EngineStats:
         return self.core_client.get_stats()

@@ -1,12 +1,11 @@
 """SubscribeKvEvents: the prefix cache's stored / removed / cleared blocks, for a gateway's
 cache-aware routing (smg.grpc.common.KvEventBatch).
 
-KVEventRelay is the one reader of the engine's event journal (llmsvc.core.kv_events): it polls
-`take_kv_events` (every POLL_S while someone subscribes and the engine's stats moved since the
-last poll: blocks are stored and evicted only by requests, so an idle engine is not asked;
-every IDLE_POLL_S otherwise, so the journal never overflows; at once after `wake()`), turns each
-page into one KvEventBatch numbered 1, 2, 3, ... and hands it to every subscriber. The engine
-answers a poll between two steps. It also keeps the blocks the cache holds now (hash -> tokens, parent),
+KVEventRelay is the one reader of the engine's event journal (llmsvc.core.kv_events): the engine
+thread hands it each step's new events before that step's outputs (AsyncEngine.follow_kv_events),
+so a gateway has a request's cached blocks before its client sees the request finish and sends
+the next turn. Each page becomes one KvEventBatch numbered 1, 2, 3, ... for every subscriber.
+It also keeps the blocks the cache holds now (hash -> tokens, parent),
 so a subscriber that starts without a cursor (start_sequence_number 0) first gets them all: one
 batch numbered as the last one sent, holding a `cleared` and then every live block, parents
 before children. A cursor the relay still has batches after is served by replaying them; one it
@@ -26,13 +25,12 @@ import asyncio
 import logging
 import time
 from collections import deque
+from typing import Awaitable, Callable
 
 from llmsvc.core.kv_events import CLEARED, REMOVED, STORED
 from llmsvc.server.vllm_engine.proto import common_pb2 as cpb
 
 logger = logging.getLogger(__name__)
-POLL_S = 0.05
-IDLE_POLL_S = 1.0
 HISTORY_BATCHES = 1024  # batches kept for subscribers that reconnect with a cursor
 QUEUE_BATCHES = 4096  # batches a subscriber may fall behind before its stream ends (DATA_LOSS)
 
@@ -78,14 +76,13 @@ class Subscription:
 
 
 class KVEventRelay:
-    """`take(after_seq)`: an awaitable of the engine's KVEventPage (AsyncEngine.take_kv_events);
-    `activity()`: a value that changes whenever the engine may have stored or evicted blocks
-    (None: poll every POLL_S regardless)."""
+    """`follow(listener)`: awaits the engine's consent to call listener(KVEventPage) on this loop
+    with its new events from now on (AsyncEngine.follow_kv_events); `dead()`: an awaitable that
+    resolves when the engine dies (AsyncEngine.wait_dead)."""
 
-    def __init__(self, take, activity=None) -> None:
-        self._take = take
-        self._activity = activity
-        self._last_activity = None
+    def __init__(self, follow: Callable[[Callable], Awaitable[None]], dead: Callable[[], Awaitable]) -> None:
+        self._follow = follow
+        self._dead = dead
         self._cursor = 0  # the journal's last event read
         self._seq = 0  # the last batch number given
         self._event_id = 0
@@ -94,14 +91,12 @@ class KVEventRelay:
         self._block_size = 0
         self._subs: set[Subscription] = set()
         self._task: asyncio.Task | None = None
-        self._wake = asyncio.Event()
-        self._polling = asyncio.Lock()  # one take at a time: the cursor moves with each
         self.ended: StreamEnded | None = None
 
     async def start(self) -> None:
-        """Turn the engine's recording on (the first take) and begin polling."""
-        await self._poll_once()
-        self._task = asyncio.create_task(self._run(), name="kv-event-relay")
+        """Turn the engine's recording on and follow it; every stream ends when the engine dies."""
+        await self._follow(self.feed)
+        self._task = asyncio.create_task(self._watch(), name="kv-event-relay")
 
     async def stop(self, why: str = "the server is stopping") -> None:
         self._end_all(StreamEnded(why))
@@ -115,44 +110,15 @@ class KVEventRelay:
             s.end(why)
         self._subs.clear()
 
-    def wake(self) -> None:
-        """Poll now (after a flush, say): its events reach subscribers without waiting."""
-        self._wake.set()
+    async def _watch(self) -> None:
+        e = await self._dead()
+        logger.info("KV event relay stopped: the engine died (%s)", type(e).__name__)
+        self._end_all(StreamEnded(f"the engine stopped ({type(e).__name__}); route elsewhere"))
 
-    async def _run(self) -> None:
-        try:
-            idle_since = time.monotonic()
-            while True:
-                woken = False
-                try:
-                    await asyncio.wait_for(self._wake.wait(), POLL_S if self._subs else IDLE_POLL_S)
-                    woken = True
-                except asyncio.TimeoutError:
-                    pass
-                self._wake.clear()
-                now = time.monotonic()
-                if woken or not self._subs or self._active() or now - idle_since >= IDLE_POLL_S:
-                    idle_since = now
-                    await self._poll_once()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the engine died or stopped: every stream ends
-            logger.info("KV event relay stopped: %s", e)
-            self._end_all(StreamEnded(f"the engine stopped ({type(e).__name__}); route elsewhere"))
-
-    def _active(self) -> bool:
-        if self._activity is None:
-            return True
-        now = self._activity()
-        changed, self._last_activity = now != self._last_activity, now
-        return changed
-
-    async def _poll_once(self) -> None:
-        async with self._polling:
-            await self._poll_locked()
-
-    async def _poll_locked(self) -> None:
-        page = await self._take(self._cursor)
+    def feed(self, page) -> None:
+        """One page of the engine's journal (llmsvc.core.kv_events.KVEventPage), in order."""
+        if self.ended is not None or not page.events:
+            return
         self._block_size = page.block_size
         if page.first_seq > self._cursor + 1 and self._cursor:
             # a gap: the journal dropped events this relay never read; what the cache holds is
@@ -160,9 +126,8 @@ class KVEventRelay:
             logger.warning("KV events %d-%d were lost; subscribers are told the cache was cleared",
                            self._cursor + 1, page.first_seq - 1)
             page.events.insert(0, (page.first_seq - 1, CLEARED))
-        if page.events:
-            self._cursor = page.events[-1][0]
-            self._publish(self._convert(page.events))
+        self._cursor = page.events[-1][0]
+        self._publish(self._convert(page.events))
 
     def _convert(self, events) -> list:
         """Journal events -> KvCacheEvents (a run of stored blocks each following the one before
@@ -217,9 +182,6 @@ class KVEventRelay:
         continue, StreamEnded once stopped."""
         if self.ended is not None:
             raise self.ended
-        await self._poll_once()
-        if self.ended is not None:
-            raise self.ended
         sub = Subscription()
         if start_seq == 0:
             sub.put(self.snapshot())
@@ -232,7 +194,6 @@ class KVEventRelay:
                 if batch.sequence_number > start_seq:
                     sub.put(batch)
         self._subs.add(sub)
-        self._wake.set()  # poll at the subscriber's pace from now on
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:

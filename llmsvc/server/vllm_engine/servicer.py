@@ -41,13 +41,6 @@ GATEWAY_DEFAULT_KEYS = tuple(f.name for f, facts in declared(SamplingParams)
                              if facts.generation_config and f.name in pb.SamplingParams.DESCRIPTOR.fields_by_name)
 
 
-def _activity(stats) -> tuple:
-    """Changes whenever the engine may have stored or evicted prefix-cache blocks: while requests
-    are in it, and when its token counters moved."""
-    busy = stats.num_running + stats.num_waiting
-    return (stats.prompt_tokens_total, stats.generation_tokens_total, busy, busy and time.monotonic())
-
-
 class VllmEngineService(pb_grpc.VllmEngineServicer):
     """Registered before the model loads (UNAVAILABLE / unhealthy until `attach`)."""
 
@@ -66,7 +59,7 @@ class VllmEngineService(pb_grpc.VllmEngineServicer):
         self.engine, self.tokenizer, self.config = async_engine, tokenizer, config
         self.limits = ModelLimits.from_config(config, getattr(async_engine.engine, "request_limits", None))
         self.bundle = TokenizerBundle(tokenizer, config.model_config.model_dir)
-        relay = KVEventRelay(async_engine.take_kv_events, lambda: _activity(async_engine.get_stats()))
+        relay = KVEventRelay(async_engine.follow_kv_events, async_engine.wait_dead)
         try:
             await relay.start()
         except Exception as e:  # noqa: BLE001 - an engine without an event journal: no KV events
@@ -186,9 +179,7 @@ class VllmEngineService(pb_grpc.VllmEngineServicer):
         deadline = time.monotonic() + max(0.0, request.timeout_s)
         while True:
             try:
-                if await self.engine.reset_prefix_cache():
-                    if self.kv_events is not None:
-                        self.kv_events.wake()  # its `cleared` goes out now
+                if await self.engine.reset_prefix_cache():  # its `cleared` went out before this
                     return cpb.FlushCacheResponse(success=True, message="prefix cache flushed")
             except Exception as e:  # noqa: BLE001 - engine dead or stopping
                 return cpb.FlushCacheResponse(success=False, message=f"engine not running: {type(e).__name__}")
