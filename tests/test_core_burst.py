@@ -82,6 +82,9 @@ class FakeCore:
     def abort_requests(self, ids, reason):
         return []
 
+    def drain_kv_events(self):
+        return []
+
     def shutdown(self):
         pass
 

@@ -123,6 +123,11 @@ class EngineCore:
         first call turns their recording on."""
         return self.kv_cache_manager.events.take(after_seq)
 
+    def drain_kv_events(self) -> list[tuple]:
+        """The events recorded since the last drain, for the output batch of a core process
+        (none until take_kv_events turned recording on)."""
+        return self.kv_cache_manager.events.drain()
+
     def abort_requests(self, request_ids, reason: str = ABORT) -> list[str]:
         """Finish these requests now (blocks freed, workers told next step); unknown ids ignored."""
         return [r.request_id for r in self.scheduler.finish_requests(request_ids, reason)]

@@ -160,7 +160,7 @@ class EngineCoreLoop:
                     core.shutdown()
                     return 0
                 outputs, executed = core.step() if core.has_unfinished() else ([], False)
-                kv_events = core.kv_cache_manager.events.drain()  # with the outputs: a gateway
+                kv_events = core.drain_kv_events()  # with the outputs: a gateway
                 # knows what this step cached before the client sees the request finish
                 if outputs or executed or aborted or utility or refused or kv_events:
                     self.out.send(m.encode((m.OUTPUTS, m.CoreOutputBatch(
