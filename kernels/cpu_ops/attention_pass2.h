@@ -31,6 +31,47 @@ static inline __attribute__((always_inline)) void p2_keys(
 }
 #endif
 
+#if P2_HALVES
+/* AVX2, three vectors of one head at once (a decode's G = 3 query heads per KV head): each V
+ * row is read and widened once for all three, 32 of its elements at a time, with 12
+ * accumulators, 4 elements of V and 3 weights p in the 16 ymm. One vector at a time widened
+ * every row three times, and inside run_heads GCC kept the key counter and the dtype test in
+ * memory (a store-forwarding round trip per key). Each accumulator element still sums its keys
+ * in order with the same FMAs: the result is pass2's bit for bit. Its own (not inlined)
+ * function, so that its few values get registers. acc rows: vector g at accf + 16 nc g. */
+static inline __attribute__((always_inline)) void p2_three_body(
+    const char *const *vr, int64_t off, int64_t n, const float *ps, int64_t sa, int64_t ss, float *accf,
+    int64_t nc, const int bf16, pf_t *pf, int64_t pf_per) {
+    const int64_t esz = bf16 ? 2 : 4;
+    for (int64_t h = 0; h < nc / 2; h++) {
+        __m256 a[3][4];
+        for (int g = 0; g < 3; g++)
+            for (int i = 0; i < 4; i++) a[g][i] = _mm256_loadu_ps(accf + 16 * nc * g + 32 * h + 8 * i);
+        for (int64_t s = 0; s < n; s++) {
+            if (h == 0) pf_step(pf, pf_per);
+            const char *row = vr[s] + off + 32 * esz * h;
+            const __m256 p0 = _mm256_broadcast_ss(ps + s * ss), p1 = _mm256_broadcast_ss(ps + sa + s * ss),
+                         p2 = _mm256_broadcast_ss(ps + 2 * sa + s * ss);
+            for (int i = 0; i < 4; i++) {
+                const __m256 v = bf16 ? bf16x8_to_f32(row + 16 * i) : _mm256_loadu_ps((const float *)row + 8 * i);
+                a[0][i] = _mm256_fmadd_ps(p0, v, a[0][i]);
+                a[1][i] = _mm256_fmadd_ps(p1, v, a[1][i]);
+                a[2][i] = _mm256_fmadd_ps(p2, v, a[2][i]);
+            }
+        }
+        for (int g = 0; g < 3; g++)
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(accf + 16 * nc * g + 32 * h + 8 * i, a[g][i]);
+    }
+}
+
+__attribute__((noinline)) static void p2_three(const char *const *vr, int64_t off, int64_t n, const float *ps,
+                                               int64_t sa, int64_t ss, float *accf, int64_t nc, int bf16, pf_t *pf,
+                                               int64_t pf_per) {
+    if (bf16) p2_three_body(vr, off, n, ps, sa, ss, accf, nc, 1, pf, pf_per);
+    else p2_three_body(vr, off, n, ps, sa, ss, accf, nc, 0, pf, pf_per);
+}
+#endif
+
 /* Pass 2 of an item: acc[a] += sum_s p[a, s] * v_s, P2_KEYS keys at a time (a head's V rows
  * of the block stay in L1 across its groups), GA vectors of one head at a time with their
  * accumulators in registers across the block (GA * nc <= 24). p of the head's vector j
@@ -50,6 +91,12 @@ static inline __attribute__((always_inline)) void pass2(
                 const int64_t ga = (hh + 1) * nqh - a0 < GA ? (hh + 1) * nqh - a0 : GA;
                 const float *ps = scores + hh * sh + (a0 - hh * nqh) * sa; /* p(a0 + g, s) = ps[g sa + s ss] */
 #if P2_HALVES
+                if (GA == 1 && nc % 2 == 0 && (hh + 1) * nqh - a0 >= 3) { /* the next three vectors at once */
+                    p2_three(vrow, (h0 + hh) * head_bytes, s1 - s0, ps + s0 * ss, sa, ss, (float *)(acc + a0 * nc), nc,
+                             A->bf16, pf, pf_per);
+                    a0 += 2; /* the loop adds the third */
+                    continue;
+                }
                 /* AVX2: GCC keeps an array of 64-byte vectors on the stack, a store and a reload
                  * per key; 8-lane halves with constant indexes stay in ymm. ah[g * 2nc + i]:
                  * lanes 8i .. 8i + 7 of vector a0 + g. */
