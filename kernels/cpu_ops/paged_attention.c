@@ -218,7 +218,8 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
         softmax_rows(A, nq, nqh, G, scores, sstride, s_begin, n_max, first_lim, p_bf16);
     for (int64_t i = 0; i < nq * nc; i++) acc[i] = (v16){0};
     /* pass 2: GA vectors of a head at a time, their accumulators in registers: 6 (24 zmm)
-     * when a head's vectors come in sixes (prefill tiles of head_dim 64), else 16 / nc */
+     * when a head's vectors come in sixes (prefill tiles of head_dim 64), else 16 / nc; on
+     * AVX2 three at a time where a head has them (p2_three) */
 #if HAVE_DP
     if (p_bf16) {
         if (nc == 4 && nqh % 6 == 0)
