@@ -72,6 +72,12 @@ static inline __attribute__((always_inline)) __m256 dot8_bf16(const __m256 *q, c
     return _mm256_add_ps(s0, s1);
 }
 
+/* The scores of 8 keys from two hadd trees: t0 holds keys 0-3 over lanes 0-3 | over lanes 4-7,
+ * t1 likewise keys 4-7; their halves added give key j in lane j. */
+static inline __attribute__((always_inline)) void store8_keys(float *out, __m256 t0, __m256 t1) {
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31)));
+}
+
 /* dot8_bf16 of three query vectors (qa: 3 x 2 nc floats, 16 nc apart) with one K slice, which
  * is widened once for all three; each vector's sums exactly as dot8_bf16 makes them. */
 static inline __attribute__((always_inline)) void dot8x3_bf16(const float *qa, const char *k, const int64_t nc,
@@ -112,8 +118,7 @@ __attribute__((noinline)) static void p1_three_bf16(const float *qa, const char 
         for (int g = 0; g < 3; g++) {
             const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(d[0][g], d[1][g]), _mm256_hadd_ps(d[2][g], d[3][g]));
             const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(d[4][g], d[5][g]), _mm256_hadd_ps(d[6][g], d[7][g]));
-            _mm256_storeu_ps(out + g * sstride + r0, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
-                                                                   _mm256_permute2f128_ps(t0, t1, 0x31)));
+            store8_keys(out + g * sstride + r0, t0, t1);
         }
     }
 }
@@ -163,9 +168,7 @@ static inline __attribute__((always_inline)) void pass1_direct_avx2_bf16(
                     const __m256 t1 = _mm256_hadd_ps(h45, _mm256_hadd_ps(DOT(6), DOT(7)));
 #undef DOT
 #undef PF
-                    /* t0: keys 0-3 over lanes 0-3 | over lanes 4-7; t1 likewise for keys 4-7 */
-                    _mm256_storeu_ps(scores + a * sstride + s0 + r0, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
-                                                                                   _mm256_permute2f128_ps(t0, t1, 0x31)));
+                    store8_keys(scores + a * sstride + s0 + r0, t0, t1);
                 }
             }
         }

@@ -159,9 +159,10 @@ class MPClient(EngineCoreClient):
         return None
 
     def _died(self, what: str) -> None:
-        """The process is gone: raise its last word (DEAD, read by _decode) or its exit code."""
+        """The process is gone: raise its last word (DEAD, which _decode raises) or its exit code;
+        outputs still queued are of no use to anyone now."""
         while self._out.poll(200):
-            self._held.append(self._apply(self._decode(self._out.recv(copy=False))[1]))
+            self._decode(self._out.recv(copy=False))
         self.proc.join(1.0)
         self._dead = (f"engine-core process (pid {self.proc.pid}) died with exit code {self.proc.exitcode} "
                       f"during {what}")

@@ -160,8 +160,9 @@ class EngineCoreLoop:
                     core.shutdown()
                     return 0
                 outputs, executed = core.step() if core.has_unfinished() else ([], False)
-                kv_events = core.drain_kv_events()  # with the outputs: a gateway
-                # knows what this step cached before the client sees the request finish
+                # the step's KV events go with its outputs: a gateway knows what a request
+                # cached before its client sees it finish
+                kv_events = core.drain_kv_events()
                 if outputs or executed or aborted or utility or refused or kv_events:
                     self.out.send(m.encode((m.OUTPUTS, m.CoreOutputBatch(
                         refused + outputs, executed, core.stats, aborted, utility, kv_events))), copy=False)
