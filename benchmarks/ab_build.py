@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 from kernels.cpu_ops import build
 
@@ -48,3 +49,13 @@ def compile_entry(source: str, tag: str, out_dir: str, entry: str, argtypes, res
     fn.restype, fn.argtypes = restype, argtypes
     fn.lib = lib  # the library's other symbols (e.g. a layout query)
     return fn
+
+
+def compile_pair(path: str, base: str, out_dir: str, entry: str, argtypes) -> dict:
+    """{base: `path` as committed at git revision `base`, "tree": as in the working tree}, each
+    compiled by compile_entry; the two compilers run side by side (each takes seconds)."""
+    base_src, new_src = sources(path, base)
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {base: pool.submit(compile_entry, base_src, "base", out_dir, entry, argtypes, rev=base),
+                "tree": pool.submit(compile_entry, new_src, "tree", out_dir, entry, argtypes)}
+        return {tag: job.result() for tag, job in jobs.items()}

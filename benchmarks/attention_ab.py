@@ -1,14 +1,14 @@
 """Two builds of the CPU paged attention, side by side in one process, called alternately.
 
-    python -m benchmarks.attention_ab [--base REV] [--threads 2] [--rounds 25] [--dtype bfloat16]
+    python -m benchmarks.attention_ab [--base REV] [--threads 2] [--rounds 25] [--dtype bfloat16] [--layers 30]
 
 Compiles `kernels/cpu_ops/paged_attention.c` as committed at --base (default HEAD) and as it is
 in the working tree, each into its own library with the engine's flags, loads both, and times
-30 layers of the default model's attention (9 query heads, 3 KV heads of 64, blocks of 16 in
+a step's layers (30, the default model's) of its attention (9 query heads, 3 KV heads of 64, blocks of 16 in
 shuffled order, K/V from DRAM) for a few step shapes, the two builds taking turns round by
 round. A slow phase of a shared machine (its memory bandwidth swings from minute to minute)
 hits both alike, which separate runs of `benchmarks.step_profile` cannot promise. Prints the
-min and median ms of a step's 30 calls and whether the two outputs are bit for bit equal (if not,
+min and median ms of a step's calls and whether the two outputs are bit for bit equal (if not,
 their largest difference).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from benchmarks import ab_build
 
 _SRC = "kernels/cpu_ops/paged_attention.c"
-HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
+HQ, HKV, D, BS = 9, 3, 64, 16
 SHAPES = {  # name: [(context, query rows)] per sequence
     "decode 64 x ~200": [(200 + i % 8, 1) for i in range(64)],
     "decode 16 x ~200": [(200 + i % 8, 1) for i in range(16)],
@@ -39,11 +39,7 @@ _ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, cty
              ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
 
 
-def _compile(source: str, tag: str, out_dir: str, rev: str | None = None):
-    return ab_build.compile_entry(source, tag, out_dir, "llmsvc_paged_attention", _ARGTYPES, rev=rev)
-
-
-def _batch(seqs, dtype, gen):
+def _batch(seqs, dtype, gen, num_layers):
     """Per-layer caches and queries, and the shared block table / lengths."""
     nblk = sum(-(-c // BS) for c, _ in seqs)
     maxb = max(-(-c // BS) for c, _ in seqs)
@@ -56,7 +52,7 @@ def _batch(seqs, dtype, gen):
     sl = torch.tensor([c for c, _ in seqs], dtype=torch.int32)
     layers = [tuple(torch.randn(*shape, generator=gen).to(dtype)
                     for shape in ((nblk, BS, HKV, D), (nblk, BS, HKV, D), (sum(qlens), HQ, D)))
-              for _ in range(LAYERS)]
+              for _ in range(num_layers)]
     return layers, bt, qsl, sl
 
 
@@ -66,14 +62,14 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--layers", type=int, default=30, help="attention calls per step (default 30, the default model's)")
     a = ap.parse_args(argv)
     dtype = getattr(torch, a.dtype)
-    base_src, new_src = ab_build.sources(_SRC, a.base)
     with tempfile.TemporaryDirectory() as tmp:
-        fns = {a.base: _compile(base_src, "base", tmp, a.base), "tree": _compile(new_src, "tree", tmp)}
-        print(f"{a.dtype}, {a.threads} threads, {LAYERS} layers per step, {HQ} x {HKV} heads of {D}")
+        fns = ab_build.compile_pair(_SRC, a.base, tmp, "llmsvc_paged_attention", _ARGTYPES)
+        print(f"{a.dtype}, {a.threads} threads, {a.layers} layers per step, {HQ} x {HKV} heads of {D}")
         for name, seqs in SHAPES.items():
-            layers, bt, qsl, sl = _batch(seqs, dtype, torch.Generator().manual_seed(0))
+            layers, bt, qsl, sl = _batch(seqs, dtype, torch.Generator().manual_seed(0), a.layers)
             outs = {tag: [torch.empty_like(q) for _, _, q in layers] for tag in fns}
             times = {tag: [] for tag in fns}
             for _ in range(a.rounds + 1):  # round 0 warms up

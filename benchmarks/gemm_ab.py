@@ -67,10 +67,8 @@ def main(argv=None) -> None:
              for w in [(torch.randn(n, k, generator=g) * 0.02).to(dtype)]]
     calls.append(("lm_head", (torch.randn(*LM_HEAD, generator=g) * 0.02).to(dtype)))
     names = [n for n, _, _ in SHAPES] + ["lm_head"]
-    base_src, new_src = ab_build.sources(path, a.base)
     with tempfile.TemporaryDirectory() as tmp:
-        fns = {a.base: ab_build.compile_entry(base_src, "base", tmp, entry, _ARGTYPES, rev=a.base),
-               "tree": ab_build.compile_entry(new_src, "tree", tmp, entry, _ARGTYPES)}
+        fns = ab_build.compile_pair(path, a.base, tmp, entry, _ARGTYPES)
         packed = {tag: [pack(w, *_layout(fn)) for _, w in calls] for tag, fn in fns.items()}
         print(f"{path}, {a.dtype}, {a.threads} threads, {a.layers} layers + LM head")
         for m in (int(r) for r in a.rows.split(",")):

@@ -100,9 +100,10 @@ def served_dirs(tmp_path_factory):
 @pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
 def test_engine_greedy_matches_hf_generate(served_dirs, name, path, monkeypatch):
     """24 greedy tokens of 3 concurrent requests through LLM (scheduler, chunked prefill with a
-    16-token budget, paged cache) == HF generate of each prompt alone."""
+    16-token budget, paged cache) == HF generate of each prompt alone. The Triton path (in the
+    interpreter, ~1 s a step) runs 8 of them: its chunked prefills and decodes beside them."""
     from llmsvc import LLM, SamplingParams
-    d, new = served_dirs[name], 24
+    d, new = served_dirs[name], 8 if path == "triton" else 24
     prompts = _seqs([37, 6, 19], seed=5, vocab=TINY_VOCAB - 3)
     hf = load_hf_model(d)
     with torch.no_grad():
