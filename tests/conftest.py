@@ -11,6 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # `llmsvc bench` in a test times nothing: no idle check before its runs (llmsvc/bench/fairness.py)
 os.environ.setdefault("LLMSVC_BENCH_IDLE_WAIT", "-1")
+# and an engine's start does not wait for its KV pool to fault in (2 GiB by default: ~0.8 s a
+# start here): the wait keeps a server's first steps at full speed (llmsvc/worker/kv_memory.py)
+os.environ.setdefault("LLMSVC_KV_PREFAULT", "background")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
