@@ -118,12 +118,13 @@ static inline void store_bf16(uint16_t *dst, __m256 v0, __m256 v1, int n) {
 }
 
 /* c[0:mr, 0:nc] = a[0:mr, 0:K] @ b[0:K, 0:48] (+ bias[0:nc]) in passes over 16 columns (as
- * many as nc needs), pass h reading sub-panel b + h * K ([K][16]); a packed [K][MR]; the first
- * pass prefetches q lines of pf (NULL: none) every 4 k. b and c are fp32, or bf16 when bf (b
- * widened exactly, each element of c rounded once). */
+ * many as nc needs), pass h reading sub-panel b + h * K ([K][16]); a packed [K][MR]; each of
+ * the first pq passes prefetches q lines every 4 k of its part of pf (NULL: none), the parts
+ * q * K / 4 lines apart. b and c are fp32, or bf16 when bf (b widened exactly, each element of c
+ * rounded once). */
 static inline __attribute__((always_inline)) void kernel(
     const int mr, const float *a, int64_t lda, const void *b, int64_t K, void *cv, int64_t ldc,
-    int nc, const float *bias, const char *pf, int q, const int bf) {
+    int nc, const float *bias, const char *pf, int q, int pq, const int bf) {
     (void)lda;
     float *c = (float *)cv;
     for (int h = 0; h < nc; h += NP) {
@@ -138,7 +139,7 @@ static inline __attribute__((always_inline)) void kernel(
             acc[r][0] = b0;
             acc[r][1] = b1;
         }
-        const char *p = h == 0 ? pf : 0;
+        const char *p = pf && h / NP < pq ? pf + (int64_t)(h / NP) * q * (K / 4) * 64 : 0; /* this pass's part */
         const float *bs = (const float *)b + (int64_t)h * K;
         const uint16_t *bh = (const uint16_t *)b + (int64_t)h * K;
         K_LOOP(p);

@@ -57,7 +57,8 @@ static inline void store_bf16x16(uint16_t *dst, __mmask16 mask, __m512 v) {
  * c rounded once). */
 static inline __attribute__((always_inline)) void kernel(
     const int mr, const float *a, int64_t lda, const void *bv, int64_t K, void *cv, int64_t ldc,
-    int nc, const float *bias, const char *pf, int q, const int bf) {
+    int nc, const float *bias, const char *pf, int q, int pq, const int bf) {
+    (void)pq; /* one pass per panel */
     float *c = (float *)cv;
     __m512 acc[MR][3];
     const __mmask16 m0 = lane_mask(nc, 0), m1 = lane_mask(nc, 16), m2 = lane_mask(nc, 32);
