@@ -12,10 +12,9 @@
  *   three [K][16] sub-panels, one per pass, so each pass streams contiguous lines; the caller
  *   asks llmsvc_gemm_f32_subpanel() which layout to pack. A's row blocks are packed per call
  *   as [K][6], so the six broadcasts of a k come from one line.
- * While it computes, it prefetches the thread's
- * next panel, its lines split evenly over the row blocks (and on AVX2 over a block's passes),
- * so the weight stream from DRAM runs on while the FMAs work on L2-resident data. Panels are not handed out by OpenMP's
- * dynamic schedule: the panel a thread takes next would not be the one it prefetched. A
+ * While it computes, it prefetches the thread's next panel, its lines split evenly over the
+ * row blocks (and on AVX2 over a block's passes), so the weight stream from DRAM runs on while
+ * the FMAs work on L2-resident data. Panels are not handed out by OpenMP's dynamic schedule: the panel a thread takes next would not be the one it prefetched. A
  * thread done with its run steals from the back of another's (panel_runs.h), so a preempted
  * thread does not hold the others at the barrier. Timings against MKL: docs/cpu-kernels.md.
  *
@@ -103,11 +102,11 @@ int llmsvc_gemm_f32_subpanel(void) { return NP; }
 #define KERNEL_CASE(R)                                                                     \
     case R:                                                                                \
         if (BF16_WIDEN && bf == (BF_B | BF_C))                                             \
-            kernel(R, a, lda, b, K, c, ldc, nc, bias, pf, q, pq, BF_B | BF_C);                 \
+            kernel(R, a, lda, b, K, c, ldc, nc, bias, pf, q, pq, BF_B | BF_C);             \
         else if (BF16_WIDEN && bf == BF_C)                                                 \
-            kernel(R, a, lda, b, K, c, ldc, nc, bias, pf, q, pq, BF_C);                        \
+            kernel(R, a, lda, b, K, c, ldc, nc, bias, pf, q, pq, BF_C);                    \
         else                                                                               \
-            kernel(R, a, lda, b, K, c, ldc, nc, bias, pf, q, pq, 0);                           \
+            kernel(R, a, lda, b, K, c, ldc, nc, bias, pf, q, pq, 0);                       \
         break;
 
 /* bf: BF_B (b bf16) and / or BF_C (c bf16); a constant in each kernel instance */
@@ -237,7 +236,9 @@ static int gemm_run(const void *a, int64_t lda, const void *packed, const float 
         return -1;
     const char *end = (const char *)packed + np * K * NR * wsz;
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
-        gemm_t g = {a, packed, bias, apack, wide, c, lda, ldc, N, K, m0, 0, 0, 0, 0, esz, end, 0, 0, wsz, qd, qm, bs};
+        gemm_t g = {.a = a, .packed = packed, .bias = bias, .apack = apack, .wide = wide, .c = c, .lda = lda,
+                    .ldc = ldc, .N = N, .K = K, .m0 = m0, .esz = esz, .end = end, .wsz = wsz, .qd = qd, .qm = qm,
+                    .bs = bs};
         g.mc = M - m0 < MC ? M - m0 : MC;
         g.nb = (g.mc + MR - 1) / MR;
         /* the next panel's lines, split over this panel's nb row blocks, and a block's share
