@@ -14,9 +14,10 @@
  *   as [K][6], so the six broadcasts of a k come from one line.
  * While it computes, it prefetches the thread's next panel, its lines split evenly over the
  * row blocks (and on AVX2 over a block's passes), so the weight stream from DRAM runs on while
- * the FMAs work on L2-resident data. Panels are not handed out by OpenMP's dynamic schedule: the panel a thread takes next would not be the one it prefetched. A
- * thread done with its run steals from the back of another's (panel_runs.h), so a preempted
- * thread does not hold the others at the barrier. Timings against MKL: docs/cpu-kernels.md.
+ * the FMAs work on L2-resident data. Panels are not handed out by OpenMP's dynamic schedule:
+ * the panel a thread takes next would not be the one it prefetched. A thread done with its run
+ * steals from the back of another's (panel_runs.h), so a preempted thread does not hold the
+ * others at the barrier. Timings against MKL: docs/cpu-kernels.md.
  *
  * Rows are taken in chunks of 256 so a chunk of A stays in L2. The caller keeps the panel
  * (K * 192 bytes) well inside L2 (K <= 4096). Built with AVX-512F or AVX2 + FMA; elsewhere
