@@ -44,7 +44,7 @@ static inline __attribute__((always_inline)) void pass1_transposed(
     for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
         int64_t nn;
         const int64_t kn = group_rows(A, table, row_bytes, s0, n_max, krow, knext, vnext, &nn);
-        for (int64_t j = 0; j < nn; j++) prefetch_next_row(knext, vnext, j, h0, nh, head_bytes);
+        for (int64_t j = 0; j < nn; j++) prefetch_next_row(knext, vnext, j, h0, nh, head_bytes, 1);
         for (int64_t hh = 0; hh < nh; hh++) {
             v16 *kh = kt + hh * nd;
             for (int64_t c = 0; c < nd / 16; c++) { /* kt rows [16 c, 16 c + 16): 16 pairs of 16 keys */

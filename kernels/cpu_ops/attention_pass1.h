@@ -38,7 +38,7 @@ static inline __attribute__((always_inline)) void pass1_direct(
         const int64_t kn = group_rows(A, table, row_bytes, s0, n_max, krow, knext, vnext, &nn);
         v16 part[QC][16];
         for (int64_t j = 0; j < 16; j++) {
-            if (j < nn) prefetch_next_row(knext, vnext, j, h0, nh, head_bytes); /* spread over the loads */
+            if (j < nn) prefetch_next_row(knext, vnext, j, h0, nh, head_bytes, 1); /* spread over the loads */
             for (int64_t a = 0; a < nq; a++) {
                 v16 p = (v16){0};
                 if (j < kn && !dp) {
@@ -103,15 +103,16 @@ static inline __attribute__((always_inline)) void dot8x3_bf16(const float *qa, c
  * past kn), each K slice widened once for the three (one vector at a time widened it three
  * times), their 8-key hadd trees the same as for one vector: bit for bit its scores. qa: the
  * first vector's floats; out: its score row, the others sstride apart; pf: prefetch the next
- * group's row j < nn (this head) per key j. Not inlined: its values get registers of their own. */
+ * group's row j < nn (this head; its V slice too with pv) per key j. Not inlined: its values
+ * get registers of their own. */
 __attribute__((noinline)) static void p1_three_bf16(const float *qa, const char *const *krow, int64_t off, int64_t kn,
                                                     int64_t nc, float *out, int64_t sstride, int pf, int64_t nn,
                                                     const char *const *knext, const char *const *vnext, int64_t head,
-                                                    int64_t head_bytes) {
+                                                    int64_t head_bytes, int pv) {
     for (int64_t r0 = 0; r0 < 16; r0 += 8) {
         __m256 d[8][3];
         for (int64_t j = 0; j < 8; j++) {
-            if (pf && r0 + j < nn) prefetch_next_row(knext, vnext, r0 + j, head, 1, head_bytes);
+            if (pf && r0 + j < nn) prefetch_next_row(knext, vnext, r0 + j, head, 1, head_bytes, pv);
             if (r0 + j < kn) dot8x3_bf16(qa, krow[r0 + j] + off, nc, d[j]);
             else d[j][0] = d[j][1] = d[j][2] = _mm256_setzero_ps();
         }
@@ -128,14 +129,15 @@ __attribute__((noinline)) static void p1_three_bf16(const float *qa, const char 
  * key's slice widened as it is read where it is stored (from L1 after the head's first
  * vector); reduce8_avx2's 8 x 8 transpose-add folds the keys in pairs as they come, so the
  * partial sums never leave registers. The next group's rows are prefetched one (row, head)
- * per key of each head's first vector. benchmarks.attention_ab, bf16 decode 64 x ~200 keys on
+ * per key of each head's first vector, their V rows too unless pv is 0 (pass 2 prefetches
+ * them: paged_attention.c's run_heads). benchmarks.attention_ab, bf16 decode 64 x ~200 keys on
  * the AVX2 box: 4-10% faster than the workspace. Vectors come three at a time where a head has
  * them (p1_three_bf16): 23.2 -> 19.9 ms there. fp32 decodes keep pass1_direct, whole rows
  * per key: this order made them 15-20% slower there. */
 static inline __attribute__((always_inline)) void pass1_direct_avx2_bf16(
     const args_t *A, const item_t *it, int64_t h0, int64_t nh, const int32_t *table, const v16 *qv,
     float *scores, int64_t sstride, int64_t s_begin, int64_t n_max, const int64_t nc, const char **krow,
-    const char **knext, const char **vnext) {
+    const char **knext, const char **vnext, const int pv) {
     const int64_t G = A->Hq / A->Hkv, nqh = (int64_t)it->nrows * G;
     const int64_t head_bytes = 2 * 16 * nc, row_bytes = head_bytes * A->Hkv;
     for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
@@ -146,7 +148,7 @@ static inline __attribute__((always_inline)) void pass1_direct_avx2_bf16(
             for (int64_t a = hh * nqh; a < (hh + 1) * nqh; a++) {
                 if ((hh + 1) * nqh - a >= 3) { /* the next three vectors at once (p1_three_bf16) */
                     p1_three_bf16((const float *)(qv + a * nc), krow, off, kn, nc, scores + a * sstride + s0, sstride,
-                                  a == hh * nqh, nn, knext, vnext, h0 + hh, head_bytes);
+                                  a == hh * nqh, nn, knext, vnext, h0 + hh, head_bytes, pv);
                     a += 2; /* the loop adds the third */
                     continue;
                 }
@@ -156,7 +158,7 @@ static inline __attribute__((always_inline)) void pass1_direct_avx2_bf16(
                 const int pf = a == hh * nqh;
                 for (int64_t r0 = 0; r0 < 16; r0 += 8) {
 #define DOT(J) (r0 + (J) < kn ? dot8_bf16(q, krow[r0 + (J)] + off, nc) : _mm256_setzero_ps())
-#define PF(J) if (pf && r0 + (J) < nn) prefetch_next_row(knext, vnext, r0 + (J), h0 + hh, 1, head_bytes)
+#define PF(J) if (pf && r0 + (J) < nn) prefetch_next_row(knext, vnext, r0 + (J), h0 + hh, 1, head_bytes, pv)
                     /* live at most: q, t0, one pair sum and the dot in flight */
                     PF(0); PF(1);
                     const __m256 h01 = _mm256_hadd_ps(DOT(0), DOT(1));
@@ -191,7 +193,7 @@ static inline __attribute__((always_inline)) void copy_group(
             if (j < kn) load_row(krow[j] + (h0 + hh) * head_bytes, A->bf16, nc, dst);
             else for (int64_t c = 0; c < nc; c++) dst[c] = (v16){0};
         }
-        if (j < nn) prefetch_next_row(knext, vnext, j, h0, nh, head_bytes); /* spread over the loads */
+        if (j < nn) prefetch_next_row(knext, vnext, j, h0, nh, head_bytes, 1); /* spread over the loads */
     }
 }
 

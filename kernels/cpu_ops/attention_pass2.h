@@ -38,10 +38,11 @@ static inline __attribute__((always_inline)) void p2_keys(
  * every row three times, and inside run_heads GCC kept the key counter and the dtype test in
  * memory (a store-forwarding round trip per key). Each accumulator element still sums its keys
  * in order with the same FMAs: the result is pass2's bit for bit. Its own (not inlined)
- * function, so that its few values get registers. acc rows: vector g at accf + 16 nc g. */
+ * function, so that its few values get registers. acc rows: vector g at accf + 16 nc g.
+ * vp: key s also prefetches row s of the next block (vn[s], s < nvn), this head's slice. */
 static inline __attribute__((always_inline)) void p2_three_body(
     const char *const *vr, int64_t off, int64_t n, const float *ps, int64_t sa, int64_t ss, float *accf,
-    int64_t nc, const int bf16, pf_t *pf, int64_t pf_per) {
+    int64_t nc, const int bf16, pf_t *pf, int64_t pf_per, const char *const *vn, int64_t nvn, const int vp) {
     const int64_t esz = bf16 ? 2 : 4;
     for (int64_t h = 0; h < nc / 2; h++) {
         __m256 a[3][4];
@@ -49,6 +50,8 @@ static inline __attribute__((always_inline)) void p2_three_body(
             for (int i = 0; i < 4; i++) a[g][i] = _mm256_loadu_ps(accf + 16 * nc * g + 32 * h + 8 * i);
         for (int64_t s = 0; s < n; s++) {
             if (h == 0) pf_step(pf, pf_per);
+            if (vp && h == 0 && s < nvn)
+                for (int64_t c = 0; c < 16 * nc * esz; c += 64) __builtin_prefetch(vn[s] + off + c, 0, 3);
             const char *row = vr[s] + off + 32 * esz * h;
             const __m256 p0 = _mm256_broadcast_ss(ps + s * ss), p1 = _mm256_broadcast_ss(ps + sa + s * ss),
                          p2 = _mm256_broadcast_ss(ps + 2 * sa + s * ss);
@@ -66,9 +69,10 @@ static inline __attribute__((always_inline)) void p2_three_body(
 
 __attribute__((noinline)) static void p2_three(const char *const *vr, int64_t off, int64_t n, const float *ps,
                                                int64_t sa, int64_t ss, float *accf, int64_t nc, int bf16, pf_t *pf,
-                                               int64_t pf_per) {
-    if (bf16) p2_three_body(vr, off, n, ps, sa, ss, accf, nc, 1, pf, pf_per);
-    else p2_three_body(vr, off, n, ps, sa, ss, accf, nc, 0, pf, pf_per);
+                                               int64_t pf_per, const char *const *vn, int64_t nvn) {
+    if (bf16 && nvn > 0) p2_three_body(vr, off, n, ps, sa, ss, accf, nc, 1, pf, pf_per, vn, nvn, 1);
+    else if (bf16) p2_three_body(vr, off, n, ps, sa, ss, accf, nc, 1, pf, pf_per, vn, nvn, 0);
+    else p2_three_body(vr, off, n, ps, sa, ss, accf, nc, 0, pf, pf_per, vn, nvn, 0);
 }
 #endif
 
@@ -76,16 +80,23 @@ __attribute__((noinline)) static void p2_three(const char *const *vr, int64_t of
  * of the block stay in L1 across its groups), GA vectors of one head at a time with their
  * accumulators in registers across the block (GA * nc <= 24). p of the head's vector j
  * (a = hh * nqh + j) and key s at scores[hh * sh + j * sa + s * ss]: a row per vector
- * (sa = sstride, ss = 1) or, after pass1_qlanes, a row per key (sa = 1, ss = LD). */
+ * (sa = sstride, ss = 1) or, after pass1_qlanes, a row per key (sa = 1, ss = LD).
+ * vpf (AVX2, three vectors a head): the next block's V rows are prefetched, their addresses
+ * in vn [P2_KEYS], as p2_three reads this block's. */
 static inline __attribute__((always_inline)) void pass2(
     const args_t *A, const int32_t *table, int64_t h0, int64_t nh, int64_t nqh, int64_t s_begin,
     int64_t n_max, const int64_t nc, const int64_t GA, const float *scores, int64_t sh, int64_t sa, int64_t ss, v16 *acc,
-    pf_t *pf, int64_t pf_per, const char **vrow) {
+    pf_t *pf, int64_t pf_per, const char **vrow, const char **vn, const int vpf) {
+    (void)vpf;
     const int64_t esz = A->bf16 ? 2 : 4, head_bytes = esz * 16 * nc, row_bytes = head_bytes * A->Hkv;
     const char *vbase = (const char *)A->v_cache;
     for (int64_t s0 = s_begin; s0 < n_max; s0 += P2_KEYS) {
         const int64_t s1 = n_max - s0 < P2_KEYS ? n_max : s0 + P2_KEYS;
         row_ptrs(vbase, table, A->BS, row_bytes, s0, s1 - s0, vrow);
+#if P2_HALVES
+        const int64_t nvn = !vpf ? 0 : n_max - s1 < P2_KEYS ? n_max - s1 : P2_KEYS;
+        if (nvn > 0) row_ptrs(vbase, table, A->BS, row_bytes, s1, nvn, vn);
+#endif
         for (int64_t hh = 0; hh < nh; hh++) {
             for (int64_t a0 = hh * nqh; a0 < (hh + 1) * nqh; a0 += GA) {
                 const int64_t ga = (hh + 1) * nqh - a0 < GA ? (hh + 1) * nqh - a0 : GA;
@@ -93,7 +104,7 @@ static inline __attribute__((always_inline)) void pass2(
 #if P2_HALVES
                 if (GA == 1 && nc % 2 == 0 && (hh + 1) * nqh - a0 >= 3) { /* the next three vectors at once */
                     p2_three(vrow, (h0 + hh) * head_bytes, s1 - s0, ps + s0 * ss, sa, ss, (float *)(acc + a0 * nc), nc,
-                             A->bf16, pf, pf_per);
+                             A->bf16, pf, pf_per, vn, nvn);
                     a0 += 2; /* the loop adds the third */
                     continue;
                 }

@@ -29,14 +29,16 @@ static inline __attribute__((always_inline)) int64_t group_rows(
     return kn;
 }
 
-/* Row j of the next group into cache while this group is loaded: its K and V slices of heads
- * [h0, h0 + nh), every line (block-table order defeats the hardware prefetcher) */
+/* Row j of the next group into cache while this group is loaded: its K slices of heads
+ * [h0, h0 + nh), and with v its V slices, every line (block-table order defeats the hardware
+ * prefetcher) */
 static inline __attribute__((always_inline)) void prefetch_next_row(
-    const char *const *knext, const char *const *vnext, int64_t j, int64_t h0, int64_t nh, int64_t head_bytes) {
+    const char *const *knext, const char *const *vnext, int64_t j, int64_t h0, int64_t nh, int64_t head_bytes,
+    const int v) {
     const char *pk = knext[j] + h0 * head_bytes, *pv = vnext[j] + h0 * head_bytes;
     for (int64_t c = 0; c < nh * head_bytes; c += 64) {
         __builtin_prefetch(pk + c);
-        __builtin_prefetch(pv + c, 0, 2);
+        if (v) __builtin_prefetch(pv + c, 0, 2);
     }
 }
 

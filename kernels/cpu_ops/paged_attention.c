@@ -29,7 +29,7 @@
  *           dot products (pass1_transposed, attention_dp.h). The next 16 K and V rows are
  *           prefetched, every cache line (block-table order defeats the hardware
  *           prefetcher), spread over this group's row loads: as one burst they stalled on
- *           full fill buffers;
+ *           full fill buffers (bf16 decodes on AVX2: K only, pass 2 prefetches V);
  *   softmax over the keys each vector may see (causal limit per query row);
  *   pass 2  acc[a] = sum_s p[a, s] * v_s, 16 keys at a time with a few vectors' accumulators
  *           in registers (memory accumulators would chain every key through a store); bf16
@@ -179,9 +179,15 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     /* pass 1 */
     const int64_t row_bytes = esz * row_stride, head_bytes = esz * D;
     const char *krow[16], *vrow[P2_KEYS], *knext[16], *vnext[16]; /* vrow: pass 2's block */
+    /* bf16 decodes on AVX2 (pass1_direct_avx2_bf16, then p2_three): pass 1 prefetches K only and
+     * pass 2 the V rows of its next block. With both in pass 1, which these decodes run fast,
+     * V's prefetches crowded K's and memory idled through pass 2: 5-7% faster this way on the
+     * AVX2 box (docs/cpu-kernels.md). fp32 decodes gained nothing from it and keep both in pass 1. */
+    const int vpf = P2_HALVES && A->bf16 && nq <= QC && nc <= 4 && nc % 2 == 0 && nqh >= 3;
 #if P2_HALVES
     if (nq <= QC && nc <= 4 && A->bf16) {
-        pass1_direct_avx2_bf16(A, it, h0, nh, table, qv, scores, sstride, s_begin, n_max, nc, krow, knext, vnext);
+        pass1_direct_avx2_bf16(A, it, h0, nh, table, qv, scores, sstride, s_begin, n_max, nc, krow, knext, vnext,
+                               !vpf);
     } else
 #endif
     if (nq <= QC && !A->bf16) { /* dp a constant in each call: two specialised copies */
@@ -233,10 +239,10 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
         /* p(vector j of head hh, key s): a row per key after pass1_qlanes, else a row per vector */
         const int64_t sh = ql ? sstride * LD : nqh * sstride, sa = ql ? 1 : sstride, ss = ql ? LD : 1;
         if (P2_VECS == 16 && nc == 4 && nqh % 6 == 0)
-            pass2(A, table, h0, nh, nqh, s_begin, n_max, nc, 6, scores, sh, sa, ss, acc, &pf, pf_per, vrow);
+            pass2(A, table, h0, nh, nqh, s_begin, n_max, nc, 6, scores, sh, sa, ss, acc, &pf, pf_per, vrow, vnext, vpf);
         else
             pass2(A, table, h0, nh, nqh, s_begin, n_max, nc, P2_VECS / nc > 0 ? P2_VECS / nc : 1, scores, sh, sa, ss,
-                  acc, &pf, pf_per, vrow);
+                  acc, &pf, pf_per, vrow, vnext, vpf);
     }
     for (int64_t a = 0; a < nq; a++) {
         const int64_t hh = a / nqh, r = (a % nqh) / G, g = a % G;
