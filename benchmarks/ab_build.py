@@ -12,11 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 from kernels.cpu_ops import build
 
 
-def sources(path: str, base: str) -> tuple[str, str]:
-    """(the text of `path` at git revision `base`, its text in the working tree)"""
-    base_src = subprocess.check_output(["git", "show", f"{base}:{path}"], text=True)
-    with open(path) as f:
-        return base_src, f.read()
+def sources(paths: list[str], base: str) -> tuple[list[str], list[str]]:
+    """(the texts of `paths` at git revision `base`, their texts in the working tree)"""
+    base_src = [subprocess.check_output(["git", "show", f"{base}:{path}"], text=True) for path in paths]
+    new_src = []
+    for path in paths:
+        with open(path) as f:
+            new_src.append(f.read())
+    return base_src, new_src
 
 
 def headers_at(rev: str, out_dir: str) -> str:
@@ -31,19 +34,25 @@ def headers_at(rev: str, out_dir: str) -> str:
     return folder
 
 
-def compile_entry(source: str, tag: str, out_dir: str, entry: str, argtypes, restype=ctypes.c_int,
+def compile_entry(source, tag: str, out_dir: str, entry: str, argtypes, restype=ctypes.c_int,
                   rev: str | None = None):
-    """The source text compiled alone (it needs only its headers: those committed at `rev`, or
-    the working tree's) into a library; its `entry` (`.lib`: the library)."""
+    """The source text (or a list of texts, one translation unit each) compiled alone (it needs
+    only its headers: those committed at `rev`, or the working tree's) into a library; its
+    `entry` (`.lib`: the library)."""
     root = headers_at(rev, out_dir) if rev else os.path.dirname(os.path.abspath(build.__file__))
-    src, obj, so = (os.path.join(out_dir, f"{tag}.{ext}") for ext in ("c", "o", "so"))
-    with open(src, "w") as f:
-        f.write(source)
+    texts = [source] if isinstance(source, str) else list(source)
     cc = os.environ.get("CC", "cc")
+    objs = []
+    for i, text in enumerate(texts):
+        src, obj = (os.path.join(out_dir, f"{tag}{i}.{ext}") for ext in ("c", "o"))
+        with open(src, "w") as f:
+            f.write(text)
+        subprocess.check_call([cc, *build._CFLAGS, "-I", root, "-c", src, "-o", obj])
+        objs.append(obj)
+    so = os.path.join(out_dir, f"{tag}.so")
     # compiled with the engine's flags, linked without -ffast-math as build.py does: linking
     # with it would set flush-to-zero for this whole process when the library loads
-    subprocess.check_call([cc, *build._CFLAGS, "-I", root, "-c", src, "-o", obj])
-    subprocess.check_call([cc, obj, *build._LDFLAGS, "-o", so])
+    subprocess.check_call([cc, *objs, *build._LDFLAGS, "-o", so])
     lib = ctypes.CDLL(so)
     fn = getattr(lib, entry)
     fn.restype, fn.argtypes = restype, argtypes
@@ -51,10 +60,12 @@ def compile_entry(source: str, tag: str, out_dir: str, entry: str, argtypes, res
     return fn
 
 
-def compile_pair(path: str, base: str, out_dir: str, entry: str, argtypes) -> dict:
-    """{base: `path` as committed at git revision `base`, "tree": as in the working tree}, each
-    compiled by compile_entry; the two compilers run side by side (each takes seconds)."""
-    base_src, new_src = sources(path, base)
+def compile_pair(path, base: str, out_dir: str, entry: str, argtypes) -> dict:
+    """{base: `path` (a source, or a list of sources linked together) as committed at git
+    revision `base`, "tree": as in the working tree}, each compiled by compile_entry; the two
+    compilers run side by side (each takes seconds)."""
+    paths = [path] if isinstance(path, str) else list(path)
+    base_src, new_src = sources(paths, base)
     with ThreadPoolExecutor(2) as pool:
         jobs = {base: pool.submit(compile_entry, base_src, "base", out_dir, entry, argtypes, rev=base),
                 "tree": pool.submit(compile_entry, new_src, "tree", out_dir, entry, argtypes)}

@@ -1,12 +1,13 @@
 """Two builds of a packed CPU GEMM, side by side in one process, called alternately.
 
-    python -m benchmarks.gemm_ab [--base REV] [--dtype bfloat16|bfloat16-widen|float32|gguf]
+    python -m benchmarks.gemm_ab [--base REV] [--dtype bfloat16|bfloat16-widen|float32|gguf|int8]
                                  [--rows 1,16,64] [--threads 2] [--rounds 25]
 
 Compiles the GEMM's source (`gemm_bf16dp.c`, AVX512-BF16 dot products; `gemm.c`, fp32 panels,
 its bf16 entry that widens bf16 panels on AVX2, `bfloat16-widen`, or its GGUF-block entry with
-the weights rounded to Q4_1-like blocks, `gguf`: `--base` must know the blob of 5a3f487) as
-committed at --base
+the weights rounded to Q4_1-like blocks, `gguf`: `--base` must know the blob of 5a3f487; or
+the int8 GEMM's sources, `int8`: bf16 activations, the weights packed by kernels/cpu_ops/int8.py,
+the path int8.isa() picks) as committed at --base
 (default HEAD) and as it is in the working tree, each into its own library with the engine's
 flags, and multiplies an [M, K] activation through the default
 model's 30 layers of packed weights (qkv, o, gate_up, down) and its LM head, as a decode step
@@ -26,7 +27,7 @@ import torch
 
 from benchmarks import ab_build
 from benchmarks.gemm import LM_HEAD, SHAPES
-from kernels.cpu_ops import linear
+from kernels.cpu_ops import int8, linear
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
@@ -35,7 +36,11 @@ GEMMS = {  # dtype: (source, entry, packing)
     "bfloat16-widen": ("kernels/cpu_ops/gemm.c", "llmsvc_gemm_bf16_widen", linear.pack_panels),
     "float32": ("kernels/cpu_ops/gemm.c", "llmsvc_gemm_f32", linear.pack_panels),
     "gguf": ("kernels/cpu_ops/gemm.c", "llmsvc_gemm_q8", lambda w: _gguf_blocks(w)),
+    "int8": ([f"kernels/cpu_ops/gemm_int8{part}.c" for part in ("", "_avx2", "_vnni", "_amx")], "llmsvc_gemm_i8",
+             lambda w: int8.pack(w)),
 }
+# llmsvc_gemm_i8(isa, a, lda, dtype, packed, bias, c, ldc, M, N, K, threads)
+_I8_ARGTYPES = [_I, _P, _I64, _I, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
 
 
 def _gguf_blocks(w: torch.Tensor) -> torch.Tensor:
@@ -59,7 +64,7 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=25)
     a = ap.parse_args(argv)
-    dtype = torch.float32 if a.dtype.startswith("gguf") else getattr(torch, a.dtype.split("-")[0])
+    dtype = {"gguf": torch.float32, "int8": torch.bfloat16}.get(a.dtype) or getattr(torch, a.dtype.split("-")[0])
     path, entry, pack = GEMMS[a.dtype]
     g = torch.Generator().manual_seed(0)
     # (name, weight [N, K]) in the order a step calls them
@@ -68,7 +73,8 @@ def main(argv=None) -> None:
     calls.append(("lm_head", (torch.randn(*LM_HEAD, generator=g) * 0.02).to(dtype)))
     names = [n for n, _, _ in SHAPES] + ["lm_head"]
     with tempfile.TemporaryDirectory() as tmp:
-        fns = ab_build.compile_pair(path, a.base, tmp, entry, _ARGTYPES)
+        fns = ab_build.compile_pair(path, a.base, tmp, entry, _I8_ARGTYPES if a.dtype == "int8" else _ARGTYPES)
+        call = _call_i8 if a.dtype == "int8" else _call
         packed = {tag: [pack(w, *_layout(fn)) for _, w in calls] for tag, fn in fns.items()}
         print(f"{path}, {a.dtype}, {a.threads} threads, {a.layers} layers + LM head")
         for m in (int(r) for r in a.rows.split(",")):
@@ -81,7 +87,7 @@ def main(argv=None) -> None:
                     for (name, w), pw, out in zip(calls, packed[tag], outs[tag]):
                         x, (n, k) = xs[w.shape[1]], w.shape
                         t0 = time.perf_counter()
-                        rc = fn(x.data_ptr(), k, pw.data_ptr(), None, out.data_ptr(), n, m, n, k, a.threads)
+                        rc = call(fn, x, pw, out, m, n, k, a.threads)
                         per[name] += time.perf_counter() - t0
                         if rc != 0:
                             raise SystemExit(f"{tag}: {entry} refused (not built for this CPU?)")
@@ -94,6 +100,15 @@ def main(argv=None) -> None:
                 cols = "   ".join(f"{tag}: min {1e3 * min(t[name][1:]):7.3f} median "
                                    f"{1e3 * statistics.median(t[name][1:]):7.3f} ms" for tag, t in times.items())
                 print(f"    {name:<8} {cols}", flush=True)
+
+
+def _call(fn, x, pw, out, m, n, k, threads) -> int:
+    return fn(x.data_ptr(), k, pw.data_ptr(), None, out.data_ptr(), n, m, n, k, threads)
+
+
+def _call_i8(fn, x, pw, out, m, n, k, threads) -> int:
+    return fn(int8.ISAS.index(int8.isa()), x.data_ptr(), k, 1, pw.data_ptr(), None, out.data_ptr(), n, m, n, k,
+              threads)
 
 
 def _layout(fn) -> tuple:
