@@ -10,7 +10,8 @@
  * does not cap it (i8_cpu_has; the code of all of them is compiled on every x86 build through
  * target attributes, whatever -march=native allows):
  *   AVX2 (gemm_int8_avx2.c): the int8 weights widened to int16 in registers and multiplied
- *     with int16 activations by vpmaddwd. Weights stay int8 in memory (the decode stream).
+ *     with int16 activations by vpmaddwd. Weights stay int8 in memory (the decode stream); a
+ *     panel's first row block prefetches the next panel (panel_job).
  *   AVX-VNNI, AVX512-VNNI (gemm_int8_vnni.c): vpdpbusd on u8 = q + 128 activations; the
  *     epilogue subtracts 128 colsum.
  *   AMX-INT8 (gemm_int8_amx.c): tdpbssd on s8 x s8 tiles.
@@ -142,13 +143,16 @@ static void epilogue(const job_t *j, int64_t r0, int mr, int64_t p, int32_t acc[
     }
 }
 
+/* Panel p for the block's rows; the first row block prefetches panel pf (the next this thread
+ * takes, -1: none) as it reads p, so a few rows (a decode) stream the weights at memory's pace
+ * rather than a line's latency at a time, the hardware prefetchers stopping at each 4 KB page. */
 static void panel_job(void *ctx, int64_t p, int64_t pf) {
     const job_t *j = ctx;
-    (void)pf;
     int32_t acc[I8_MR_MAX][I8_NP] __attribute__((aligned(64)));
     for (int64_t r = j->m0; r < j->m0 + j->mb; r += j->mr) {
         const int mr = j->m0 + j->mb - r < j->mr ? (int)(j->m0 + j->mb - r) : j->mr;
-        j->kern(&j->g, r, mr, p, acc);
+        const int8_t *next = r == j->m0 && pf >= 0 ? j->g.panels + pf * j->g.Kp * I8_NP : NULL;
+        j->kern(&j->g, r, mr, p, next, acc);
         epilogue(j, r, mr, p, acc);
     }
 }

@@ -26,16 +26,22 @@ typedef struct {
     const void *aq; /* [M][Kp] quantized activations, element size by ISA */
 } i8_gemm_t;
 
-/* acc[mr][16] = sums of rows r0.. over panel p (see above) */
-typedef void (*i8_kernel_fn)(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, int32_t acc[][I8_NP]);
+/* acc[mr][16] = sums of rows r0.. over panel p (see above). pf: where to prefetch one line per
+ * k-quad (the next panel, read at the pace this one is; the AVX2 kernel only), or NULL */
+typedef void (*i8_kernel_fn)(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, const int8_t *pf,
+                             int32_t acc[][I8_NP]);
 
 /* CPU and OS support, by runtime detection (cpuid, xgetbv, and for AMX the tile permission) */
 int i8_cpu_has(int isa);
 
-void i8_kernel_avx2(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, int32_t acc[][I8_NP]);
-void i8_kernel_avxvnni(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, int32_t acc[][I8_NP]);
-void i8_kernel_avx512vnni(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, int32_t acc[][I8_NP]);
-void i8_kernel_amx(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, int32_t acc[][I8_NP]);
+void i8_kernel_avx2(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, const int8_t *pf,
+                    int32_t acc[][I8_NP]);
+void i8_kernel_avxvnni(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, const int8_t *pf,
+                       int32_t acc[][I8_NP]);
+void i8_kernel_avx512vnni(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, const int8_t *pf,
+                          int32_t acc[][I8_NP]);
+void i8_kernel_amx(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, const int8_t *pf,
+                   int32_t acc[][I8_NP]);
 int i8_amx_permitted(void);
 void i8_amx_begin(void); /* per thread, before its first i8_kernel_amx of a call */
 void i8_amx_end(void);   /* per thread, after its last */

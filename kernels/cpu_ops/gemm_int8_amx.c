@@ -43,7 +43,8 @@ __attribute__((target("amx-tile"))) void i8_amx_end(void) {
 }
 
 __attribute__((target("amx-tile,amx-int8")))
-void i8_kernel_amx(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, int32_t acc[][I8_NP]) {
+void i8_kernel_amx(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, const int8_t *pf, int32_t acc[][I8_NP]) {
+    (void)pf;
     const int64_t kp = g->Kp;
     const int8_t *w = g->panels + p * kp * I8_NP;
     const int8_t *a = (const int8_t *)g->aq + r0 * kp;
@@ -60,7 +61,7 @@ void i8_kernel_amx(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, int32_t ac
 int i8_amx_permitted(void) { return 0; }
 void i8_amx_begin(void) {}
 void i8_amx_end(void) {}
-void i8_kernel_amx(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, int32_t acc[][I8_NP]) {
-    (void)g, (void)r0, (void)mr, (void)p, (void)acc;
+void i8_kernel_amx(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, const int8_t *pf, int32_t acc[][I8_NP]) {
+    (void)g, (void)r0, (void)mr, (void)p, (void)pf, (void)acc;
 }
 #endif

@@ -21,14 +21,16 @@
 
 #define AVX2_T __attribute__((target("avx2"), always_inline)) static inline
 
-AVX2_T void avx2_block(const i8_gemm_t *g, int64_t r0, int64_t p, int32_t acc[][I8_NP], const int mr) {
+AVX2_T void avx2_block(const i8_gemm_t *g, int64_t r0, int64_t p, const int8_t *pf, int32_t acc[][I8_NP],
+                       const int mr) {
     const int64_t kp = g->Kp, nq = kp / 4;
     const int8_t *w = g->panels + p * kp * I8_NP;
     const int16_t *a = (const int16_t *)g->aq + r0 * kp;
     __m256i s[I8_MR_AVX2][4];
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < 4; j++) s[r][j] = _mm256_setzero_si256();
-    for (int64_t q = 0; q < nq; q++, w += 64) {
+    for (int64_t q = 0; q < nq; q++, w += 64, pf += 64) {
+        _mm_prefetch((const char *)pf, _MM_HINT_T0);
         __m256i av[I8_MR_AVX2];
         for (int r = 0; r < mr; r++) av[r] = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(a + r * kp + 4 * q)));
         for (int j = 0; j < 4; j++) {
@@ -48,8 +50,9 @@ AVX2_T void avx2_block(const i8_gemm_t *g, int64_t r0, int64_t p, int32_t acc[][
  * 1's broadcast activations in ymm12-13 for the whole k-quad, the widened weight piece in ymm14;
  * row 2's activations are broadcast again for each piece into ymm15, which then takes products.
  * 16 registers, no spill. A broadcast from memory costs about a cycle on Zen 3, so six per
- * k-quad instead of twelve. Integer sums: avx2_block's result exactly. */
-AVX2_T void avx2_block3_asm(const i8_gemm_t *g, int64_t r0, int64_t p, int32_t acc[][I8_NP]) {
+ * k-quad instead of twelve. Each k-quad also prefetches a line at pf (i8_kernel_avx2). Integer
+ * sums: avx2_block's result exactly. */
+AVX2_T void avx2_block3_asm(const i8_gemm_t *g, int64_t r0, int64_t p, const int8_t *pf, int32_t acc[][I8_NP]) {
     const int64_t kp = g->Kp;
     int64_t nq = kp / 4; /* >= 16: Kp is a multiple of 64 */
     const int8_t *w = g->panels + p * kp * I8_NP;
@@ -72,16 +75,17 @@ AVX2_T void avx2_block3_asm(const i8_gemm_t *g, int64_t r0, int64_t p, int32_t a
         "vmovdqa %%ymm0, %%ymm7\n\t" "vmovdqa %%ymm0, %%ymm8\n\t" "vmovdqa %%ymm0, %%ymm9\n\t"
         "vmovdqa %%ymm0, %%ymm10\n\t" "vmovdqa %%ymm0, %%ymm11\n\t"
         "1:\n\t"
+        "prefetcht0 (%[pf])\n\t"
         "vpbroadcastq (%[a0]), %%ymm12\n\t"
         "vpbroadcastq (%[a1]), %%ymm13\n\t"
         I8_PIECE(0, 0, 4, 8) I8_PIECE(16, 1, 5, 9) I8_PIECE(32, 2, 6, 10) I8_PIECE(48, 3, 7, 11)
-        "add $64, %[w]\n\t" "add $8, %[a0]\n\t" "add $8, %[a1]\n\t" "add $8, %[a2]\n\t"
+        "add $64, %[w]\n\t" "add $64, %[pf]\n\t" "add $8, %[a0]\n\t" "add $8, %[a1]\n\t" "add $8, %[a2]\n\t"
         "dec %[n]\n\t" "jnz 1b\n\t"
         "vmovdqu %%ymm0, 0(%[s])\n\t" "vmovdqu %%ymm1, 32(%[s])\n\t" "vmovdqu %%ymm2, 64(%[s])\n\t"
         "vmovdqu %%ymm3, 96(%[s])\n\t" "vmovdqu %%ymm4, 128(%[s])\n\t" "vmovdqu %%ymm5, 160(%[s])\n\t"
         "vmovdqu %%ymm6, 192(%[s])\n\t" "vmovdqu %%ymm7, 224(%[s])\n\t" "vmovdqu %%ymm8, 256(%[s])\n\t"
         "vmovdqu %%ymm9, 288(%[s])\n\t" "vmovdqu %%ymm10, 320(%[s])\n\t" "vmovdqu %%ymm11, 352(%[s])\n\t"
-        : [w] "+r"(w), [a0] "+r"(a0), [a1] "+r"(a1), [a2] "+r"(a2), [n] "+r"(nq)
+        : [w] "+r"(w), [pf] "+r"(pf), [a0] "+r"(a0), [a1] "+r"(a1), [a2] "+r"(a2), [n] "+r"(nq)
         : [s] "r"(&s[0][0])
         : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
           "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
@@ -93,9 +97,10 @@ AVX2_T void avx2_block3_asm(const i8_gemm_t *g, int64_t r0, int64_t p, int32_t a
 }
 
 __attribute__((target("avx2"))) void i8_kernel_avx2(const i8_gemm_t *g, int64_t r0, int mr, int64_t p,
-                                                           int32_t acc[][I8_NP]) {
-    if (mr == 3) avx2_block3_asm(g, r0, p, acc);
-    else if (mr == 2) avx2_block(g, r0, p, acc, 2);
-    else avx2_block(g, r0, p, acc, 1);
+                                                    const int8_t *pf, int32_t acc[][I8_NP]) {
+    if (!pf) pf = g->panels + p * g->Kp * I8_NP; /* this panel again: lines in cache, no branch per k-quad */
+    if (mr == 3) avx2_block3_asm(g, r0, p, pf, acc);
+    else if (mr == 2) avx2_block(g, r0, p, pf, acc, 2);
+    else avx2_block(g, r0, p, pf, acc, 1);
 }
 #endif

@@ -42,7 +42,9 @@ VNNI512_T void vnni512_block(const i8_gemm_t *g, int64_t r0, int64_t p, int32_t 
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-void i8_kernel_avx512vnni(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, int32_t acc[][I8_NP]) {
+void i8_kernel_avx512vnni(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, const int8_t *pf,
+                          int32_t acc[][I8_NP]) {
+    (void)pf; /* no prefetch measured on these paths */
     switch (mr) { /* constant row counts: the accumulators stay in registers */
     case 8: vnni512_block(g, r0, p, acc, 8); break;
     case 7: vnni512_block(g, r0, p, acc, 7); break;
@@ -76,7 +78,9 @@ VNNI256_T void vnni256_block(const i8_gemm_t *g, int64_t r0, int64_t p, int32_t 
 }
 
 __attribute__((target("avx2,avxvnni")))
-void i8_kernel_avxvnni(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, int32_t acc[][I8_NP]) {
+void i8_kernel_avxvnni(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, const int8_t *pf,
+                       int32_t acc[][I8_NP]) {
+    (void)pf; /* no prefetch measured on these paths */
     switch (mr) {
     case 6: vnni256_block(g, r0, p, acc, 6); break;
     case 5: vnni256_block(g, r0, p, acc, 5); break;
