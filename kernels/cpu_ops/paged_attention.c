@@ -181,9 +181,11 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     const char *krow[16], *vrow[P2_KEYS], *knext[16], *vnext[16]; /* vrow: pass 2's block */
     /* bf16 decodes on AVX2 (pass1_direct_avx2_bf16, then p2_three): pass 1 prefetches K only and
      * pass 2 the V rows of its next block. With both in pass 1, which these decodes run fast,
-     * V's prefetches crowded K's and memory idled through pass 2: 5-7% faster this way on the
-     * AVX2 box (docs/cpu-kernels.md). fp32 decodes gained nothing from it and keep both in pass 1. */
+     * V's prefetches crowded K's and memory idled through pass 2: 3-8% faster this way on the
+     * AVX2 box (docs/cpu-kernels.md). fp32 decodes gained nothing from it and keep both in pass 1.
+     * Pass 2 takes vnext (done with by then) for the next block's V row addresses. */
     const int vpf = P2_HALVES && A->bf16 && nq <= QC && nc <= 4 && nc % 2 == 0 && nqh >= 3;
+    _Static_assert(!P2_HALVES || P2_KEYS <= 16, "pass 2's next-block V rows go into vnext [16]");
 #if P2_HALVES
     if (nq <= QC && nc <= 4 && A->bf16) {
         pass1_direct_avx2_bf16(A, it, h0, nh, table, qv, scores, sstride, s_begin, n_max, nc, krow, knext, vnext,
