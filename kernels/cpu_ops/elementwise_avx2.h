@@ -42,7 +42,7 @@ static inline void store8_bf16(uint16_t *p, __m256i h) {
 /* SiLU-and-mul of w x 8 lanes, fp32 or bf16 (bf): o = RND(silu(g)) * u, RND only in bf16. The w
  * vectors' chains (e^-g, the division, two roundings) are written side by side: one 8-lane chain
  * at a time left most of the FP pipes idle behind its latency, 1.22 ms for a [1024, 3072] bf16
- * gate|up on Zen 3 against 0.82 with four (docs/cpu-kernels.md). Each lane's arithmetic is
+ * gate|up on Zen 3 against 0.83 with four (docs/cpu-kernels.md). Each lane's arithmetic is
  * unchanged: bit for bit the one-vector result. */
 #define SILU_W 4
 static inline __attribute__((always_inline)) void silu_lanes(const void *g, const void *u, void *o, const int w,
