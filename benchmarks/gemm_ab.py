@@ -37,7 +37,7 @@ GEMMS = {  # dtype: (source, entry, packing)
     "float32": ("kernels/cpu_ops/gemm.c", "llmsvc_gemm_f32", linear.pack_panels),
     "gguf": ("kernels/cpu_ops/gemm.c", "llmsvc_gemm_q8", lambda w: _gguf_blocks(w)),
     "int8": ([f"kernels/cpu_ops/gemm_int8{part}.c" for part in ("", "_avx2", "_vnni", "_amx")], "llmsvc_gemm_i8",
-             lambda w: int8.pack(w)),
+             int8.pack),
 }
 # llmsvc_gemm_i8(isa, a, lda, dtype, packed, bias, c, ldc, M, N, K, threads)
 _I8_ARGTYPES = [_I, _P, _I64, _I, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
