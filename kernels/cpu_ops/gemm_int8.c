@@ -31,7 +31,7 @@
 #include "gemm_int8.h"
 #include "panel_runs.h"
 
-#define MC 96 /* rows per block: a multiple of every MR (3, 6, 8, 16); 96 x Kp int16 stays in L2 */
+#define MC 96 /* rows per block: a multiple of every MR (6, 8, 16); 96 x Kp int16 stays in L2 */
 #define HEADER 64
 #define MAGIC 0x38544E49
 

@@ -46,7 +46,7 @@ int i8_amx_permitted(void);
 void i8_amx_begin(void); /* per thread, before its first i8_kernel_amx of a call */
 void i8_amx_end(void);   /* per thread, after its last */
 
-#define I8_MR_AVX2 3
+#define I8_MR_AVX2 6
 #define I8_MR_AVXVNNI 6
 #define I8_MR_AVX512VNNI 8
 #define I8_MR_AMX 16

@@ -6,7 +6,8 @@
  * overflow int16 under the unsigned-offset trick (255 * 127 * 2), and the sign trick (vpsignb +
  * vpabsb) costs two more uops per multiply for the same 16 multiply-adds per vector multiply.
  * Zen 3 issues two vpmaddwd a cycle (32 multiply-adds, against its two FMAs' 16), so the
- * 3-row block's k-loop is written in assembly to keep its sums in registers.
+ * k-loops of the full row block (6 rows, one half-panel at a time) and of a 3-row remainder are
+ * written in assembly to keep their sums in registers.
  */
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -14,7 +15,8 @@
 
 #include "gemm_int8.h"
 
-/* ---- AVX2 kernel: MR = 3 rows x 16 columns, 12 int32 accumulators ----
+/* ---- AVX2 kernel: MR = 6 rows (two 6 x 8 halves of the panel, avx2_half6_asm); fewer rows:
+ * 3 x 16 in assembly (avx2_block3_asm), then 1 or 2 in C (avx2_block) ----
  * Per k-quad: the panel's 64-byte row as four 16-byte pieces (columns 4j .. 4j + 3, 4 k each),
  * each widened to 16 int16; each row's 4 int16 activations broadcast to every 64-bit lane;
  * vpmaddwd then gives per column two partial sums (k 0-1, k 2-3), added pairwise at the end. */
@@ -26,12 +28,12 @@ AVX2_T void avx2_block(const i8_gemm_t *g, int64_t r0, int64_t p, const int8_t *
     const int64_t kp = g->Kp, nq = kp / 4;
     const int8_t *w = g->panels + p * kp * I8_NP;
     const int16_t *a = (const int16_t *)g->aq + r0 * kp;
-    __m256i s[I8_MR_AVX2][4];
+    __m256i s[2][4];
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < 4; j++) s[r][j] = _mm256_setzero_si256();
     for (int64_t q = 0; q < nq; q++, w += 64, pf += 64) {
         _mm_prefetch((const char *)pf, _MM_HINT_T0);
-        __m256i av[I8_MR_AVX2];
+        __m256i av[2];
         for (int r = 0; r < mr; r++) av[r] = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(a + r * kp + 4 * q)));
         for (int j = 0; j < 4; j++) {
             const __m256i wv = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)(w + 16 * j)));
@@ -57,7 +59,7 @@ AVX2_T void avx2_block3_asm(const i8_gemm_t *g, int64_t r0, int64_t p, const int
     int64_t nq = kp / 4; /* >= 16: Kp is a multiple of 64 */
     const int8_t *w = g->panels + p * kp * I8_NP;
     const int16_t *a0 = (const int16_t *)g->aq + r0 * kp, *a1 = a0 + kp, *a2 = a1 + kp;
-    __m256i s[I8_MR_AVX2][4];
+    __m256i s[3][4];
     /* piece J (byte offset 16 J of the k-quad's 64) into sums ymm J, 4 + J, 8 + J */
 #define I8_PIECE(OFF, A, B, C)                                                              \
     "vpmovsxbw " #OFF "(%[w]), %%ymm14\n\t"                                                 \
@@ -96,11 +98,68 @@ AVX2_T void avx2_block3_asm(const i8_gemm_t *g, int64_t r0, int64_t p, const int
                                 _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[r][2 * h], s[r][2 * h + 1]), 0xD8));
 }
 
+/* Six rows x one half (8 columns) of the panel, k-loop in assembly. Against avx2_block3_asm it
+ * widens half as many weight pieces per multiply (2 vpmovsxbw per 12 vpmaddwd, not 4) and
+ * indexes every stream off one counter, so a k-quad is 33 macro-ops instead of 41: the 3-row
+ * loop was bound by Zen 3's 6-wide dispatch and its four FP pipes (~7 cycles a k-quad for 12
+ * vpmaddwd that need 6), this one by the vpmaddwd pipes themselves.
+ * Registers: sums of row r, piece j in ymm 2 r + j (ymm0-11), the half's two widened pieces in
+ * ymm12-13, each row's broadcast activations in ymm14, the product in ymm15. The counter i runs
+ * from -8 nq to 0 in bytes of activations (4 int16 per k-quad); the panel and pf advance 64
+ * bytes a k-quad, so they are addressed at 8 i from their ends. pf: one line a k-quad (the
+ * next panel, or this one again). Half h's sums go to acc[r][8 h .. 8 h + 7]. */
+AVX2_T void avx2_half6_asm(const i8_gemm_t *g, int64_t r0, int64_t p, int h, const int8_t *pf,
+                           int32_t acc[][I8_NP]) {
+    const int64_t kp = g->Kp, nq = kp / 4;
+    const int8_t *wend = g->panels + p * kp * I8_NP + 32 * h + 64 * nq, *pfend = pf + 64 * nq;
+    const int16_t *a0 = (const int16_t *)g->aq + r0 * kp + 4 * nq;
+    const int16_t *a1 = a0 + kp, *a2 = a1 + kp, *a3 = a2 + kp, *a4 = a3 + kp, *a5 = a4 + kp;
+    int64_t i = -8 * nq;
+    __m256i s[6][2];
+#define I8_ROW(A, S0, S1)                                                                   \
+    "vpbroadcastq (%[" #A "], %[i]), %%ymm14\n\t"                                           \
+    "vpmaddwd %%ymm12, %%ymm14, %%ymm15\n\t"                                                \
+    "vpaddd %%ymm15, %%ymm" #S0 ", %%ymm" #S0 "\n\t"                                        \
+    "vpmaddwd %%ymm13, %%ymm14, %%ymm14\n\t"                                                \
+    "vpaddd %%ymm14, %%ymm" #S1 ", %%ymm" #S1 "\n\t"
+    __asm__ volatile(
+        "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
+        "vmovdqa %%ymm0, %%ymm1\n\t" "vmovdqa %%ymm0, %%ymm2\n\t" "vmovdqa %%ymm0, %%ymm3\n\t"
+        "vmovdqa %%ymm0, %%ymm4\n\t" "vmovdqa %%ymm0, %%ymm5\n\t" "vmovdqa %%ymm0, %%ymm6\n\t"
+        "vmovdqa %%ymm0, %%ymm7\n\t" "vmovdqa %%ymm0, %%ymm8\n\t" "vmovdqa %%ymm0, %%ymm9\n\t"
+        "vmovdqa %%ymm0, %%ymm10\n\t" "vmovdqa %%ymm0, %%ymm11\n\t"
+        "1:\n\t"
+        "prefetcht0 (%[pf], %[i], 8)\n\t"
+        "vpmovsxbw (%[w], %[i], 8), %%ymm12\n\t"
+        "vpmovsxbw 16(%[w], %[i], 8), %%ymm13\n\t"
+        I8_ROW(a0, 0, 1) I8_ROW(a1, 2, 3) I8_ROW(a2, 4, 5) I8_ROW(a3, 6, 7) I8_ROW(a4, 8, 9) I8_ROW(a5, 10, 11)
+        "add $8, %[i]\n\t"
+        "jnz 1b\n\t"
+        "vmovdqu %%ymm0, 0(%[s])\n\t" "vmovdqu %%ymm1, 32(%[s])\n\t" "vmovdqu %%ymm2, 64(%[s])\n\t"
+        "vmovdqu %%ymm3, 96(%[s])\n\t" "vmovdqu %%ymm4, 128(%[s])\n\t" "vmovdqu %%ymm5, 160(%[s])\n\t"
+        "vmovdqu %%ymm6, 192(%[s])\n\t" "vmovdqu %%ymm7, 224(%[s])\n\t" "vmovdqu %%ymm8, 256(%[s])\n\t"
+        "vmovdqu %%ymm9, 288(%[s])\n\t" "vmovdqu %%ymm10, 320(%[s])\n\t" "vmovdqu %%ymm11, 352(%[s])\n\t"
+        : [i] "+r"(i)
+        : [w] "r"(wend), [pf] "r"(pfend), [a0] "r"(a0), [a1] "r"(a1), [a2] "r"(a2), [a3] "r"(a3), [a4] "r"(a4),
+          [a5] "r"(a5), [s] "r"(&s[0][0])
+        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+          "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+#undef I8_ROW
+    for (int r = 0; r < 6; r++)
+        _mm256_storeu_si256((__m256i *)(acc[r] + 8 * h),
+                            _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[r][0], s[r][1]), 0xD8));
+}
+
 __attribute__((target("avx2"))) void i8_kernel_avx2(const i8_gemm_t *g, int64_t r0, int mr, int64_t p,
                                                     const int8_t *pf, int32_t acc[][I8_NP]) {
     if (!pf) pf = g->panels + p * g->Kp * I8_NP; /* this panel again: lines in cache, no branch per k-quad */
-    if (mr == 3) avx2_block3_asm(g, r0, p, pf, acc);
-    else if (mr == 2) avx2_block(g, r0, p, pf, acc, 2);
-    else avx2_block(g, r0, p, pf, acc, 1);
+    if (mr == 6) { /* the first half prefetches pf's every line, the second reads this panel's again */
+        avx2_half6_asm(g, r0, p, 0, pf, acc);
+        avx2_half6_asm(g, r0, p, 1, g->panels + p * g->Kp * I8_NP, acc);
+        return;
+    }
+    if (mr >= 3) avx2_block3_asm(g, r0, p, pf, acc), r0 += 3, acc += 3, mr -= 3;
+    if (mr == 2) avx2_block(g, r0, p, pf, acc, 2);
+    else if (mr == 1) avx2_block(g, r0, p, pf, acc, 1);
 }
 #endif
