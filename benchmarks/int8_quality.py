@@ -13,7 +13,11 @@ ordinary vocabulary); each runs greedy for 128 tokens (ignore_eos) under bf16 an
                            itself (both through prompt_logprobs on prompt + continuation)
 
 python -m benchmarks.int8_quality [--model DIR_OR_GGUF] [--requests 64] [--output-len 128]
-                                  [--candidate int8|fp32]
+                                  [--candidate int8|fp32] [--prompts w1|chat]
+
+--prompts chat takes CHAT_PROMPTS instead (natural questions, each one user turn through the
+model's chat template); their greedy answers stop at the end of turn, as a chat client's do.
+Random-token prompts leave the model few close calls; natural text gives it more.
 
 --candidate fp32 measures float32 (no quantization) against bf16 the same way: how far two
 float precisions already drift apart on these prompts.
@@ -31,10 +35,35 @@ def _engine(model, quantization: str, dtype: str):
                max_num_batched_tokens=1024, kv_cache_memory="2GiB")
 
 
-def _greedy(llm, prompts, output_len: int) -> list[list[int]]:
+CHAT_PROMPTS = (
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis to a child.",
+    "How do I reverse a list in Python?", "Give me three tips for better sleep.", "What is 17 times 23?",
+    "Translate 'good morning' into Spanish.", "Who wrote Romeo and Juliet?", "Summarize the plot of Cinderella.",
+    "What causes rain?", "Name three primary colors.", "Why is the sky blue?", "Write a short poem about autumn.",
+    "What is a black hole?", "How many legs does a spider have?", "Suggest a name for a pet cat.",
+    "What are the benefits of exercise?", "Describe a rainbow.", "How does a computer work?",
+    "What is the largest ocean?", "Tell me a fun fact about elephants.", "What should I cook for dinner tonight?",
+    "How do airplanes fly?", "What is the meaning of democracy?")
+
+
+def _prompts(llm, kind: str) -> list[list[int]]:
+    """Token ids: W1's prompts, or CHAT_PROMPTS as one user turn each through the chat template."""
+    tok = llm.get_tokenizer()
+    if kind == "w1":
+        from llmsvc.bench.workloads import build_prompts, get_workload, ordinary_vocab
+
+        return build_prompts(get_workload("W1"), ordinary_vocab(tok))
+    out = []
+    for q in CHAT_PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def _greedy(llm, prompts, output_len: int, ignore_eos: bool = True) -> list[list[int]]:
     from llmsvc import SamplingParams
 
-    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=ignore_eos)
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
@@ -64,24 +93,24 @@ def main(argv=None) -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--candidate", default="int8", choices=list(CANDIDATES))
+    ap.add_argument("--prompts", default="w1", choices=["w1", "chat"])
     a = ap.parse_args(argv)
-    from llmsvc.bench.workloads import build_prompts, get_workload, ordinary_vocab
-
-    w = get_workload("W1")
     results = {}
     for name, (quant, dtype) in (("bf16", ("none", "bfloat16")), (a.candidate, CANDIDATES[a.candidate])):
         t0 = time.perf_counter()
         llm = _engine(a.model, quant, dtype)
-        prompts = build_prompts(w, ordinary_vocab(llm.get_tokenizer()))[:a.requests]
-        results[name] = {"greedy": _greedy(llm, prompts, a.output_len), "llm": llm}
+        prompts = _prompts(llm, a.prompts)[:a.requests]
+        results[name] = {"greedy": _greedy(llm, prompts, a.output_len, a.prompts == "w1"), "llm": llm}
         print(f"{name}: generated in {time.perf_counter() - t0:.1f} s", flush=True)
     ref, cand = results["bf16"]["greedy"], results[a.candidate]["greedy"]
     same = sum(x == y for r, q in zip(ref, cand) for x, y in zip(r, q))
-    prefix = [next((i for i, (x, y) in enumerate(zip(r, q)) if x != y), len(r)) for r, q in zip(ref, cand)]
+    prefix = [next((i for i, (x, y) in enumerate(zip(r, q)) if x != y), min(len(r), len(q))) for r, q in zip(ref, cand)]
     total = sum(len(r) for r in ref)
-    print(f"prompts: {len(prompts)} x {w.input_len} tokens (W1), {a.output_len} greedy tokens each")
+    lens = sorted({len(p) for p in prompts})
+    print(f"prompts: {len(prompts)} ({a.prompts}) of {lens[0]}-{lens[-1]} tokens, up to {a.output_len} greedy tokens each "
+          f"(bf16: {total} in all)")
     print(f"{a.candidate} against bf16, free-running agreement: {same / total:.4f} ({same}/{total}); mean common prefix "
-          f"{sum(prefix) / len(prefix):.1f} tokens; {sum(p == a.output_len for p in prefix)} sequences identical")
+          f"{sum(prefix) / len(prefix):.1f} tokens; {sum(r == q for r, q in zip(ref, cand))} sequences identical")
     for name, r in results.items():
         lp, top1 = _score(r["llm"], prompts, ref)
         print(f"bf16 greedy continuation under {name}: mean log-prob {lp:.4f} per token, teacher-forced "
