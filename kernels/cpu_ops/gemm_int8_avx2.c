@@ -23,6 +23,20 @@
 
 #define AVX2_T __attribute__((target("avx2"), always_inline)) static inline
 
+/* The assembly blocks' 12 sums: ymm0-11 set to zero before the k-loop, stored after it to %[s]
+ * (12 consecutive __m256i) */
+#define I8_ZERO_SUMS                                                                        \
+    "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"                                                     \
+    "vmovdqa %%ymm0, %%ymm1\n\t" "vmovdqa %%ymm0, %%ymm2\n\t" "vmovdqa %%ymm0, %%ymm3\n\t"     \
+    "vmovdqa %%ymm0, %%ymm4\n\t" "vmovdqa %%ymm0, %%ymm5\n\t" "vmovdqa %%ymm0, %%ymm6\n\t"     \
+    "vmovdqa %%ymm0, %%ymm7\n\t" "vmovdqa %%ymm0, %%ymm8\n\t" "vmovdqa %%ymm0, %%ymm9\n\t"     \
+    "vmovdqa %%ymm0, %%ymm10\n\t" "vmovdqa %%ymm0, %%ymm11\n\t"
+#define I8_STORE_SUMS                                                                       \
+    "vmovdqu %%ymm0, 0(%[s])\n\t" "vmovdqu %%ymm1, 32(%[s])\n\t" "vmovdqu %%ymm2, 64(%[s])\n\t"     \
+    "vmovdqu %%ymm3, 96(%[s])\n\t" "vmovdqu %%ymm4, 128(%[s])\n\t" "vmovdqu %%ymm5, 160(%[s])\n\t"  \
+    "vmovdqu %%ymm6, 192(%[s])\n\t" "vmovdqu %%ymm7, 224(%[s])\n\t" "vmovdqu %%ymm8, 256(%[s])\n\t" \
+    "vmovdqu %%ymm9, 288(%[s])\n\t" "vmovdqu %%ymm10, 320(%[s])\n\t" "vmovdqu %%ymm11, 352(%[s])\n\t"
+
 AVX2_T void avx2_block(const i8_gemm_t *g, int64_t r0, int64_t p, const int8_t *pf, int32_t acc[][I8_NP],
                        const int mr) {
     const int64_t kp = g->Kp, nq = kp / 4;
@@ -71,11 +85,7 @@ AVX2_T void avx2_block3_asm(const i8_gemm_t *g, int64_t r0, int64_t p, const int
     "vpmaddwd %%ymm14, %%ymm13, %%ymm14\n\t"                                                \
     "vpaddd %%ymm14, %%ymm" #B ", %%ymm" #B "\n\t"
     __asm__ volatile(
-        "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
-        "vmovdqa %%ymm0, %%ymm1\n\t" "vmovdqa %%ymm0, %%ymm2\n\t" "vmovdqa %%ymm0, %%ymm3\n\t"
-        "vmovdqa %%ymm0, %%ymm4\n\t" "vmovdqa %%ymm0, %%ymm5\n\t" "vmovdqa %%ymm0, %%ymm6\n\t"
-        "vmovdqa %%ymm0, %%ymm7\n\t" "vmovdqa %%ymm0, %%ymm8\n\t" "vmovdqa %%ymm0, %%ymm9\n\t"
-        "vmovdqa %%ymm0, %%ymm10\n\t" "vmovdqa %%ymm0, %%ymm11\n\t"
+        I8_ZERO_SUMS
         "1:\n\t"
         "prefetcht0 (%[pf])\n\t"
         "vpbroadcastq (%[a0]), %%ymm12\n\t"
@@ -83,10 +93,7 @@ AVX2_T void avx2_block3_asm(const i8_gemm_t *g, int64_t r0, int64_t p, const int
         I8_PIECE(0, 0, 4, 8) I8_PIECE(16, 1, 5, 9) I8_PIECE(32, 2, 6, 10) I8_PIECE(48, 3, 7, 11)
         "add $64, %[w]\n\t" "add $64, %[pf]\n\t" "add $8, %[a0]\n\t" "add $8, %[a1]\n\t" "add $8, %[a2]\n\t"
         "dec %[n]\n\t" "jnz 1b\n\t"
-        "vmovdqu %%ymm0, 0(%[s])\n\t" "vmovdqu %%ymm1, 32(%[s])\n\t" "vmovdqu %%ymm2, 64(%[s])\n\t"
-        "vmovdqu %%ymm3, 96(%[s])\n\t" "vmovdqu %%ymm4, 128(%[s])\n\t" "vmovdqu %%ymm5, 160(%[s])\n\t"
-        "vmovdqu %%ymm6, 192(%[s])\n\t" "vmovdqu %%ymm7, 224(%[s])\n\t" "vmovdqu %%ymm8, 256(%[s])\n\t"
-        "vmovdqu %%ymm9, 288(%[s])\n\t" "vmovdqu %%ymm10, 320(%[s])\n\t" "vmovdqu %%ymm11, 352(%[s])\n\t"
+        I8_STORE_SUMS
         : [w] "+r"(w), [pf] "+r"(pf), [a0] "+r"(a0), [a1] "+r"(a1), [a2] "+r"(a2), [n] "+r"(nq)
         : [s] "r"(&s[0][0])
         : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
@@ -123,11 +130,7 @@ AVX2_T void avx2_half6_asm(const i8_gemm_t *g, int64_t r0, int64_t p, int h, con
     "vpmaddwd %%ymm13, %%ymm14, %%ymm14\n\t"                                                \
     "vpaddd %%ymm14, %%ymm" #S1 ", %%ymm" #S1 "\n\t"
     __asm__ volatile(
-        "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
-        "vmovdqa %%ymm0, %%ymm1\n\t" "vmovdqa %%ymm0, %%ymm2\n\t" "vmovdqa %%ymm0, %%ymm3\n\t"
-        "vmovdqa %%ymm0, %%ymm4\n\t" "vmovdqa %%ymm0, %%ymm5\n\t" "vmovdqa %%ymm0, %%ymm6\n\t"
-        "vmovdqa %%ymm0, %%ymm7\n\t" "vmovdqa %%ymm0, %%ymm8\n\t" "vmovdqa %%ymm0, %%ymm9\n\t"
-        "vmovdqa %%ymm0, %%ymm10\n\t" "vmovdqa %%ymm0, %%ymm11\n\t"
+        I8_ZERO_SUMS
         "1:\n\t"
         "prefetcht0 (%[pf], %[i], 8)\n\t"
         "vpmovsxbw (%[w], %[i], 8), %%ymm12\n\t"
@@ -135,10 +138,7 @@ AVX2_T void avx2_half6_asm(const i8_gemm_t *g, int64_t r0, int64_t p, int h, con
         I8_ROW(a0, 0, 1) I8_ROW(a1, 2, 3) I8_ROW(a2, 4, 5) I8_ROW(a3, 6, 7) I8_ROW(a4, 8, 9) I8_ROW(a5, 10, 11)
         "add $8, %[i]\n\t"
         "jnz 1b\n\t"
-        "vmovdqu %%ymm0, 0(%[s])\n\t" "vmovdqu %%ymm1, 32(%[s])\n\t" "vmovdqu %%ymm2, 64(%[s])\n\t"
-        "vmovdqu %%ymm3, 96(%[s])\n\t" "vmovdqu %%ymm4, 128(%[s])\n\t" "vmovdqu %%ymm5, 160(%[s])\n\t"
-        "vmovdqu %%ymm6, 192(%[s])\n\t" "vmovdqu %%ymm7, 224(%[s])\n\t" "vmovdqu %%ymm8, 256(%[s])\n\t"
-        "vmovdqu %%ymm9, 288(%[s])\n\t" "vmovdqu %%ymm10, 320(%[s])\n\t" "vmovdqu %%ymm11, 352(%[s])\n\t"
+        I8_STORE_SUMS
         : [i] "+r"(i)
         : [w] "r"(wend), [pf] "r"(pfend), [a0] "r"(a0), [a1] "r"(a1), [a2] "r"(a2), [a3] "r"(a3), [a4] "r"(a4),
           [a5] "r"(a5), [s] "r"(&s[0][0])
