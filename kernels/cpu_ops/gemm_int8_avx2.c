@@ -109,7 +109,7 @@ AVX2_T void avx2_block3_asm(const i8_gemm_t *g, int64_t r0, int64_t p, const int
  * widens half as many weight pieces per multiply (2 vpmovsxbw per 12 vpmaddwd, not 4) and
  * indexes every stream off one counter, so a k-quad is 33 macro-ops instead of 41: the 3-row
  * loop was bound by Zen 3's 6-wide dispatch and its four FP pipes (~7 cycles a k-quad for 12
- * vpmaddwd that need 6), this one by the vpmaddwd pipes themselves.
+ * vpmaddwd that need 6); this one's 26 FP-pipe operations take ~6.5.
  * Registers: sums of row r, piece j in ymm 2 r + j (ymm0-11), the half's two widened pieces in
  * ymm12-13, each row's broadcast activations in ymm14, the product in ymm15. The counter i runs
  * from -8 nq to 0 in bytes of activations (4 int16 per k-quad); the panel and pf advance 64
