@@ -1,11 +1,12 @@
 /* Paged attention (paged_attention.c), prefill tiles on AVX-512 without bf16 dot products
- * (fp32 everywhere, bf16 on AVX512F-only CPUs): a head's query vectors across the lanes.
+ * (fp32 everywhere, bf16 on AVX512F-only CPUs) and on AVX2 + FMA (fp32 and bf16): a head's
+ * query vectors across the lanes, QL_LANES of them a register (16 zmm lanes, 8 ymm).
  *
  * pass1_workspace gives each (query vector, key) pair a vector of 16 partial sums and folds
  * 16 of them with reduce16's shuffle tree: a load per FMA and ~45 shuffles and adds per 64
  * FMAs, on the port the second FMA unit shares. Here pass 1 is a GEMM micro-kernel instead:
- *   qt [D][LD]        a head's nqh query vectors (scaled), transposed once per item; LD = 16 QZ
- *                     lanes, the lanes past nqh zero
+ *   qt [D][LD]        a head's nqh query vectors (scaled), transposed once per item; LD =
+ *                     QL_LANES QZ lanes, the lanes past nqh zero
  *   st [keys][LD]     scores, key s of vector j at st[s * LD + j]
  * per key block: st[s] = sum_d k_s[d] * qt[d], a broadcast of k_s[d] (from the group's rows,
  * copied to the workspace kb by attention_pass1.h's copy_group, widened in bf16) against QZ
@@ -19,7 +20,9 @@
 
 #ifdef __AVX512F__
 #define HAVE_QLANES 1
+#define QL_LANES 16
 #define QL_MAX_Z 4 /* zmm of query vectors per head: nqh <= 64 (8-row tiles up to G = 8) */
+#define QL_KB(QZ) ((QZ) == 1 ? 16 : (QZ) == 4 ? 4 : 8) /* keys per ql_block: 16 or 24 accumulators */
 
 /* Whether a call's prefill tiles may take this path: bf16 on AVX512-BF16 keeps the dot-product
  * tiles of attention_dp.h, and a logit soft cap the per-vector softmax. The call sizes its
@@ -52,43 +55,6 @@ static inline __attribute__((always_inline)) void ql_block(const float *kp, cons
     for (int64_t kk = 0; kk < KB; kk++)
 #pragma GCC unroll 4
         for (int64_t z = 0; z < QZ; z++) _mm512_store_ps(st + kk * LD + 16 * z, acc[kk][z]);
-}
-
-/* Scores of 16 keys of one head: 16 or 24 accumulators per block. */
-static inline __attribute__((always_inline)) void ql_group(const float *kp, const float *qt, float *st,
-                                                           const int64_t D, const int64_t QZ) {
-    const int64_t KB = QZ == 1 ? 16 : QZ == 4 ? 4 : 8, LD = 16 * QZ;
-    for (int64_t k0 = 0; k0 < 16; k0 += KB) ql_block(kp + k0 * D, qt, st + k0 * LD, D, QZ, KB);
-}
-
-/* Pass 1 of a prefill item, every head's query vectors in lanes: st (scores), qt, kb as the
- * file comment says; qv: the nh * nqh vectors, scaled. */
-static inline __attribute__((always_inline)) void pass1_qlanes(
-    const args_t *A, int64_t h0, int64_t nh, int64_t nqh, const int32_t *table, const v16 *qv, v16 *kb,
-    float *qt, float *st, int64_t sstride, int64_t s_begin, int64_t n_max, const int64_t nc, const char **krow,
-    const char **knext, const char **vnext) {
-    const int64_t D = 16 * nc, QZ = (nqh + 15) / 16, LD = 16 * QZ;
-    const int64_t esz = A->bf16 ? 2 : 4, head_bytes = esz * D, row_bytes = head_bytes * A->Hkv;
-    for (int64_t hh = 0; hh < nh; hh++) {
-        float *t = qt + hh * D * LD;
-        for (int64_t j = 0; j < LD; j++) {
-            const float *q = (const float *)(qv + (hh * nqh + (j < nqh ? j : 0)) * nc);
-            for (int64_t d = 0; d < D; d++) t[d * LD + j] = j < nqh ? q[d] : 0.f;
-        }
-    }
-    for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
-        copy_group(A, table, row_bytes, head_bytes, s0, n_max, h0, nh, kb, nc, krow, knext, vnext);
-        for (int64_t hh = 0; hh < nh; hh++) {
-            const float *kp = (const float *)(kb + hh * 16 * nc), *t = qt + hh * D * LD;
-            float *s = st + (hh * sstride + s0) * LD;
-            switch (QZ) {
-            case 1: ql_group(kp, t, s, D, 1); break;
-            case 2: ql_group(kp, t, s, D, 2); break;
-            case 3: ql_group(kp, t, s, D, 3); break;
-            default: ql_group(kp, t, s, D, 4); break;
-            }
-        }
-    }
 }
 
 /* Lanes of key s that are visible: lo <= s < lim. */
@@ -155,8 +121,149 @@ static inline void softmax_qlanes(const args_t *A, int64_t nh, int64_t nqh, floa
         }
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_QLANES 1
+#define QL_LANES 8
+#define QL_MAX_Z 4 /* ymm of query vectors per head: nqh <= 32 (8-row tiles up to G = 4) */
+/* keys per ql_block: QZ x KB accumulators + QZ query vectors + a broadcast within 16 ymm, with
+ * room to spare (at QZ = 3, four keys' 12 accumulators had GCC spill one inside the d loop) */
+#define QL_KB(QZ) ((QZ) == 1 ? 8 : (QZ) == 2 ? 4 : 2)
+
+/* Any soft cap keeps the per-vector softmax (attention_softmax.h); fp32 and bf16 alike. */
+static inline int qlanes_allowed(int bf16, float soft_cap) { return (void)bf16, soft_cap <= 0.f; }
+
+/* ql_block of the AVX-512 branch on 8 lanes: st[s0 + k0 + kk] for kk < KB */
+static inline __attribute__((always_inline)) void ql_block(const float *kp, const float *qt, float *st,
+                                                           const int64_t D, const int64_t QZ, const int64_t KB) {
+    const int64_t LD = 8 * QZ;
+    __m256 acc[8][QL_MAX_Z];
+#pragma GCC unroll 8
+    for (int64_t kk = 0; kk < KB; kk++)
+#pragma GCC unroll 4
+        for (int64_t z = 0; z < QZ; z++) acc[kk][z] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t d = 0; d < D; d++) {
+        __m256 q[QL_MAX_Z];
+#pragma GCC unroll 4
+        for (int64_t z = 0; z < QZ; z++) q[z] = _mm256_load_ps(qt + d * LD + 8 * z);
+#pragma GCC unroll 8
+        for (int64_t kk = 0; kk < KB; kk++) {
+            const __m256 b = _mm256_broadcast_ss(kp + kk * D + d);
+#pragma GCC unroll 4
+            for (int64_t z = 0; z < QZ; z++) acc[kk][z] = _mm256_fmadd_ps(b, q[z], acc[kk][z]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int64_t kk = 0; kk < KB; kk++)
+#pragma GCC unroll 4
+        for (int64_t z = 0; z < QZ; z++) _mm256_store_ps(st + kk * LD + 8 * z, acc[kk][z]);
+}
+
+/* All-ones lanes where key s is visible: lo <= s < lim. */
+static inline __m256 ql_visible8(int64_t s, __m256i lo, __m256i lim) {
+    const __m256i sv = _mm256_set1_epi32((int32_t)s);
+    return _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(lo, sv), _mm256_cmpgt_epi32(lim, sv)));
+}
+
+/* ql_exp_masked on 8 lanes */
+static inline __m256 ql_exp_masked8(float *col, int64_t LD, int64_t a, int64_t b, __m256 m, __m256i lo,
+                                    __m256i lim, __m256 sum) {
+    for (int64_t s = a; s < b; s++) {
+        const __m256 e = _mm256_and_ps(ql_visible8(s, lo, lim), exp8_ps(_mm256_sub_ps(_mm256_load_ps(col + s * LD), m)));
+        _mm256_store_ps(col + s * LD, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return sum;
+}
+
+/* softmax_qlanes of the AVX-512 branch on 8 lanes (its comment holds): masked keys' maxima by
+ * a blend, their exponentials zeroed by an and. */
+static inline void softmax_qlanes(const args_t *A, int64_t nh, int64_t nqh, float *st, int64_t sstride,
+                                  int64_t s_begin, int64_t n_max, int64_t first_lim, float *inv) {
+    const int64_t G = A->Hq / A->Hkv, QZ = (nqh + 7) / 8, LD = 8 * QZ;
+    const int64_t last_lo = window_lo(A, first_lim + (nqh - 1) / G);
+    const int64_t all_lo = last_lo > s_begin ? last_lo : s_begin, all_hi = first_lim > all_lo ? first_lim : all_lo;
+    for (int64_t hh = 0; hh < nh; hh++) {
+        for (int64_t z = 0; z < QZ; z++) {
+            int32_t limv[8], lov[8];
+            for (int64_t l = 0; l < 8; l++) {
+                const int64_t j = 8 * z + l < nqh ? 8 * z + l : nqh - 1; /* padding lanes: a real row's */
+                const int64_t lim = first_lim + j / G;
+                limv[l] = (int32_t)lim;
+                lov[l] = (int32_t)window_lo(A, lim);
+            }
+            const __m256i lim = _mm256_loadu_si256((const __m256i *)limv), lo = _mm256_loadu_si256((const __m256i *)lov);
+            float *col = st + hh * sstride * LD + 8 * z;
+            __m256 m4[4];
+            for (int i = 0; i < 4; i++) m4[i] = _mm256_set1_ps(-INFINITY);
+            int64_t s = all_lo;
+            for (; s + 4 <= all_hi; s += 4)
+                for (int i = 0; i < 4; i++) m4[i] = _mm256_max_ps(m4[i], _mm256_load_ps(col + (s + i) * LD));
+            for (; s < all_hi; s++) m4[0] = _mm256_max_ps(m4[0], _mm256_load_ps(col + s * LD));
+            for (s = s_begin; s < all_lo; s++)
+                m4[1] = _mm256_blendv_ps(m4[1], _mm256_max_ps(m4[1], _mm256_load_ps(col + s * LD)), ql_visible8(s, lo, lim));
+            for (s = all_hi; s < n_max; s++)
+                m4[2] = _mm256_blendv_ps(m4[2], _mm256_max_ps(m4[2], _mm256_load_ps(col + s * LD)), ql_visible8(s, lo, lim));
+            const __m256 m = _mm256_max_ps(_mm256_max_ps(m4[0], m4[1]), _mm256_max_ps(m4[2], m4[3]));
+            __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+            for (s = all_lo; s < all_hi; s++) {
+                const __m256 e = exp8_ps(_mm256_sub_ps(_mm256_load_ps(col + s * LD), m));
+                _mm256_store_ps(col + s * LD, e);
+                if (s & 1) sum1 = _mm256_add_ps(sum1, e);
+                else sum0 = _mm256_add_ps(sum0, e);
+            }
+            sum0 = ql_exp_masked8(col, LD, s_begin, all_lo, m, lo, lim, sum0);
+            sum0 = ql_exp_masked8(col, LD, all_hi, n_max, m, lo, lim, sum0);
+            float r[8];
+            _mm256_storeu_ps(r, _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(sum0, sum1)));
+            for (int64_t l = 0; l < 8 && 8 * z + l < nqh; l++) inv[hh * nqh + 8 * z + l] = r[l];
+        }
+    }
+}
 #else
 #define HAVE_QLANES 0
+#define QL_LANES 16
 #define QL_MAX_Z 4
 static inline int qlanes_allowed(int bf16, float soft_cap) { return (void)bf16, (void)soft_cap, 0; }
 #endif
+
+#if HAVE_QLANES
+/* Scores of 16 keys of one head, QL_KB(QZ) keys per block. */
+static inline __attribute__((always_inline)) void ql_group(const float *kp, const float *qt, float *st,
+                                                           const int64_t D, const int64_t QZ) {
+    const int64_t KB = QL_KB(QZ), LD = QL_LANES * QZ;
+    for (int64_t k0 = 0; k0 < 16; k0 += KB) ql_block(kp + k0 * D, qt, st + k0 * LD, D, QZ, KB);
+}
+
+/* Pass 1 of a prefill item, every head's query vectors in lanes: st (scores), qt, kb as the
+ * file comment says; qv: the nh * nqh vectors, scaled. */
+static inline __attribute__((always_inline)) void pass1_qlanes(
+    const args_t *A, int64_t h0, int64_t nh, int64_t nqh, const int32_t *table, const v16 *qv, v16 *kb,
+    float *qt, float *st, int64_t sstride, int64_t s_begin, int64_t n_max, const int64_t nc, const char **krow,
+    const char **knext, const char **vnext) {
+    const int64_t D = 16 * nc, QZ = (nqh + QL_LANES - 1) / QL_LANES, LD = QL_LANES * QZ;
+    const int64_t esz = A->bf16 ? 2 : 4, head_bytes = esz * D, row_bytes = head_bytes * A->Hkv;
+    for (int64_t hh = 0; hh < nh; hh++) {
+        float *t = qt + hh * D * LD;
+        for (int64_t j = 0; j < LD; j++) {
+            const float *q = (const float *)(qv + (hh * nqh + (j < nqh ? j : 0)) * nc);
+            for (int64_t d = 0; d < D; d++) t[d * LD + j] = j < nqh ? q[d] : 0.f;
+        }
+    }
+    for (int64_t s0 = s_begin; s0 < n_max; s0 += 16) {
+        copy_group(A, table, row_bytes, head_bytes, s0, n_max, h0, nh, kb, nc, krow, knext, vnext);
+        for (int64_t hh = 0; hh < nh; hh++) {
+            const float *kp = (const float *)(kb + hh * 16 * nc), *t = qt + hh * D * LD;
+            float *s = st + (hh * sstride + s0) * LD;
+            switch (QZ) {
+            case 1: ql_group(kp, t, s, D, 1); break;
+            case 2: ql_group(kp, t, s, D, 2); break;
+            case 3: ql_group(kp, t, s, D, 3); break;
+            default: ql_group(kp, t, s, D, 4); break;
+            }
+        }
+    }
+}
+
+#endif
+
