@@ -41,7 +41,8 @@ static inline ql_mask ql_visible(int64_t s, ql_vi lo, ql_vi lim) {
 static inline ql_v ql_max_where(ql_v m, ql_v x, ql_mask k) { return _mm512_mask_max_ps(m, k, m, x); }
 static inline ql_v ql_zero_unless(ql_mask k, ql_v x) { return _mm512_maskz_mov_ps(k, x); }
 static inline ql_vi ql_loadi(const int32_t *p) { return _mm512_loadu_si512(p); }
-static inline ql_v ql_bcast(const float *p) { return _mm512_set1_ps(*p); }
+#define ql_bcast(p, i) _mm512_set1_ps((p)[i]) /* p[i] to every lane */
+#define QL_UNROLL_KB _Pragma("GCC unroll 16") /* ql_block's loops over its KB keys */
 #define ql_exp exp_ps
 #elif defined(__AVX2__) && defined(__FMA__)
 #define HAVE_QLANES 1
@@ -65,7 +66,8 @@ static inline ql_mask ql_visible(int64_t s, ql_vi lo, ql_vi lim) {
 static inline ql_v ql_max_where(ql_v m, ql_v x, ql_mask k) { return _mm256_blendv_ps(m, _mm256_max_ps(m, x), k); }
 static inline ql_v ql_zero_unless(ql_mask k, ql_v x) { return _mm256_and_ps(k, x); }
 static inline ql_vi ql_loadi(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-static inline ql_v ql_bcast(const float *p) { return _mm256_broadcast_ss(p); }
+#define ql_bcast(p, i) _mm256_broadcast_ss((p) + (i)) /* GCC's set1 of p[i] ran 1-7% slower */
+#define QL_UNROLL_KB _Pragma("GCC unroll 8")
 #define ql_exp exp8_ps
 #else
 #define HAVE_QLANES 0
@@ -80,8 +82,8 @@ static inline int qlanes_allowed(int bf16, float soft_cap) { return (void)bf16, 
 static inline __attribute__((always_inline)) void ql_block(const float *kp, const float *qt, float *st,
                                                            const int64_t D, const int64_t QZ, const int64_t KB) {
     const int64_t LD = QL_LANES * QZ;
-    ql_v acc[16][QL_MAX_Z];
-#pragma GCC unroll 16
+    ql_v acc[QL_KB(1)][QL_MAX_Z]; /* sized by the largest KB: a larger array changed GCC's code */
+    QL_UNROLL_KB
     for (int64_t kk = 0; kk < KB; kk++)
 #pragma GCC unroll 4
         for (int64_t z = 0; z < QZ; z++) acc[kk][z] = QL(setzero_ps)();
@@ -90,14 +92,14 @@ static inline __attribute__((always_inline)) void ql_block(const float *kp, cons
         ql_v q[QL_MAX_Z];
 #pragma GCC unroll 4
         for (int64_t z = 0; z < QZ; z++) q[z] = QL(load_ps)(qt + d * LD + QL_LANES * z);
-#pragma GCC unroll 16
+    QL_UNROLL_KB
         for (int64_t kk = 0; kk < KB; kk++) {
-            const ql_v b = ql_bcast(kp + kk * D + d);
+            const ql_v b = ql_bcast(kp, kk * D + d);
 #pragma GCC unroll 4
             for (int64_t z = 0; z < QZ; z++) acc[kk][z] = QL(fmadd_ps)(b, q[z], acc[kk][z]);
         }
     }
-#pragma GCC unroll 16
+    QL_UNROLL_KB
     for (int64_t kk = 0; kk < KB; kk++)
 #pragma GCC unroll 4
         for (int64_t z = 0; z < QZ; z++) QL(store_ps)(st + kk * LD + QL_LANES * z, acc[kk][z]);
