@@ -82,7 +82,7 @@ static inline int qlanes_allowed(int bf16, float soft_cap) { return (void)bf16, 
 static inline __attribute__((always_inline)) void ql_block(const float *kp, const float *qt, float *st,
                                                            const int64_t D, const int64_t QZ, const int64_t KB) {
     const int64_t LD = QL_LANES * QZ;
-    ql_v acc[QL_KB(1)][QL_MAX_Z]; /* sized by the largest KB: a larger array changed GCC's code */
+    ql_v acc[QL_KB(1)][QL_MAX_Z]; /* QL_KB(1): the width's largest KB */
     QL_UNROLL_KB
     for (int64_t kk = 0; kk < KB; kk++)
 #pragma GCC unroll 4
@@ -92,7 +92,7 @@ static inline __attribute__((always_inline)) void ql_block(const float *kp, cons
         ql_v q[QL_MAX_Z];
 #pragma GCC unroll 4
         for (int64_t z = 0; z < QZ; z++) q[z] = QL(load_ps)(qt + d * LD + QL_LANES * z);
-    QL_UNROLL_KB
+        QL_UNROLL_KB
         for (int64_t kk = 0; kk < KB; kk++) {
             const ql_v b = ql_bcast(kp, kk * D + d);
 #pragma GCC unroll 4
