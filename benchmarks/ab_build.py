@@ -34,13 +34,12 @@ def headers_at(rev: str, out_dir: str) -> str:
     return folder
 
 
-def compile_entry(source, tag: str, out_dir: str, entry: str, argtypes, restype=ctypes.c_int,
+def compile_entry(texts: list[str], tag: str, out_dir: str, entry: str, argtypes, restype=ctypes.c_int,
                   rev: str | None = None):
-    """The source text (or a list of texts, one translation unit each) compiled alone (it needs
-    only its headers: those committed at `rev`, or the working tree's) into a library; its
+    """The source texts, one translation unit each, compiled alone (they need only their
+    headers: those committed at `rev`, or the working tree's) and linked into a library; its
     `entry` (`.lib`: the library)."""
     root = headers_at(rev, out_dir) if rev else os.path.dirname(os.path.abspath(build.__file__))
-    texts = [source] if isinstance(source, str) else list(source)
     cc = os.environ.get("CC", "cc")
     objs = []
     for i, text in enumerate(texts):
@@ -60,11 +59,10 @@ def compile_entry(source, tag: str, out_dir: str, entry: str, argtypes, restype=
     return fn
 
 
-def compile_pair(path, base: str, out_dir: str, entry: str, argtypes) -> dict:
-    """{base: `path` (a source, or a list of sources linked together) as committed at git
-    revision `base`, "tree": as in the working tree}, each compiled by compile_entry; the two
-    compilers run side by side (each takes seconds)."""
-    paths = [path] if isinstance(path, str) else list(path)
+def compile_pair(paths: list[str], base: str, out_dir: str, entry: str, argtypes) -> dict:
+    """{base: the sources `paths` (linked together) as committed at git revision `base`, "tree":
+    as in the working tree}, each compiled by compile_entry; the two compilers run side by side
+    (each takes seconds)."""
     base_src, new_src = sources(paths, base)
     with ThreadPoolExecutor(2) as pool:
         jobs = {base: pool.submit(compile_entry, base_src, "base", out_dir, entry, argtypes, rev=base),

@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     dtype = getattr(torch, a.dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        fns = ab_build.compile_pair(_SRC, a.base, tmp, "llmsvc_paged_attention", _ARGTYPES)
+        fns = ab_build.compile_pair([_SRC], a.base, tmp, "llmsvc_paged_attention", _ARGTYPES)
         print(f"{a.dtype}, {a.threads} threads, {a.layers} layers per step, {HQ} x {HKV} heads of {D}")
         for name, seqs in SHAPES.items():
             layers, bt, qsl, sl = _batch(seqs, dtype, torch.Generator().manual_seed(0), a.layers)

@@ -30,17 +30,30 @@ from benchmarks.gemm import LM_HEAD, SHAPES
 from kernels.cpu_ops import int8, linear
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+# llmsvc_gemm_f32 and its kin (a, lda, packed, bias, c, ldc, M, N, K, threads)
 _ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
-GEMMS = {  # dtype: (source, entry, packing)
-    "bfloat16": ("kernels/cpu_ops/gemm_bf16dp.c", "llmsvc_gemm_bf16_dp", linear.pack_amx),
-    "bfloat16-widen": ("kernels/cpu_ops/gemm.c", "llmsvc_gemm_bf16_widen", linear.pack_panels),
-    "float32": ("kernels/cpu_ops/gemm.c", "llmsvc_gemm_f32", linear.pack_panels),
-    "gguf": ("kernels/cpu_ops/gemm.c", "llmsvc_gemm_q8", lambda w: _gguf_blocks(w)),
-    "int8": ([f"kernels/cpu_ops/gemm_int8{part}.c" for part in ("", "_avx2", "_vnni", "_amx")], "llmsvc_gemm_i8",
-             int8.pack),
-}
 # llmsvc_gemm_i8(isa, a, lda, dtype, packed, bias, c, ldc, M, N, K, threads)
 _I8_ARGTYPES = [_I, _P, _I64, _I, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
+
+
+def _call(fn, x, pw, out, m, n, k, threads) -> int:
+    return fn(x.data_ptr(), k, pw.data_ptr(), None, out.data_ptr(), n, m, n, k, threads)
+
+
+def _call_i8(fn, x, pw, out, m, n, k, threads) -> int:
+    return fn(int8.ISAS.index(int8.isa()), x.data_ptr(), k, 1, pw.data_ptr(), None, out.data_ptr(), n, m, n, k,
+              threads)
+
+
+_GEMM_C = ["kernels/cpu_ops/gemm.c"]
+GEMMS = {  # dtype: (sources, entry, packing, entry's argtypes, its call)
+    "bfloat16": (["kernels/cpu_ops/gemm_bf16dp.c"], "llmsvc_gemm_bf16_dp", linear.pack_amx, _ARGTYPES, _call),
+    "bfloat16-widen": (_GEMM_C, "llmsvc_gemm_bf16_widen", linear.pack_panels, _ARGTYPES, _call),
+    "float32": (_GEMM_C, "llmsvc_gemm_f32", linear.pack_panels, _ARGTYPES, _call),
+    "gguf": (_GEMM_C, "llmsvc_gemm_q8", lambda w: _gguf_blocks(w), _ARGTYPES, _call),
+    "int8": ([f"kernels/cpu_ops/gemm_int8{part}.c" for part in ("", "_avx2", "_vnni", "_amx")], "llmsvc_gemm_i8",
+             int8.pack, _I8_ARGTYPES, _call_i8),
+}
 
 
 def _gguf_blocks(w: torch.Tensor) -> torch.Tensor:
@@ -65,7 +78,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=25)
     a = ap.parse_args(argv)
     dtype = {"gguf": torch.float32, "int8": torch.bfloat16}.get(a.dtype) or getattr(torch, a.dtype.split("-")[0])
-    path, entry, pack = GEMMS[a.dtype]
+    paths, entry, pack, argtypes, call = GEMMS[a.dtype]
     g = torch.Generator().manual_seed(0)
     # (name, weight [N, K]) in the order a step calls them
     calls = [(name, w) for _ in range(a.layers) for name, n, k in SHAPES
@@ -73,10 +86,9 @@ def main(argv=None) -> None:
     calls.append(("lm_head", (torch.randn(*LM_HEAD, generator=g) * 0.02).to(dtype)))
     names = [n for n, _, _ in SHAPES] + ["lm_head"]
     with tempfile.TemporaryDirectory() as tmp:
-        fns = ab_build.compile_pair(path, a.base, tmp, entry, _I8_ARGTYPES if a.dtype == "int8" else _ARGTYPES)
-        call = _call_i8 if a.dtype == "int8" else _call
+        fns = ab_build.compile_pair(paths, a.base, tmp, entry, argtypes)
         packed = {tag: [pack(w, *_layout(fn)) for _, w in calls] for tag, fn in fns.items()}
-        print(f"{path}, {a.dtype}, {a.threads} threads, {a.layers} layers + LM head")
+        print(f"{', '.join(paths)}, {a.dtype}, {a.threads} threads, {a.layers} layers + LM head")
         for m in (int(r) for r in a.rows.split(",")):
             xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in {w.shape[1] for _, w in calls}}
             outs = {tag: [torch.empty(m, w.shape[0], dtype=dtype) for _, w in calls] for tag in fns}
@@ -100,15 +112,6 @@ def main(argv=None) -> None:
                 cols = "   ".join(f"{tag}: min {1e3 * min(t[name][1:]):7.3f} median "
                                    f"{1e3 * statistics.median(t[name][1:]):7.3f} ms" for tag, t in times.items())
                 print(f"    {name:<8} {cols}", flush=True)
-
-
-def _call(fn, x, pw, out, m, n, k, threads) -> int:
-    return fn(x.data_ptr(), k, pw.data_ptr(), None, out.data_ptr(), n, m, n, k, threads)
-
-
-def _call_i8(fn, x, pw, out, m, n, k, threads) -> int:
-    return fn(int8.ISAS.index(int8.isa()), x.data_ptr(), k, 1, pw.data_ptr(), None, out.data_ptr(), n, m, n, k,
-              threads)
 
 
 def _layout(fn) -> tuple:
