@@ -37,6 +37,12 @@
     "vmovdqu %%ymm6, 192(%[s])\n\t" "vmovdqu %%ymm7, 224(%[s])\n\t" "vmovdqu %%ymm8, 256(%[s])\n\t" \
     "vmovdqu %%ymm9, 288(%[s])\n\t" "vmovdqu %%ymm10, 320(%[s])\n\t" "vmovdqu %%ymm11, 352(%[s])\n\t"
 
+/* dst[0:8) = the 8 columns' sums of two pieces' partial sums a (columns 0-3) and b (4-7), each
+ * [c0 k01, c0 k23, c1 k01, ...]: hadd gives [c0 c1 c4 c5 | c2 c3 c6 c7], 0xD8 puts them in order */
+AVX2_T void store_pair_sums(int32_t *dst, __m256i a, __m256i b) {
+    _mm256_storeu_si256((__m256i *)dst, _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8));
+}
+
 AVX2_T void avx2_block(const i8_gemm_t *g, int64_t r0, int64_t p, const int8_t *pf, int32_t acc[][I8_NP],
                        const int mr) {
     const int64_t kp = g->Kp, nq = kp / 4;
@@ -54,10 +60,8 @@ AVX2_T void avx2_block(const i8_gemm_t *g, int64_t r0, int64_t p, const int8_t *
             for (int r = 0; r < mr; r++) s[r][j] = _mm256_add_epi32(s[r][j], _mm256_madd_epi16(wv, av[r]));
         }
     }
-    for (int r = 0; r < mr; r++) /* hadd: [c0 c1 c4 c5 | c2 c3 c6 c7] -> 0xD8 puts them in order */
-        for (int h = 0; h < 2; h++)
-            _mm256_storeu_si256((__m256i *)(acc[r] + 8 * h),
-                                _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[r][2 * h], s[r][2 * h + 1]), 0xD8));
+    for (int r = 0; r < mr; r++)
+        for (int h = 0; h < 2; h++) store_pair_sums(acc[r] + 8 * h, s[r][2 * h], s[r][2 * h + 1]);
 }
 
 /* avx2_block for 3 rows with its k-loop in assembly. GCC kept 9 of the 12 accumulators on the
@@ -100,9 +104,7 @@ AVX2_T void avx2_block3_asm(const i8_gemm_t *g, int64_t r0, int64_t p, const int
           "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
 #undef I8_PIECE
     for (int r = 0; r < 3; r++)
-        for (int h = 0; h < 2; h++)
-            _mm256_storeu_si256((__m256i *)(acc[r] + 8 * h),
-                                _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[r][2 * h], s[r][2 * h + 1]), 0xD8));
+        for (int h = 0; h < 2; h++) store_pair_sums(acc[r] + 8 * h, s[r][2 * h], s[r][2 * h + 1]);
 }
 
 /* Six rows x one half (8 columns) of the panel, k-loop in assembly. Against avx2_block3_asm it
@@ -145,9 +147,7 @@ AVX2_T void avx2_half6_asm(const i8_gemm_t *g, int64_t r0, int64_t p, int h, con
         : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
           "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
 #undef I8_ROW
-    for (int r = 0; r < 6; r++)
-        _mm256_storeu_si256((__m256i *)(acc[r] + 8 * h),
-                            _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[r][0], s[r][1]), 0xD8));
+    for (int r = 0; r < 6; r++) store_pair_sums(acc[r] + 8 * h, s[r][0], s[r][1]);
 }
 
 __attribute__((target("avx2"))) void i8_kernel_avx2(const i8_gemm_t *g, int64_t r0, int mr, int64_t p,
