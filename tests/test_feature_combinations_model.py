@@ -17,6 +17,7 @@ import torch
 from llmsvc import LLM, SamplingParams, StructuredOutputsParams as SO
 from tests.lora_utils import make_lora_adapter, merged_hf_model
 from tests.model_utils import load_hf_model
+from tests.sample_compare import assert_same_samples, sample_rows
 from tests.server_harness import EOS, make_tiny_served_model_dir
 
 ENGINE = dict(block_size=4, num_kv_blocks_override=64, max_num_batched_tokens=64, max_num_seqs=8)
@@ -68,10 +69,8 @@ def generate(served, prompts, params, loras, priority=None, detail=False, **engi
         assert not llm.llm_engine.has_unfinished_requests()
     finally:
         llm.shutdown()
-    if detail:  # every sample of each prompt, with its logprobs
-        return [[(list(c.token_ids), c.finish_reason, c.text,
-                  None if c.logprobs is None else [sorted((t, round(lp.logprob, 4)) for t, lp in d.items())
-                                                   for d in c.logprobs]) for c in o.outputs] for o in outs], stats
+    if detail:  # every sample of each prompt, with its logprobs (compare with assert_same_samples)
+        return sample_rows(outs), stats
     return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.outputs[0].text) for o in outs], stats
 
 
@@ -105,7 +104,8 @@ def test_seeded_sampling_with_adapters_gives_the_same_samples_with_drafts_and_as
     base, _ = generate(served, *args, detail=True)
     spec, spec_stats = generate(served, *args, detail=True, speculative_config=SPEC, num_kv_blocks_override=20)
     asyn, async_stats = generate(served, *args, detail=True, async_scheduling=True, num_kv_blocks_override=20)
-    assert spec == base and asyn == base
+    assert_same_samples(spec, base)
+    assert_same_samples(asyn, base)
     assert spec_stats.num_preemptions > 0 and async_stats.num_preemptions > 0
     assert spec_stats.spec_decode.num_draft_tokens > 0
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from llmsvc.v1 import llmsvc_pb2 as pb
 from tests.reliability_utils import (GREEDY, MAX_MODEL_LEN, ST, Witness, assert_invariants, live_server,
                                      rpc_details, tiny_model_dir)
+from tests.sample_compare import assert_logprobs_close
 from tests.server_harness import TINY_VOCAB
 
 S, O = pb.SamplingParams, pb.OutputOptions
@@ -167,8 +168,8 @@ def test_prompt_logprobs_survive_preemption(srv):
     assert srv.server.async_engine.get_stats().num_preemptions > 0
     (first,) = [m for m in msgs if m.HasField("prompt")]
     assert len(first.prompt.logprobs) == len(prompt) == len(alone.prompt.logprobs)
-    assert [(lp.token_id, round(lp.logprob, 4)) for lp in first.prompt.logprobs] == \
-        [(lp.token_id, round(lp.logprob, 4)) for lp in alone.prompt.logprobs]
+    assert_logprobs_close([(lp.token_id, lp.logprob) for lp in first.prompt.logprobs],
+                          [(lp.token_id, lp.logprob) for lp in alone.prompt.logprobs], "prompt logprobs")
     finals = [m for m in msgs if m.HasField("finish")]
     assert sorted(m.finish.reason for m in finals) == [pb.FinishInfo.REASON_CONTEXT] * 2
 

@@ -14,6 +14,7 @@ from llmsvc.client import Client
 from llmsvc.config import EngineConfig
 from llmsvc.engine.llm_engine import LLMEngine
 from tests.model_utils import load_hf_model
+from tests.sample_compare import assert_same_samples, sample_rows
 from tests.server_harness import EOS, ServerThread, make_tiny_served_model_dir
 
 ENGINE = dict(block_size=4, num_kv_blocks_override=64, max_num_batched_tokens=64, max_num_seqs=8)
@@ -99,15 +100,12 @@ def test_sampling_features_give_the_tokens_of_decoding_without_drafts(served):
             # drafts are accepted several at a time: some of these stop strings end inside a step's tokens
             run += [SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop=[t], ignore_eos=True) for t in tok_text[1:]]
             outs = _generate(llm, prompts + prompts[:1] * len(tok_text), run)
-            results[name] = [[(list(c.token_ids), c.finish_reason, c.text,
-                               None if c.logprobs is None else [sorted((t, round(l.logprob, 4)) for t, l in d.items())
-                                                                for d in c.logprobs])
-                              for c in o.outputs] for o in outs]
+            results[name] = sample_rows(outs)
             stats = llm.llm_engine.get_stats()
             results[name + "_stats"] = stats
         finally:
             llm.shutdown()
-    assert results["spec"] == results["plain"]
+    assert_same_samples(results["spec"], results["plain"])
     assert results["plain"][4][0][1] == "stop"
     assert results["spec_stats"].spec_decode.num_accepted_tokens > 0
     assert results["spec_stats"].num_preemptions > 0
