@@ -72,7 +72,9 @@ def test_prefill_chunks_and_mixed_batch(dtype):
 def test_prefill_tiles_at_every_gqa_ratio(dtype, hq, hkv, threads):
     # on AVX-512 prefill tiles put a head's query vectors in lanes, 64 / G rows a tile (32 at
     # most, 8 at least): G = 1 and 2 take 32 rows (2 and 4 registers of vectors), 3 and 4 take
-    # 16 (3 and 4), 6 and 8 take 8 (3 and 4); 16 (128 vectors) keeps a vector per row. Prompts
+    # 16 (3 and 4), 6 and 8 take 8 (3 and 4); 16 (128 vectors) keeps a vector per row. On AVX2
+    # (8 lanes, 32 / G rows): G = 1 takes 32 rows, 2 takes 16, 3 and 4 take 8 (3 and 4 ymm),
+    # 6 and more keep a vector per row. Prompts
     # of many tiles with a ragged last one, a chunk after a cached prefix, a decode, and one
     # long prompt alone (few items: split per KV head)
     seqs = [(150, 150), (300, 77), (40, 1), (33, 33)]

@@ -38,7 +38,7 @@
  * Written with GCC/Clang vector extensions: 512-bit registers on AVX-512, split otherwise.
  * Files: this one (items, threads, the driver), attention_rows.h (row addresses,
  * prefetches), attention_pass1.h, attention_softmax.h, attention_pass2.h, attention_dp.h
- * (AVX512-BF16 tiles), attention_qlanes.h (AVX-512 prefill tiles, their softmax).
+ * (AVX512-BF16 tiles), attention_qlanes.h (AVX-512 and AVX2 prefill tiles, their softmax).
  */
 #include <math.h>
 #include <stdint.h>
@@ -46,7 +46,7 @@
 #include <unistd.h>
 
 #include "bf16.h"
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
 #include "vexp.h"
@@ -160,10 +160,10 @@ static inline __attribute__((always_inline)) void run_heads(const args_t *A, con
     /* bf16 dot products (AVX512-BF16, head_dim a multiple of 32) read q as stored; the other
      * passes take it widened and scaled in qv */
     const int dp = HAVE_DP && A->bf16 && nc % 2 == 0;
-    /* prefill tiles on AVX-512, unless bf16 takes attention_dp.h's tiles: query vectors in
-     * lanes (attention_qlanes.h) */
-    const int ql = qlanes_allowed(A->bf16, A->soft_cap) && nq > QC && nqh <= 16 * QL_MAX_Z;
-    const int64_t LD = 16 * ((nqh + 15) / 16);
+    /* prefill tiles on AVX-512 (unless bf16 takes attention_dp.h's tiles) and on AVX2: query
+     * vectors in lanes (attention_qlanes.h) */
+    const int ql = qlanes_allowed(A->bf16, A->soft_cap) && nq > QC && nqh <= QL_LANES * QL_MAX_Z;
+    const int64_t LD = QL_LANES * ((nqh + QL_LANES - 1) / QL_LANES);
     float *scores = ws;                              /* ql: [nh, sstride, LD]; else [nq, sstride], a = hh * nqh + r * G + g */
     v16 *qv = (v16 *)(ws + (ql ? nh * LD : nq) * sstride); /* [nq, nc] */
     v16 *acc = qv + nq * nc;                         /* [nq, nc] */
@@ -274,7 +274,7 @@ DEFINE_RUN_ITEM(run_item_any, A->D / 16)
 
 /* Floats of run_heads' workspace for nh heads of nqh query vectors each. */
 static int64_t ws_floats(int64_t nh, int64_t nqh, int64_t max_keys, int64_t D) {
-    const int64_t LD = 16 * ((nqh + 15) / 16);
+    const int64_t LD = QL_LANES * ((nqh + QL_LANES - 1) / QL_LANES);
     return nh * (LD * (max_keys + 16 + D) + nqh * (2 * D + 1) + 16 * D);
 }
 
@@ -293,7 +293,7 @@ int llmsvc_paged_attention(int dtype /* 0 = f32, 1 = bf16 */, const void *q, int
     const int64_t G = Hq / Hkv;
     int64_t rows = ROWS;
     if (qlanes_allowed(dtype == 1, soft_cap)) {
-        const int64_t r = (16 * QL_MAX_Z / G) / 8 * 8;
+        const int64_t r = (QL_LANES * QL_MAX_Z / G) / 8 * 8;
         rows = r > 32 ? 32 : r > ROWS ? r : ROWS;
     }
     int64_t n_items = 0, max_keys = 1;
