@@ -105,15 +105,15 @@ static inline __attribute__((always_inline)) void ql_block(const float *kp, cons
         for (int64_t z = 0; z < QZ; z++) QL(store_ps)(st + kk * LD + QL_LANES * z, acc[kk][z]);
 }
 
-/* col[s * LD] = e^(col[s * LD] - m) where visible, else 0, for a <= s < b; returns sum + them. */
-static inline ql_v ql_exp_masked(float *col, int64_t LD, int64_t a, int64_t b, ql_v m, ql_vi lo, ql_vi lim,
-                                 ql_v sum) {
+/* col[s * LD] = e^(col[s * LD] - m) where visible, else 0, for a <= s < b, each added to the
+ * chain of its key's parity, sum[s & 1], as the unmasked keys are. */
+static inline void ql_exp_masked(float *col, int64_t LD, int64_t a, int64_t b, ql_v m, ql_vi lo, ql_vi lim,
+                                 ql_v sum[2]) {
     for (int64_t s = a; s < b; s++) {
         const ql_v e = ql_zero_unless(ql_visible(s, lo, lim), ql_exp(QL(sub_ps)(QL(load_ps)(col + s * LD), m)));
         QL(store_ps)(col + s * LD, e);
-        sum = QL(add_ps)(sum, e);
+        sum[s & 1] = QL(add_ps)(sum[s & 1], e);
     }
-    return sum;
 }
 
 /* Softmax of each head's vectors down the keys [s_begin, n_max): vector j = r * G + g of
@@ -148,17 +148,18 @@ static inline void softmax_qlanes(const args_t *A, int64_t nh, int64_t nqh, floa
             for (s = all_hi; s < n_max; s++)
                 m4[2] = ql_max_where(m4[2], QL(load_ps)(col + s * LD), ql_visible(s, lo, lim));
             const ql_v m = QL(max_ps)(QL(max_ps)(m4[0], m4[1]), QL(max_ps)(m4[2], m4[3]));
-            ql_v sum0 = QL(setzero_ps)(), sum1 = QL(setzero_ps)();
+            /* each lane's sum runs in key order on two chains by parity, a masked key adding 0: the
+             * same bits whichever tile holds the row (the unmasked range depends on the tile) */
+            ql_v sum[2] = {QL(setzero_ps)(), QL(setzero_ps)()};
+            ql_exp_masked(col, LD, s_begin, all_lo, m, lo, lim, sum);
             for (s = all_lo; s < all_hi; s++) {
                 const ql_v e = ql_exp(QL(sub_ps)(QL(load_ps)(col + s * LD), m));
                 QL(store_ps)(col + s * LD, e);
-                if (s & 1) sum1 = QL(add_ps)(sum1, e);
-                else sum0 = QL(add_ps)(sum0, e);
+                sum[s & 1] = QL(add_ps)(sum[s & 1], e);
             }
-            sum0 = ql_exp_masked(col, LD, s_begin, all_lo, m, lo, lim, sum0); /* the masked keys */
-            sum0 = ql_exp_masked(col, LD, all_hi, n_max, m, lo, lim, sum0);
+            ql_exp_masked(col, LD, all_hi, n_max, m, lo, lim, sum);
             float r[QL_LANES];
-            QL(storeu_ps)(r, QL(div_ps)(QL(set1_ps)(1.f), QL(add_ps)(sum0, sum1)));
+            QL(storeu_ps)(r, QL(div_ps)(QL(set1_ps)(1.f), QL(add_ps)(sum[0], sum[1])));
             for (int64_t l = 0; l < QL_LANES && QL_LANES * z + l < nqh; l++) inv[hh * nqh + QL_LANES * z + l] = r[l];
         }
     }
