@@ -39,7 +39,7 @@ test-all: setup-test
 # `make test` runs a subset of them per level
 ISA_TESTS := tests/test_cpu_isa_levels.py tests/test_kernels_cpu_build.py tests/test_kernels_cpu_attention.py \
 	tests/test_kernels_cpu_linear.py tests/test_kernels_cpu_bf16_gemm.py tests/test_kernels_cpu_elementwise.py \
-	tests/test_kernels_cpu_bf16_widen.py tests/test_native_layers.py
+	tests/test_kernels_cpu_bf16_widen.py tests/test_native_layers.py tests/test_gguf_blocks.py
 
 test-isa: setup-test
 	for level in $$($(VPY) -c "from kernels.cpu_ops import isa; l = isa.cpu_level(); print(*isa.LEVELS[:isa.LEVELS.index(l)] if l else '')"); do \
