@@ -1,7 +1,8 @@
 /* Paged attention (paged_attention.c), pass 1: scores[a, s] = scale * q_a . k_s, 16 keys at a
  * time, in three variants: decodes read each K row in place (pass1_direct; bf16 on AVX2,
  * pass1_direct_avx2_bf16), prefill tiles copy a group's rows into a workspace first
- * (pass1_workspace); AVX512-BF16 prefill tiles take attention_dp.h. Included by
+ * (pass1_workspace) where attention_qlanes.h's tiles do not run (no AVX2, a soft cap, or more
+ * query vectors than they hold); AVX512-BF16 bf16 prefill tiles take attention_dp.h. Included by
  * paged_attention.c after its types, attention_rows.h, QC and HAVE_DP. */
 #pragma once
 

@@ -22,9 +22,10 @@
  *   pass 1  scores[a, s] = scale * q_a . k_s, 16 keys at a time. Decodes (items of at most QC
  *           query vectors, pass1_direct; bf16 on AVX2, pass1_direct_avx2_bf16) read each K
  *           row where it is stored; prefill tiles
- *           copy the group's rows into a workspace first, widened, and then on AVX-512 take
- *           a head's query vectors across the lanes (pass1_qlanes, attention_qlanes.h; tiles
- *           of up to 64 / G rows), without AVX-512 reduce partial sums (pass1_workspace); in
+ *           copy the group's rows into a workspace first, widened, and then on AVX-512 and
+ *           AVX2 take a head's query vectors across the lanes (pass1_qlanes, attention_qlanes.h;
+ *           tiles of up to 16 or 8 lanes x 4 registers / G rows), without either (or with a
+ *           soft cap) reduce partial sums (pass1_workspace); in
  *           bf16 on AVX512-BF16 the rows are transposed so 16 keys lie across a register for
  *           dot products (pass1_transposed, attention_dp.h). The next 16 K and V rows are
  *           prefetched, every cache line (block-table order defeats the hardware
