@@ -22,6 +22,23 @@
 #define VNNI512_T __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline
 #define VNNI256_T __attribute__((target("avx2,avxvnni"), always_inline)) static inline
 
+/* acc + the 4-byte dot products of u8 a and s8 w per int32 lane: vpdpbusd, with the
+ * accumulator tied to its register ("+"). Through the intrinsics GCC 12 gave each k-quad's
+ * result a register of its own and copied it back at the loop's end: 16 register moves per
+ * 8 vpdpbusd in the AVX512-VNNI loop, and in the AVX-VNNI loop, with 16 ymm for 12
+ * accumulators and their 12 copies, stores to the stack. The 256-bit form must be VEX
+ * ({vex}): AVX-VNNI CPUs without AVX-512 cannot run the EVEX one, so its registers are "x"
+ * (ymm0-15, all VEX can encode). Operands in GCC's order for the intrinsic: w, a, acc. */
+VNNI512_T __m512i dpbusd512(__m512i acc, __m512i a, __m512i w) {
+    __asm__("vpdpbusd {%2, %1, %0|%0, %1, %2}" : "+v"(acc) : "v"(a), "v"(w));
+    return acc;
+}
+
+VNNI256_T __m256i dpbusd256(__m256i acc, __m256i a, __m256i w) {
+    __asm__("%{vex%} vpdpbusd {%2, %1, %0|%0, %1, %2}" : "+x"(acc) : "x"(a), "x"(w));
+    return acc;
+}
+
 static inline int32_t quad(const uint8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -36,7 +53,7 @@ VNNI512_T void vnni512_block(const i8_gemm_t *g, int64_t r0, int64_t p, int32_t 
     for (int r = 0; r < mr; r++) s[r] = _mm512_setzero_si512();
     for (int64_t q = 0; q < nq; q++, w += 64) {
         const __m512i wv = _mm512_load_si512((const void *)w);
-        for (int r = 0; r < mr; r++) s[r] = _mm512_dpbusd_epi32(s[r], _mm512_set1_epi32(quad(a + r * kp + 4 * q)), wv);
+        for (int r = 0; r < mr; r++) s[r] = dpbusd512(s[r], _mm512_set1_epi32(quad(a + r * kp + 4 * q)), wv);
     }
     for (int r = 0; r < mr; r++) _mm512_storeu_si512((void *)acc[r], s[r]);
 }
@@ -67,8 +84,8 @@ VNNI256_T void vnni256_block(const i8_gemm_t *g, int64_t r0, int64_t p, int32_t 
         const __m256i w0 = _mm256_load_si256((const __m256i *)w), w1 = _mm256_load_si256((const __m256i *)(w + 32));
         for (int r = 0; r < mr; r++) {
             const __m256i av = _mm256_set1_epi32(quad(a + r * kp + 4 * q));
-            s[r][0] = _mm256_dpbusd_avx_epi32(s[r][0], av, w0);
-            s[r][1] = _mm256_dpbusd_avx_epi32(s[r][1], av, w1);
+            s[r][0] = dpbusd256(s[r][0], av, w0);
+            s[r][1] = dpbusd256(s[r][1], av, w1);
         }
     }
     for (int r = 0; r < mr; r++) {
