@@ -36,6 +36,7 @@ def assert_same_samples(got: list, want: list, atol: float = LOGPROB_ATOL) -> No
         for j, (g, w) in enumerate(zip(g_req, w_req)):
             assert g[:3] == w[:3], f"request {i} sample {j}: {g[:3]} != {w[:3]}"
             assert (g[3] is None) == (w[3] is None), f"request {i} sample {j}: logprobs only on one side"
+            assert len(g[3] or []) == len(w[3] or []), f"request {i} sample {j}: logprobs at another count of positions"
             for k, (gd, wd) in enumerate(zip(g[3] or [], w[3] or [])):
                 assert_logprobs_close(sorted(gd.items()), sorted(wd.items()), f"request {i} sample {j} position {k}",
                                       atol)
