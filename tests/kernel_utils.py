@@ -1,7 +1,17 @@
-"""Helpers for the kernel tests: NaN guard buffers, paged-cache batch builders, the AVX2-build probe."""
+"""Helpers for the kernel tests: NaN guard buffers, paged-cache batch builders, the AVX2-build probe,
+the mark of tests that need the native library."""
 from __future__ import annotations
 
+import pytest
 import torch
+
+from kernels.cpu_ops import build
+
+# LLMSVC_CPU_KERNELS=0 turns the native library off on purpose (every op then runs the torch
+# reference), and a test of the library has nothing to run. With the library on, one that
+# fails to build still fails these tests: they assert it loaded.
+needs_native = pytest.mark.skipif(not build.enabled_by_env(),
+                                  reason="LLMSVC_CPU_KERNELS=0 turns the native CPU kernels off")
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
        torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from kernels.cpu_ops import build, isa, linear
+from kernel_utils import needs_native
 
 ZEN3 = {"sse4_2", "avx", "avx2", "fma"}
 SKYLAKE_SP = ZEN3 | {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
@@ -53,7 +54,7 @@ def test_a_cap_removes_every_level_above_it_and_none_below():
 
 def test_an_unknown_cap_is_refused_when_the_kernels_load():
     r = subprocess.run([sys.executable, "-c", "from kernels.cpu_ops import build; build.load()"],
-                       env={**os.environ, isa.ENV: "avx3"}, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, isa.ENV: "avx3", "LLMSVC_CPU_KERNELS": "1"}, capture_output=True, text=True, timeout=120,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode != 0 and "ValueError: LLMSVC_CPU_ISA='avx3'" in r.stderr
 
@@ -107,6 +108,7 @@ def _lower_levels() -> list[str]:
     return list(isa.LEVELS[:isa.LEVELS.index(here)]) if here else []
 
 
+@needs_native
 @pytest.mark.parametrize("level", isa.LEVELS[:-1])
 def test_the_kernel_tests_pass_built_for_each_lower_level(level):
     """The avx512_vnni level builds the same bf16 / fp32 kernels as avx512 and is left to

@@ -10,7 +10,9 @@ import torch
 
 from kernels import ops, reference as ref
 from kernels.cpu_ops import attention
-from kernel_utils import TOL, PagedBatch
+from kernel_utils import TOL, PagedBatch, needs_native
+
+pytestmark = needs_native
 
 
 def _check(batch: PagedBatch, dtype, threads=None):

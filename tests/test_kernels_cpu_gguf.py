@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kernels import ops
 from kernels import reference as ref
 from kernels.cpu_ops import build, linear
-from kernel_utils import run_avx2_build_probe
+from kernel_utils import needs_native, run_avx2_build_probe
 
 
 def _blocks(n, k, g, kind="Q4_1"):
@@ -105,6 +105,7 @@ print("ok")
 """
 
 
+@needs_native
 def test_gguf_gemm_built_for_avx2(tmp_path):
     """The same, as an AVX2 CPU without AVX-512 runs it (three [K][16] sub-panels)."""
     run_avx2_build_probe(_AVX2_PROBE)

@@ -8,7 +8,9 @@ import torch.nn.functional as F
 
 from kernels import ops
 from kernels.cpu_ops import build, isa, linear
-from kernel_utils import TOL
+from kernel_utils import TOL, needs_native
+
+pytestmark = needs_native
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_utils import TOL, PagedBatch
+from kernel_utils import TOL, PagedBatch, needs_native
 from kernels import ops, reference as ref
 from kernels.cpu_ops import attention
 from kernels.triton_ops import HAS_TRITON, INTERPRET
@@ -65,6 +65,7 @@ def _expected(batch, window, soft_cap):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@needs_native
 @pytest.mark.parametrize("window,soft_cap,block_size", [(8, 0.0, 4), (24, 0.0, 16), (5, 0.0, 16),
                                                         (0, 3.0, 16), (12, 2.0, 8)])
 def test_cpu_kernel_matches_reference(dtype, window, soft_cap, block_size):
@@ -79,6 +80,7 @@ def test_cpu_kernel_matches_reference(dtype, window, soft_cap, block_size):
     torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
 
 
+@needs_native
 @pytest.mark.parametrize("threads", [1, 3])
 def test_cpu_kernel_window_with_per_head_items(threads):
     # few items: split per KV head; long decode past a short window
