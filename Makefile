@@ -6,7 +6,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TSTAMP  := $(VENV)/.installed-test
 
-.PHONY: setup setup-test serve test test-all test-isa proto clean peer-vllm
+.PHONY: setup setup-test serve test test-all test-isa test-emulated proto clean peer-vllm
 
 setup: $(STAMP)
 
@@ -44,6 +44,12 @@ ISA_TESTS := tests/test_cpu_isa_levels.py tests/test_kernels_cpu_build.py tests/
 test-isa: setup-test
 	for level in $$($(VPY) -c "from kernels.cpu_ops import isa; l = isa.cpu_level(); print(*isa.LEVELS[:isa.LEVELS.index(l)] if l else '')"); do \
 		echo "== LLMSVC_CPU_ISA=$$level"; LLMSVC_CPU_ISA=$$level $(VENV)/bin/pytest -q -m "not slow" $(ISA_TESTS) || exit 1; done
+
+# the native kernels built for a CPU with AVX-512 and AVX512-VNNI (Cascade Lake's -march) and run
+# under the Bochs emulator on calls recorded from the kernel tests here (docs/cpu-kernels.md);
+# installs Debian's bochs on first use, ~6 minutes
+test-emulated: setup-test
+	bash tests/isa_emulation/run.sh
 
 proto: setup-test
 	$(VPY) -m llmsvc.client.codegen
