@@ -45,9 +45,10 @@ test-isa: setup-test
 	for level in $$($(VPY) -c "from kernels.cpu_ops import isa; l = isa.cpu_level(); print(*isa.LEVELS[:isa.LEVELS.index(l)] if l else '')"); do \
 		echo "== LLMSVC_CPU_ISA=$$level"; LLMSVC_CPU_ISA=$$level $(VENV)/bin/pytest -q -m "not slow" $(ISA_TESTS) || exit 1; done
 
-# the native kernels built for a CPU with AVX-512 and AVX512-VNNI (Cascade Lake's -march) and run
-# under the Bochs emulator on calls recorded from the kernel tests here (docs/cpu-kernels.md);
-# installs Debian's bochs on first use, ~6 minutes
+# the native kernels built for another CPU and run under the Bochs emulator on calls recorded from
+# the kernel tests here (docs/cpu-kernels.md): EMU_TARGET=cascadelake (AVX-512, AVX512-VNNI;
+# Debian's bochs, installed on first use) or sapphirerapids (+ AVX512-BF16, AVX-VNNI, AMX; needs
+# BOCHS=<tests/isa_emulation/bochs/build_bochs.sh's build>); ~6 minutes
 test-emulated: setup-test
 	bash tests/isa_emulation/run.sh
 

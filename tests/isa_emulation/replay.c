@@ -15,7 +15,7 @@
 
 #define ENTRIES(X) X(llmsvc_paged_attention) X(llmsvc_rms_norm) X(llmsvc_fused_add_rms_norm) \
     X(llmsvc_silu_and_mul) X(llmsvc_store_kv) X(llmsvc_argmax_rows) X(llmsvc_rotary_neox) X(llmsvc_gemm_i8) \
-    X(llmsvc_gemm_f32) X(llmsvc_gemm_bf16_widen)
+    X(llmsvc_gemm_f32) X(llmsvc_gemm_bf16_widen) X(llmsvc_gemm_bf16_dp) X(llmsvc_gemm_bf16_amx)
 #define DECLARE(n) int n();
 ENTRIES(DECLARE)
 #define ROW(n) {#n, n},

@@ -1,19 +1,33 @@
 #!/usr/bin/env bash
-# `make test-emulated`: the native kernels built for a CPU this machine is not (by default
-# Cascade Lake's -march: AVX-512 and AVX512-VNNI) and run under the Bochs emulator, on calls
-# recorded from the kernel tests on this machine's own build (trace.py) and GEMM cases packed
-# for that CPU's layout (gemm_cases.py); replay.c compares every output. The replay first runs
-# on this machine's build, which must give the trace back. docs/cpu-kernels.md says what it
-# covers and what it cannot (AVX512-BF16, AMX and AVX-VNNI are not in Bochs 2.7).
-#   EMU_MARCH (cascadelake), EMU_CPU (the Bochs model, tigerlake), EMU_WORK (build/isa_emulation)
+# `make test-emulated`: the native kernels built for a CPU this machine is not and run under the
+# Bochs emulator, on calls recorded from the kernel tests on this machine's own build (trace.py)
+# and GEMM cases packed for that CPU's layouts (gemm_cases.py); replay.c compares every output.
+# The replay first runs on this machine's build, which must give the trace back.
+# docs/cpu-kernels.md says what each target covers and what it cannot.
+#   EMU_TARGET=cascadelake (default): AVX-512 and AVX512-VNNI, Debian's Bochs 2.7, model tigerlake
+#   EMU_TARGET=sapphirerapids: adds AVX512-BF16, AVX-VNNI and AMX; needs BOCHS=<the binary
+#     bochs/build_bochs.sh builds>, model sapphire_rapids, the replay on one thread
+#   EMU_WORK: where it builds and records (build/isa_emulation)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 HERE=$ROOT/tests/isa_emulation
 PY=${PY:-$ROOT/.venv/bin/python}
-MARCH=${EMU_MARCH:-cascadelake}
 W=${EMU_WORK:-$ROOT/build/isa_emulation}
 TESTS="tests/test_kernels_cpu_int8.py tests/test_kernels_cpu_elementwise.py tests/test_kernels_cpu_attention.py
        tests/test_kernels_window.py"
+GUEST_ENV=""
+case "${EMU_TARGET:-cascadelake}" in
+cascadelake) MARCH=cascadelake CPU=tigerlake ;;
+sapphirerapids)
+    MARCH=sapphirerapids CPU=sapphire_rapids
+    if [ "${BOCHS:-bochs-bin}" = bochs-bin ]; then
+        echo "isa_emulation: EMU_TARGET=sapphirerapids needs BOCHS=<tests/isa_emulation/bochs/build_bochs.sh's build>" >&2
+        exit 2
+    fi
+    export KCLEAR=pku,fsrm,aperfmperf # this Bochs sizes XSAVES areas right: Linux keeps them (AMX needs them)
+    GUEST_ENV="OMP_THREAD_LIMIT=1" ;; # the guest loses tile state across thread switches (build_bochs.sh)
+*) echo "isa_emulation: EMU_TARGET is cascadelake or sapphirerapids" >&2; exit 2 ;;
+esac
 
 missing=""
 command -v bochs-bin >/dev/null || missing="$missing bochs bochsbios vgabios"
@@ -42,10 +56,15 @@ build native "$W/replay-native"
 build "$MARCH" "$W/guest/replay"
 echo "isa_emulation: recording the kernel tests' calls"
 (cd "$ROOT" && EMU_TRACE=$W/guest/kernels.trace "$PY" -m pytest -q -p tests.isa_emulation.trace -p no:cacheprovider $TESTS | tail -n 2)
-# gemm.c's sub-panel width on the target: the whole 48-wide panel with AVX-512, 16 without
-gcc -march="$MARCH" -dM -E -x c /dev/null | grep -q __AVX512F__ && SUB=48 || SUB=16
-(cd "$ROOT" && "$PY" -m tests.isa_emulation.gemm_cases "$W/guest/gemm.trace" "$SUB")
+# gemm.c's sub-panel width on the target: the whole 48-wide panel with AVX-512, 16 without; the
+# bf16 entries of VNNI-tiled weights where the target has AVX512-BF16 or AMX
+MACROS=$(gcc -march="$MARCH" -dM -E -x c /dev/null)
+grep -q __AVX512F__ <<<"$MACROS" && SUB=48 || SUB=16
+VNNI=""
+grep -q __AVX512BF16__ <<<"$MACROS" && VNNI="$VNNI llmsvc_gemm_bf16_dp"
+grep -q __AMX_TILE__ <<<"$MACROS" && VNNI="$VNNI llmsvc_gemm_bf16_amx"
+(cd "$ROOT" && "$PY" -m tests.isa_emulation.gemm_cases "$W/guest/gemm.trace" "$SUB" $VNNI)
 echo "isa_emulation: replay on this machine's build (must give the trace back)"
 (cd "$W/guest" && OMP_NUM_THREADS=2 "$W/replay-native" kernels.trace)
-echo "isa_emulation: replay built for $MARCH, in Bochs (${EMU_CPU:-tigerlake})"
-"$HERE/bochs/run.sh" --cpu "${EMU_CPU:-tigerlake}" --mem 2048 --timeout 2400 "$W/guest" ./replay kernels.trace gemm.trace
+echo "isa_emulation: replay built for $MARCH, in Bochs ($CPU)"
+"$HERE/bochs/run.sh" --cpu "$CPU" --mem 2048 --timeout 2400 "$W/guest" env $GUEST_ENV ./replay kernels.trace gemm.trace

@@ -15,6 +15,10 @@
 # Prints the program's output (serial console), then a timing line on stderr.  Exit code: the
 # program's; 124 on timeout; 125 if the guest died (kernel panic/no exit marker).
 set -u
+# BOCHS: the emulator binary (Debian's bochs-bin, 2.7, by default; a newer build for AMX, AVX512-BF16
+# and AVX-VNNI), BOCHS_BIOS its ROM (default: beside a source build's binary, else Debian's)
+BOCHS=${BOCHS:-bochs-bin}
+BIOS=${BOCHS_BIOS:-$(d=$(dirname "$(command -v "$BOCHS")"); [ -f "$d/bios/BIOS-bochs-latest" ] && echo "$d/bios/BIOS-bochs-latest" || echo /usr/share/bochs/BIOS-bochs-latest)}
 CACHE=${BOCHS_CACHE:-$HOME/.cache/llmsvc/bochs}                # kernel, busybox, isolinux files are cached here
 CPU=tigerlake SMP=1 MEM=512 TIMEOUT=1800 IPS=100000000 KEEP=0
 while [ $# -gt 0 ]; do
@@ -85,7 +89,7 @@ BL=$BL,crypto_kdf108_init,dev_map_init,init_trace_printk_function_export,init_gr
 BL=$BL,ftrace_check_for_weak_functions,tracer_init_tracefs   # ftrace check: 0.8 s (kallsyms x 40k)
 # rodata=off skips the W+X page-table walk (CONFIG_DEBUG_WX, ~1.2 s); notests skips crypto self-tests
 KARGS="console=ttyS0,115200 quiet loglevel=3 mitigations=off nokaslr rdinit=/init cryptomgr.notests rodata=off \
- clearcpuid=xsaves,xsavec,pku,fsrm,aperfmperf tsc_early_khz=$((IPS/1000)) \
+ clearcpuid=${KCLEAR-xsaves,xsavec,pku,fsrm,aperfmperf} tsc_early_khz=$((IPS/1000)) \
  initcall_blacklist=${KBLACKLIST-$BL} ${KEXTRA:-}"
 printf 'DEFAULT l\nPROMPT 0\nTIMEOUT 0\nLABEL l\n KERNEL mboot.c32\n APPEND %s\n' \
   "pvhstub.elf $KARGS --- vmlinux.pvhb --- initrd" > "$W/iso/isolinux.cfg"
@@ -103,7 +107,7 @@ cat > "$W/bochsrc" <<EOF
 config_interface: textconfig
 display_library: term
 memory: guest=$MEM, host=$MEM
-romimage: file=/usr/share/bochs/BIOS-bochs-latest
+romimage: file=$BIOS
 vgaromimage: file=/usr/share/vgabios/vgabios.bin
 $CPULINE
 ata0-master: type=cdrom, path=$W/boot.iso, status=inserted
@@ -117,10 +121,11 @@ info: action=ignore
 debug: action=ignore
 EOF
 printf 'c\nquit\n' > "$W/dbgcmds"          # Debian's bochs has the debugger built in: just continue
+RC_ARGS=(-rc "$W/dbgcmds"); [ "$BOCHS" = bochs-bin ] || RC_ARGS=()   # a build without it takes no -rc
 
 # ---- run (one Bochs, killed on timeout) ----
 T0=$(date +%s.%N)
-TERM=vt100 bochs-bin -q -f "$W/bochsrc" -rc "$W/dbgcmds" </dev/null >"$W/bochs.out" 2>&1 &
+TERM=vt100 "$BOCHS" -q -f "$W/bochsrc" "${RC_ARGS[@]}" </dev/null >"$W/bochs.out" 2>&1 &
 BOCHS_PID=$!
 END=$(( $(date +%s) + TIMEOUT )); RC= TS= TK= TI=
 seen() { grep -aq "$1" "$W/tail" && date +%s.%N; }
