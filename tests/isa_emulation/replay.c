@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../kernels/cpu_ops/gemm_int8.h" /* the int8 ISA codes */
+
 #define ENTRIES(X) X(llmsvc_paged_attention) X(llmsvc_rms_norm) X(llmsvc_fused_add_rms_norm) \
     X(llmsvc_silu_and_mul) X(llmsvc_store_kv) X(llmsvc_argmax_rows) X(llmsvc_rotary_neox) X(llmsvc_gemm_i8) \
     X(llmsvc_gemm_f32) X(llmsvc_gemm_bf16_widen) X(llmsvc_gemm_bf16_dp) X(llmsvc_gemm_bf16_amx)
@@ -130,7 +132,7 @@ int main(int argc, char **argv) {
             if (!fn) { fprintf(stderr, "replay: unknown entry %s\n", name); return 2; }
             int bad = 0;
             if (!strcmp(name, "llmsvc_gemm_i8")) { /* every int8 ISA here; the first argument names it */
-                for (int isa = 1; isa <= 4; isa++)
+                for (int isa = I8_REF + 1; isa < I8_NISA; isa++)
                     if (llmsvc_gemm_i8_supported(isa)) bad |= run(calls, name, fn, isa, rc, args, na, st, ns, &rounding), runs++;
             } else {
                 bad = run(calls, name, fn, 0, rc, args, na, st, ns, &rounding), runs++;

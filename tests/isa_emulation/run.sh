@@ -29,12 +29,10 @@ sapphirerapids)
 *) echo "isa_emulation: EMU_TARGET is cascadelake or sapphirerapids" >&2; exit 2 ;;
 esac
 
-missing=""
-command -v bochs-bin >/dev/null || missing="$missing bochs bochsbios vgabios"
-[ -f /usr/lib/x86_64-linux-gnu/libffi.a ] || missing="$missing libffi-dev"
-if [ -n "$missing" ]; then
-    echo "isa_emulation: installing$missing (Debian packages)"
-    apt-get install -y -qq $missing >/dev/null
+# replay.c links libffi statically; bochs/run.sh installs the emulator and what the guest needs
+if [ ! -f /usr/lib/x86_64-linux-gnu/libffi.a ]; then
+    echo "isa_emulation: installing libffi-dev (Debian package)"
+    apt-get install -y -qq libffi-dev >/dev/null
 fi
 
 # the library's own compile flags (build.py), -march=native swapped for the target's
