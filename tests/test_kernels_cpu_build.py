@@ -21,6 +21,17 @@ def test_native_kernels_build_here():
     assert build.build() == build.build()  # second call: the cached library
 
 
+
+def test_the_kernel_cache_is_its_own_setting_else_under_the_model_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("LLMSVC_KERNEL_CACHE", raising=False)
+    monkeypatch.delenv("LLMSVC_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert build.cache_dir() == tmp_path / "home" / ".cache" / "llmsvc" / "kernels"
+    monkeypatch.setenv("LLMSVC_CACHE", str(tmp_path / "models"))
+    assert build.cache_dir() == tmp_path / "models" / "kernels"
+    monkeypatch.setenv("LLMSVC_KERNEL_CACHE", str(tmp_path / "k"))
+    assert build.cache_dir() == tmp_path / "k"
+
 def test_build_pads_branches_where_the_assembler_takes_it(tmp_path):
     # x86: GNU as keeps jumps off 32-byte boundaries (the JCC-erratum slowdown, build.py); an
     # assembler that refuses a -Wa flag makes the build go without it, not fail
@@ -51,7 +62,7 @@ def test_disabled_by_env_uses_the_reference():
 def test_no_compiler_falls_back_with_a_warning(tmp_path):
     r = _run_python("import logging; logging.basicConfig();"
                     "from kernels.cpu_ops import attention; print(attention.available())",
-                    CC=str(tmp_path / "no-such-cc"), PATH=str(tmp_path), LLMSVC_CACHE=str(tmp_path),
+                    CC=str(tmp_path / "no-such-cc"), PATH=str(tmp_path), LLMSVC_KERNEL_CACHE=str(tmp_path),
                     LLMSVC_CPU_KERNELS="1")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
@@ -65,7 +76,7 @@ def test_ops_on_other_devices_never_load_the_cpu_library(tmp_path):
                     "elementwise, linear; x = torch.empty(4, 64, device='meta');"
                     "ops.argmax_rows(x); ops.rms_norm(x, torch.empty(64, device='meta'), 1e-6);"
                     "print(elementwise.supports(x), attention.supports(x, x), linear.pack(x), build._tried)",
-                    LLMSVC_CACHE=str(tmp_path))
+                    LLMSVC_KERNEL_CACHE=str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False", "False", "None", "False"]
 

@@ -1,9 +1,11 @@
 """Builds and loads the native CPU kernels (`*.c` here, C + OpenMP, called through ctypes).
 
 The C sources are compiled on first use with the system C compiler (`cc`, or $CC) for this
-machine (-march=native) into $LLMSVC_CACHE/kernels/<key>/ (default ~/.cache/llmsvc), key =
-hash of source, flags, compiler and CPU flags; later processes load the cached library.
-The build is atomic (temp dir + rename), so concurrent workers are safe.
+machine (-march=native) into <kernel cache>/<key>/, key = hash of source, flags, compiler and
+CPU flags; later processes load the cached library. The kernel cache is $LLMSVC_KERNEL_CACHE,
+else $LLMSVC_CACHE/kernels (default ~/.cache/llmsvc/kernels): a separate setting, so that a
+process given a fresh model cache does not compile the kernels again. The build is atomic
+(temp dir + rename), so concurrent workers are safe.
 
 LLMSVC_CPU_ISA caps the x86 feature level the kernels are built for (isa.py: sse4, avx2,
 avx512, avx512_vnni, avx512_bf16, amx), so a CPU with more runs the paths of one with less, as
@@ -117,7 +119,10 @@ def _compiler() -> Optional[str]:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where compiled libraries are kept (module docstring)."""
+    if os.environ.get("LLMSVC_KERNEL_CACHE"):
+        return Path(os.path.expanduser(os.environ["LLMSVC_KERNEL_CACHE"]))
     root = os.environ.get("LLMSVC_CACHE") or os.path.join("~", ".cache", "llmsvc")
     return Path(os.path.expanduser(root)) / "kernels"
 
@@ -152,7 +157,7 @@ def build(force: bool = False) -> Path:
     cflags = _CFLAGS + _ASFLAGS + cap_flags + os.environ.get("LLMSVC_CPU_CFLAGS", "").split()
     key = hashlib.sha256("\0".join([*(p.read_text() for p in _SOURCES + _HEADERS), *cflags, *_LDFLAGS, *version, _cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / key / "libllmsvc_cpu.so"
+    out = cache_dir() / key / "libllmsvc_cpu.so"
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
