@@ -47,7 +47,7 @@ static inline __attribute__((always_inline)) void prefetch_next_row(
  * (~200 keys x 3 heads: 300 KB in fp32) mostly fills, that much evicted the item's V rows
  * before pass 2 read them: 16 KB made 64-sequence decodes 5-14% faster there, fp32 and bf16,
  * with 0 and 64 KB within 2% of 16 KB (benchmarks.attention_ab, docs/cpu-kernels.md). */
-static int64_t pf_bytes(void) {
+static inline int64_t pf_bytes(void) {
     static int64_t cached; /* 0: not asked yet; every thread computes the same value */
     int64_t v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
     if (v == 0) {
