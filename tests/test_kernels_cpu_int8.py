@@ -23,10 +23,11 @@ from kernels.cpu_ops.build import load
 NATIVE = int8.available_isas()[1:]
 needs_native = pytest.mark.skipif(not NATIVE, reason="no native int8 GEMM runs on this CPU / build")
 
-# M: 1, each ISA's row block (3, 6, 8, 16) and one past it, the driver's 96-row block and past;
-# K and N: multiples of the 64 / 16 padding and not
+# M: 1, each ISA's row block (3, 6, 8, 16, AMX's 16-row tiles up to 64) and one past it, the
+# driver's 96- and 128-row blocks and past; K and N: multiples of the 64 / 16 padding and not
 SHAPES = [(1, 64, 16), (1, 576, 960), (2, 70, 50), (3, 130, 33), (4, 576, 1536), (7, 1536, 576),
-          (9, 200, 17), (16, 64, 48), (17, 100, 31), (95, 576, 64), (97, 130, 100), (200, 576, 192)]
+          (9, 200, 17), (16, 64, 48), (17, 100, 31), (33, 96, 40), (64, 576, 80), (95, 576, 64),
+          (97, 130, 100), (130, 200, 48), (200, 576, 192)]
 
 
 def _close(y: torch.Tensor, r: torch.Tensor) -> None:

@@ -31,7 +31,10 @@
 #include "gemm_int8.h"
 #include "panel_runs.h"
 
-#define MC 96 /* rows per block: a multiple of every MR (6, 8, 16); 96 x Kp int16 stays in L2 */
+/* rows per block, a multiple of the ISA's MR: 96 x Kp int16 (AVX2) stays in L2; AMX takes two
+ * of its 64-row calls per block */
+#define MC 96
+#define MC_AMX 128
 #define HEADER 64
 #define MAGIC 0x38544E49
 
@@ -112,7 +115,7 @@ typedef struct {
     i8_gemm_t g;
     i8_kernel_fn kern;
     int isa, mr, dtype;
-    int64_t m0, mb, N, ldc;
+    int64_t mc, m0, mb, N, ldc;
     const float *sa, *sw;
     const int32_t *colsum; /* NULL unless the VNNI offset is to be undone */
     const void *bias;
@@ -159,6 +162,7 @@ static void panel_job(void *ctx, int64_t p, int64_t pf) {
 
 static int setup(job_t *j, int isa) {
     j->isa = isa;
+    j->mc = isa == I8_AMX ? MC_AMX : MC;
     switch (isa) {
     case I8_AVX2: j->kern = i8_kernel_avx2, j->mr = I8_MR_AVX2; return 2;
     case I8_AVXVNNI: j->kern = i8_kernel_avxvnni, j->mr = I8_MR_AVXVNNI; return 1;
@@ -188,11 +192,13 @@ int llmsvc_gemm_i8(int isa, const void *a, int64_t lda, int dtype, const int8_t 
     j.colsum = (isa == I8_AVXVNNI || isa == I8_AVX512VNNI) ? (const int32_t *)(j.sw + np * I8_NP) : NULL;
     const float *sinv = j.sw + 2 * np * I8_NP; /* [Kp], after the scales and colsums */
     j.dtype = dtype, j.N = N, j.ldc = ldc, j.bias = bias, j.c = c;
-    void *aq = aligned_alloc(64, ((M * Kp * esize + 63) / 64) * 64);
+    const int64_t Mp = (M + 15) / 16 * 16, abytes = M * Kp * esize;
+    void *aq = aligned_alloc(64, ((Mp * Kp * esize + 63) / 64) * 64);
     if (nt < 1) nt = 1;
     if (nt > MAX_NT) nt = MAX_NT;
     float *sa = malloc(M * sizeof(float)), *tmp = malloc(nt * K * sizeof(float));
     if (!aq || !sa || !tmp) return free(aq), free(sa), free(tmp), -1;
+    memset((char *)aq + abytes, 0, (Mp - M) * Kp * esize);
     j.g.aq = aq, j.sa = sa;
     range_t ranges[MAX_NT];
     _Pragma("omp parallel num_threads(nt) if (nt > 1)") {
@@ -201,9 +207,9 @@ int llmsvc_gemm_i8(int isa, const void *a, int64_t lda, int dtype, const int8_t 
             sa[r] = quantize_row((const char *)a + r * lda * (dtype ? 2 : 4), dtype, K, Kp, isa, sinv,
                                  tmp + omp_get_thread_num() * K, (char *)aq + r * Kp * esize);
         if (isa == I8_AMX) i8_amx_begin();
-        for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        for (int64_t m0 = 0; m0 < M; m0 += j.mc) {
             _Pragma("omp single") {
-                j.m0 = m0, j.mb = M - m0 < MC ? M - m0 : MC;
+                j.m0 = m0, j.mb = M - m0 < j.mc ? M - m0 : j.mc;
                 split_runs(ranges, nt, np);
             } /* implied barrier: every thread sees this block's rows and runs */
             run_panels(ranges, nt, omp_get_thread_num(), omp_get_num_threads(), panel_job, &j);

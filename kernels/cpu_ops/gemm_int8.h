@@ -5,7 +5,8 @@
  * q_w[16 p + c, 4 g + e] at [g][c][e] (64 bytes, one line), zero past N and K; Kp = K rounded up
  * to 64. Per column: fp32 scale s_w, int32 colsum = sum_k q_w.
  * Activations, quantized by the driver per row into `aq` [M][Kp] in the format the ISA path
- * reads (int16 for AVX2, uint8 = q + 128 for VNNI, int8 for AMX), zero (q = 0) past K.
+ * reads (int16 for AVX2, uint8 = q + 128 for VNNI, int8 for AMX), zero (q = 0) past K. The
+ * buffer holds M rounded up to 16 rows, the extra ones zero bytes (AMX reads whole 16-row tiles).
  *
  * Every ISA kernel computes, for rows r0 .. r0 + mr - 1 (mr <= its MR) and one panel, the
  * integer sums over all of Kp into acc[mr][16] int32, offset by +128 colsum for the VNNI paths;
@@ -27,7 +28,7 @@ typedef struct {
 } i8_gemm_t;
 
 /* acc[mr][16] = sums of rows r0.. over panel p (see above). pf: where to prefetch one line per
- * k-quad (the next panel, read at the pace this one is; the AVX2 kernel only), or NULL */
+ * k-quad (the next panel, read at the pace this one is; the AVX2 and AMX kernels), or NULL */
 typedef void (*i8_kernel_fn)(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, const int8_t *pf,
                              int32_t acc[][I8_NP]);
 
@@ -49,6 +50,6 @@ void i8_amx_end(void);   /* per thread, after its last */
 #define I8_MR_AVX2 6
 #define I8_MR_AVXVNNI 6
 #define I8_MR_AVX512VNNI 8
-#define I8_MR_AMX 16
-#define I8_MR_MAX 16
+#define I8_MR_AMX 64
+#define I8_MR_MAX 64
 #endif
