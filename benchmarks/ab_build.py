@@ -5,6 +5,8 @@ benchmarks.gemm_ab)."""
 from __future__ import annotations
 
 import ctypes
+import fnmatch
+import glob
 import os
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -12,11 +14,21 @@ from concurrent.futures import ThreadPoolExecutor
 from kernels.cpu_ops import build
 
 
+def files_at(patterns: list[str], rev: str | None) -> list[str]:
+    """The paths matching the glob patterns as committed at git revision `rev` (None: in the
+    working tree), pattern by pattern: a kernel split into more files at one revision than at the
+    other still builds at both."""
+    if rev is None:
+        return [p for pat in patterns for p in sorted(glob.glob(pat))]
+    listed = subprocess.check_output(["git", "ls-tree", "-r", "--name-only", rev], text=True).split()
+    return [p for pat in patterns for p in sorted(fnmatch.filter(listed, pat))]
+
+
 def sources(paths: list[str], base: str) -> tuple[list[str], list[str]]:
-    """(the texts of `paths` at git revision `base`, their texts in the working tree)"""
-    base_src = [subprocess.check_output(["git", "show", f"{base}:{path}"], text=True) for path in paths]
+    """(the texts of the files `paths` (globs) match at git revision `base`, those in the working tree)"""
+    base_src = [subprocess.check_output(["git", "show", f"{base}:{path}"], text=True) for path in files_at(paths, base)]
     new_src = []
-    for path in paths:
+    for path in files_at(paths, None):
         with open(path) as f:
             new_src.append(f.read())
     return base_src, new_src
@@ -60,7 +72,7 @@ def compile_entry(texts: list[str], tag: str, out_dir: str, entry: str, argtypes
 
 
 def compile_pair(paths: list[str], base: str, out_dir: str, entry: str, argtypes) -> dict:
-    """{base: the sources `paths` (linked together) as committed at git revision `base`, "tree":
+    """{base: the sources `paths` (globs; linked together) as committed at git revision `base`, "tree":
     as in the working tree}, each compiled by compile_entry; the two compilers run side by side
     (each takes seconds)."""
     base_src, new_src = sources(paths, base)

@@ -3,7 +3,7 @@
     python -m benchmarks.attention_ab [--base REV] [--threads 2] [--rounds 25] [--dtype bfloat16]
                                       [--layers 30]
 
-Compiles `kernels/cpu_ops/paged_attention.c` as committed at --base (default HEAD) and as it is
+Compiles `kernels/cpu_ops/paged_attention.c` (and its `attention_item_*.c`) as committed at --base (default HEAD) and as it is
 in the working tree, each into its own library with the engine's flags, loads both, and times
 a step's layers of attention (30 by default, the default model's: 9 query heads, 3 KV heads of
 64, blocks of 16 in shuffled order, K/V from DRAM) for a few step shapes, the two builds taking
@@ -24,7 +24,7 @@ import torch
 
 from benchmarks import ab_build
 
-_SRC = "kernels/cpu_ops/paged_attention.c"
+_SRC = ["kernels/cpu_ops/paged_attention.c", "kernels/cpu_ops/attention_item_*.c"]
 HQ, HKV, D, BS = 9, 3, 64, 16
 SHAPES = {  # name: [(context, query rows)] per sequence
     "decode 64 x ~200": [(200 + i % 8, 1) for i in range(64)],
@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     dtype = getattr(torch, a.dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        fns = ab_build.compile_pair([_SRC], a.base, tmp, "llmsvc_paged_attention", _ARGTYPES)
+        fns = ab_build.compile_pair(_SRC, a.base, tmp, "llmsvc_paged_attention", _ARGTYPES)
         print(f"{a.dtype}, {a.threads} threads, {a.layers} layers per step, {HQ} x {HKV} heads of {D}")
         for name, seqs in SHAPES.items():
             layers, bt, qsl, sl = _batch(seqs, dtype, torch.Generator().manual_seed(0), a.layers)

@@ -39,7 +39,7 @@ def test_attention_ab_compares_two_builds_in_one_process(capsys):
     out = capsys.readouterr().out
     rows = [l for l in out.splitlines() if "bit for bit" in l]
     assert len(rows) == len(attention_ab.SHAPES)
-    unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", attention_ab._SRC]).returncode == 0
+    unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *attention_ab._SRC]).returncode == 0
     for row in rows:
         assert "HEAD: min" in row and "tree: min" in row
         if unchanged:  # one source built twice: the same output, bit for bit (else NO)
