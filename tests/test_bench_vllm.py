@@ -41,6 +41,20 @@ def fake_python(tmp_path) -> Path:
     return exe
 
 
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
+    """Servers of one fleet get their ports in a row; port-0 binds gave two of them the same
+    port once (a replica exited with "Address already in use")."""
+    import socket
+
+    from llmsvc.bench import server_proc
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    lo = server_proc._ephemeral_range()[0]
+    assert all(server_proc._LOW_PORT <= p < lo for p in ports), (lo, min(ports), max(ports))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))
+
+
 def test_baseline_flag_takes_a_list_and_keeps_hf():
     p = argparse.ArgumentParser()
     bench_cli.add_arguments(p)

@@ -3,12 +3,11 @@ same logits as one process, including replicated KV heads (num_kv_heads < tp) an
 vocabulary that does not split evenly."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from llmsvc.bench.server_proc import free_port
 from model_utils import PagedRunner, load_our_model, make_tiny_model_dir
 
 CASES = {
@@ -45,18 +44,12 @@ def _worker(rank, world, port, model_dir, out_path):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp2_matches_single_process(tmp_path, name):
     d = make_tiny_model_dir(tmp_path, **CASES[name])
     ref = _steps(load_our_model(d))
     out = str(tmp_path / "out")
-    mp.start_processes(_worker, args=(2, _free_port(), d, out), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(2, free_port(), d, out), nprocs=2, join=True, start_method="spawn")
     kv = CASES[name].get("num_key_value_heads", 2)
     for rank in range(2):
         res = torch.load(f"{out}.{rank}")

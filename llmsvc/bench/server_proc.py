@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -10,10 +11,40 @@ import sys
 import time
 
 
+_LOW_PORT = 10000  # the lowest port free_port picks (below: well-known and registered services)
+_handed_out: set[int] = set()
+_rng = random.SystemRandom()  # not the global generator, which a caller may have seeded
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port nothing is bound to, for a server about to start. Between this check
+    and the server's bind another socket may take the port, so it is drawn at random below the
+    kernel's ephemeral range, where no outgoing connection (nor another bind to port 0) lands,
+    and never the same twice in one process: two servers of one fleet once got the same
+    port from port-0 binds and the second exited with "Address already in use"."""
+    lo = _LOW_PORT
+    hi = _ephemeral_range()[0]
+    for _ in range(200):
+        port = _rng.randrange(lo, hi) if hi - lo > 1000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no free loopback port found")
 
 
 def wait_serving(target: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
