@@ -49,7 +49,7 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
     from llmsvc.bench import server_proc
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
-    lo = server_proc._ephemeral_range()[0]
+    lo = server_proc._ephemeral_start()
     assert all(server_proc._LOW_PORT <= p < lo for p in ports), (lo, min(ports), max(ports))
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[-1]))

@@ -5,10 +5,10 @@
  *
  * tdpbssd multiplies signed bytes by signed bytes, so the activations are plain q_a (no offset).
  * One call: up to 64 rows (four row blocks of 16) x one panel of 16 columns. Per k step of 64:
- * tmm4 takes the panel's B tile, its 16 k-quad rows being exactly its next 1 KB
- * ([16 k-quads][16 columns][4], row stride 64), loaded once for every row block; tmm5-7 take
- * the row blocks' A tiles in turn ([16 rows][64 k], read in place from aq, row stride Kp);
- * tmm0-3 accumulate the row blocks' C [16][16] int32. That is 1.25 tile loads per tdpbssd at
+ * tmm4 or tmm7 (in turn) takes the panel's B tile, its 16 k-quad rows being exactly its next
+ * 1 KB ([16 k-quads][16 columns][4], row stride 64), loaded once for every row block; tmm5 and
+ * tmm6 take the row blocks' A tiles in turn ([16 rows][64 k], read in place from aq, row
+ * stride Kp); tmm0-3 accumulate the row blocks' C [16][16] int32. That is 1.25 tile loads per tdpbssd at
  * 64 rows (2 with one row block per call, the B tile re-read for each). Every tile is 16 rows:
  * the driver pads aq with zero rows to a multiple of 16, so one configuration serves every
  * call, and a short last block's extra rows sum to zeros that the epilogue never reads.
@@ -51,6 +51,22 @@ static inline void prefetch_step(const int8_t *pf, int64_t k) {
     for (int i = 0; i < 16; i++) _mm_prefetch((const char *)(pf + k * I8_NP + i * 64), _MM_HINT_T0);
 }
 
+/* One k step (k: its byte offset in a row): the B tile into tile bt, each row block's A tile
+ * into tmm5 (blocks 0 and 2) or tmm6 (1 and 3), so that an A load waits at most on the
+ * multiply issued two before, each multiplied into its C tile. bt alternates between tmm4 and
+ * tmm7 from step to step, so the next step's B load need not wait for this step's last
+ * multiply to finish reading it (gemm_amx.c rotates its B tiles for the same reason). */
+#define AMX_STEP(bt, k)                                                                            \
+    do {                                                                                           \
+        prefetch_step(pf, k);                                                                      \
+        _tile_loadd(bt, w + (k) * I8_NP, 64);                                                      \
+        _tile_loadd(5, a + (k), kp);                                                               \
+        _tile_dpbssd(0, 5, bt);                                                                    \
+        if (nb > 1) { _tile_loadd(6, a + 16 * kp + (k), kp); _tile_dpbssd(1, 6, bt); }             \
+        if (nb > 2) { _tile_loadd(5, a + 32 * kp + (k), kp); _tile_dpbssd(2, 5, bt); }             \
+        if (nb > 3) { _tile_loadd(6, a + 48 * kp + (k), kp); _tile_dpbssd(3, 6, bt); }             \
+    } while (0)
+
 __attribute__((target("amx-tile,amx-int8")))
 void i8_kernel_amx(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, const int8_t *pf, int32_t acc[][I8_NP]) {
     const int64_t kp = g->Kp;
@@ -62,24 +78,12 @@ void i8_kernel_amx(const i8_gemm_t *g, int64_t r0, int mr, int64_t p, const int8
     if (nb > 1) _tile_zero(1);
     if (nb > 2) _tile_zero(2);
     if (nb > 3) _tile_zero(3);
-    for (int64_t k = 0; k < kp; k += I8_KQ) {
-        prefetch_step(pf, k);
-        _tile_loadd(4, w + k * I8_NP, 64);
-        _tile_loadd(5, a + k, kp);
-        _tile_dpbssd(0, 5, 4);
-        if (nb > 1) {
-            _tile_loadd(6, a + 16 * kp + k, kp);
-            _tile_dpbssd(1, 6, 4);
-        }
-        if (nb > 2) {
-            _tile_loadd(7, a + 32 * kp + k, kp);
-            _tile_dpbssd(2, 7, 4);
-        }
-        if (nb > 3) { /* tmm5 again: its multiply into tmm0 was issued three multiplies ago */
-            _tile_loadd(5, a + 48 * kp + k, kp);
-            _tile_dpbssd(3, 5, 4);
-        }
+    int64_t k = 0;
+    for (; k + I8_KQ < kp; k += 2 * I8_KQ) {
+        AMX_STEP(4, k);
+        AMX_STEP(7, k + I8_KQ);
     }
+    if (k < kp) AMX_STEP(4, k);
     _tile_stored(0, acc, I8_NP * sizeof(int32_t));
     if (nb > 1) _tile_stored(1, acc + 16, I8_NP * sizeof(int32_t));
     if (nb > 2) _tile_stored(2, acc + 32, I8_NP * sizeof(int32_t));

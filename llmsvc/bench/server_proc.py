@@ -16,13 +16,13 @@ _handed_out: set[int] = set()
 _rng = random.SystemRandom()  # not the global generator, which a caller may have seeded
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections, binds to port 0)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(x) for x in f.read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port() -> int:
@@ -31,8 +31,7 @@ def free_port() -> int:
     kernel's ephemeral range, where no outgoing connection (nor another bind to port 0) lands,
     and never the same twice in one process: two servers of one fleet once got the same
     port from port-0 binds and the second exited with "Address already in use"."""
-    lo = _LOW_PORT
-    hi = _ephemeral_range()[0]
+    lo, hi = _LOW_PORT, _ephemeral_start()
     for _ in range(200):
         port = _rng.randrange(lo, hi) if hi - lo > 1000 else 0
         with socket.socket() as s:
