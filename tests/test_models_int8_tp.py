@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from llmsvc.bench.server_proc import free_port
 from model_utils import PagedRunner, make_tiny_model_dir
-from test_models_tp import _free_port
 
 SEQS = {0: list(range(3, 40)), 1: list(range(100, 109))}
 CASES = {"llama": dict(arch="llama", tie=False), "gemma3": dict(arch="gemma3", tie=True)}
@@ -44,7 +44,7 @@ def test_tp2_int8_is_as_close_to_fp32_as_one_process(tmp_path, name):
     d = make_tiny_model_dir(tmp_path, **CASES[name])
     ref, single = _logits(_load(d, "none")), _logits(_load(d, "int8"))
     out = str(tmp_path / "out")
-    mp.start_processes(_worker, args=(2, _free_port(), d, out), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(2, free_port(), d, out), nprocs=2, join=True, start_method="spawn")
     tp = [torch.load(f"{out}.{r}") for r in range(2)]
     assert torch.equal(tp[0], tp[1])  # every rank ends with the full logits
     err_single = float((single - ref).norm() / ref.norm())
