@@ -21,7 +21,6 @@ def test_native_kernels_build_here():
     assert build.build() == build.build()  # second call: the cached library
 
 
-
 def test_the_kernel_cache_is_its_own_setting_else_under_the_model_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("LLMSVC_KERNEL_CACHE", raising=False)
     monkeypatch.delenv("LLMSVC_CACHE", raising=False)

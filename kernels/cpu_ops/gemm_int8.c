@@ -162,12 +162,12 @@ static void panel_job(void *ctx, int64_t p, int64_t pf) {
 
 static int setup(job_t *j, int isa) {
     j->isa = isa;
-    j->mc = isa == I8_AMX ? MC_AMX : MC;
+    j->mc = MC;
     switch (isa) {
     case I8_AVX2: j->kern = i8_kernel_avx2, j->mr = I8_MR_AVX2; return 2;
     case I8_AVXVNNI: j->kern = i8_kernel_avxvnni, j->mr = I8_MR_AVXVNNI; return 1;
     case I8_AVX512VNNI: j->kern = i8_kernel_avx512vnni, j->mr = I8_MR_AVX512VNNI; return 1;
-    case I8_AMX: j->kern = i8_kernel_amx, j->mr = I8_MR_AMX; return 1;
+    case I8_AMX: j->kern = i8_kernel_amx, j->mr = I8_MR_AMX, j->mc = MC_AMX; return 1;
     default: return 0;
     }
 }

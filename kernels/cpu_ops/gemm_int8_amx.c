@@ -8,8 +8,8 @@
  * tmm4 or tmm7 (in turn) takes the panel's B tile, its 16 k-quad rows being exactly its next
  * 1 KB ([16 k-quads][16 columns][4], row stride 64), loaded once for every row block; tmm5 and
  * tmm6 take the row blocks' A tiles in turn ([16 rows][64 k], read in place from aq, row
- * stride Kp); tmm0-3 accumulate the row blocks' C [16][16] int32. That is 1.25 tile loads per tdpbssd at
- * 64 rows (2 with one row block per call, the B tile re-read for each). Every tile is 16 rows:
+ * stride Kp); tmm0-3 accumulate the row blocks' C [16][16] int32. That is 1.25 tile loads per
+ * tdpbssd at 64 rows (2 with one row block per call, the B tile re-read for each). Every tile is 16 rows:
  * the driver pads aq with zero rows to a multiple of 16, so one configuration serves every
  * call, and a short last block's extra rows sum to zeros that the epilogue never reads.
  * Each thread loads that configuration at its first call and releases it in i8_amx_end.
