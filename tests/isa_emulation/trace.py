@@ -38,11 +38,16 @@ def _storages() -> dict[int, tuple[int, int]]:
     found: dict[int, tuple[int, int]] = {}
     with warnings.catch_warnings():  # isinstance() on some of torch's module proxies warns
         warnings.simplefilter("ignore")
-        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        # plain tensors and parameters only: the fake and functional tensors a torch.compile
+        # test leaves alive in this process have no data to point into
+        objects = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter)]
     for o in objects:
         if o.device.type == "cpu" and o.layout == torch.strided:
-            s = o.untyped_storage()
-            base, n = s.data_ptr(), s.nbytes()
+            try:
+                s = o.untyped_storage()
+                base, n = s.data_ptr(), s.nbytes()
+            except RuntimeError:  # a storage torch has invalidated
+                continue
             if n and (base not in found or found[base][0] < n):
                 found[base] = (n, DTYPE_CODES.get(o.dtype, 0))
     return found
