@@ -7,6 +7,8 @@ import os
 import platform
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -30,6 +32,25 @@ def test_the_kernel_cache_is_its_own_setting_else_under_the_model_cache(monkeypa
     assert build.cache_dir() == tmp_path / "models" / "kernels"
     monkeypatch.setenv("LLMSVC_KERNEL_CACHE", str(tmp_path / "k"))
     assert build.cache_dir() == tmp_path / "k"
+
+
+def test_builds_started_together_compile_once(monkeypatch, tmp_path):
+    """Two builders of one library on an empty cache (a server's TP workers, parallel test
+    workers): the second waits on the first's lock and loads its library."""
+    calls = []
+
+    def slow_compile(cc, cflags, cap_flags, out):
+        calls.append(out)
+        time.sleep(0.5)  # long enough for the other thread to reach the lock
+        out.write_bytes(b"lib")
+
+    monkeypatch.setenv("LLMSVC_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "_compiler", lambda: sys.executable)  # `--version` is all it is asked
+    monkeypatch.setattr(build, "_compile", slow_compile)
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: build.build(), range(2)))
+    assert len(calls) == 1 and paths == [calls[0]] * 2
+
 
 def test_build_pads_branches_where_the_assembler_takes_it(tmp_path):
     # x86: GNU as keeps jumps off 32-byte boundaries (the JCC-erratum slowdown, build.py); an

@@ -5,7 +5,7 @@ machine (-march=native) into <kernel cache>/<key>/, key = hash of source, flags,
 CPU flags; later processes load the cached library. The kernel cache is $LLMSVC_KERNEL_CACHE,
 else $LLMSVC_CACHE/kernels (default ~/.cache/llmsvc/kernels): a separate setting, so that a
 process given a fresh model cache does not compile the kernels again. The build is atomic
-(temp dir + rename), so concurrent workers are safe.
+(temp dir + rename) and holds a file lock, so processes starting together compile it once.
 
 LLMSVC_CPU_ISA caps the x86 feature level the kernels are built for (isa.py: sse4, avx2,
 avx512, avx512_vnni, avx512_bf16, amx), so a CPU with more runs the paths of one with less, as
@@ -19,6 +19,7 @@ the tests compare against).
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -161,6 +162,20 @@ def build(force: bool = False) -> Path:
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    # one compile per library at a time: processes starting together on an empty cache (a
+    # server's TP workers, parallel test workers) wait for the first build instead of each
+    # compiling it again on the same cores; the lock goes with its process if it is killed
+    with open(out.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists() and not force:
+            return out
+        _compile(cc, cflags, cap_flags, out)
+    logger.info("built CPU kernels %s", out)
+    return out
+
+
+def _compile(cc: str, cflags: list[str], cap_flags: list[str], out: Path) -> None:
+    """Compile the sources with cflags into `out`, through a temporary file renamed into place."""
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objs = [os.path.join(tmp, p.stem + ".o") for p in _SOURCES]
         so = os.path.join(tmp, "k.so")
@@ -175,8 +190,6 @@ def build(force: bool = False) -> Path:
             list(pool.map(_run_or_raise, cmds))  # re-raises the first failure
         _run_or_raise([cc, *objs, *_LDFLAGS, "-o", so])
         os.replace(so, out)
-    logger.info("built CPU kernels %s", out)
-    return out
 
 
 def load() -> Optional[ctypes.CDLL]:
