@@ -23,6 +23,25 @@ from kernels.cpu_ops.build import cache_dir as _kernel_cache_dir  # noqa: E402
 
 os.environ.setdefault("LLMSVC_KERNEL_CACHE", str(_kernel_cache_dir()))
 
+
+def _worker_port_range() -> None:
+    """Parallel test workers (`make test` runs pytest-xdist's -n) draw server ports from disjoint
+    slices of free_port's range: a port one worker found free, before its server binds it, is
+    never another worker's pick. Spawned processes (`llmsvc bench` in a test) inherit it."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and count.isdigit()) or "LLMSVC_BENCH_PORTS" in os.environ:
+        return
+    from llmsvc.bench.server_proc import port_range
+
+    lo, hi = port_range()
+    if hi:
+        span = (hi - lo) // int(count)
+        first = lo + int(worker[2:]) * span
+        os.environ["LLMSVC_BENCH_PORTS"] = f"{first}-{first + span}"
+
+
+_worker_port_range()
+
 import pytest  # noqa: E402
 
 

@@ -49,10 +49,23 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
     from llmsvc.bench import server_proc
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
-    lo = server_proc._ephemeral_start()
-    assert all(server_proc._LOW_PORT <= p < lo for p in ports), (lo, min(ports), max(ports))
+    lo, hi = server_proc.port_range()  # parallel test workers narrow it (conftest.py)
+    assert server_proc._LOW_PORT <= lo and hi <= server_proc._ephemeral_start()
+    assert all(lo <= p < hi for p in ports), (lo, hi, min(ports), max(ports))
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[-1]))
+
+
+def test_free_ports_keep_to_the_range_in_the_environment(monkeypatch):
+    from llmsvc.bench import server_proc
+    monkeypatch.setattr(server_proc, "_handed_out", set())
+    monkeypatch.setenv("LLMSVC_BENCH_PORTS", "23100-23150")
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == 20 and all(23100 <= p < 23150 for p in ports), ports
+    for bad in ("23100", "9-3", "0-100", "a-b", "100-70000"):
+        monkeypatch.setenv("LLMSVC_BENCH_PORTS", bad)
+        with pytest.raises(ValueError, match="LLMSVC_BENCH_PORTS=.*expected LO-HI"):
+            free_port()
 
 
 def test_baseline_flag_takes_a_list_and_keeps_hf():

@@ -16,7 +16,7 @@ from executor_driver import greedy_generate
 from executor_procs import LoggedProcess, descendants, llmsvc_cmd, wait_gone, worker_pids
 from executors import create_executor
 from executors.base import ExecutorError
-from executors.multiproc import _free_port
+from llmsvc.bench.server_proc import free_port
 from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from llmsvc.models.resolve import resolve_model_config
 from test_executors import prompts_for, run
@@ -46,7 +46,7 @@ def headless_node(model_dir: str, port: int, *extra: str, tp: int = 2) -> Logged
 def two_nodes(model_dir: str):
     """Node 1 headless (the CLI) and node 0 as an in-test executor, one rank each; yields
     (executor, node 1) once node 1's rank is ready; shuts both down after."""
-    port = _free_port("127.0.0.1")
+    port = free_port()
     node1 = headless_node(model_dir, port)
     try:
         ex = create_executor(config(model_dir, port, tp=2, nnodes=2))
@@ -121,7 +121,7 @@ def test_a_node_started_with_other_options_fails_both_nodes_naming_them(tiny_dir
     # a different TP size would otherwise hang the rendezvous, a different dtype fail inside a
     # collective with gloo's words (or compute something else): each rank's configuration is
     # checked against rank 0's before the process group forms
-    port = _free_port("127.0.0.1")
+    port = free_port()
     node1 = headless_node(tiny_dir, port, *extra, tp=tp)
     try:
         with pytest.raises(ExecutorError, match=f"differs from node 0's.*{field}: rank 0 has"):
@@ -133,7 +133,7 @@ def test_a_node_started_with_other_options_fails_both_nodes_naming_them(tiny_dir
 
 
 def test_headless_node_exits_nonzero_when_node0_dies(tiny_dir):
-    port = _free_port("127.0.0.1")
+    port = free_port()
     node1 = headless_node(tiny_dir, port)
     node0 = LoggedProcess(llmsvc_cmd("serve", tiny_dir, "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
                                      "--kv-cache-memory", "4MiB", "--tensor-parallel-size", "2", "--nnodes", "2",

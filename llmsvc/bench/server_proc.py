@@ -25,15 +25,33 @@ def _ephemeral_start() -> int:
         return 32768  # Linux's default
 
 
+def port_range() -> tuple[int, int]:
+    """[lo, hi) that free_port draws from: $LLMSVC_BENCH_PORTS ("LO-HI": where a firewall opens
+    only some ports, or to give processes that start servers at once disjoint ranges, as the
+    parallel test workers do), else from _LOW_PORT up to the ephemeral range; (0, 0) where that
+    leaves too few (port-0 binds then)."""
+    spec = os.environ.get("LLMSVC_BENCH_PORTS", "").strip()
+    if not spec:
+        hi = _ephemeral_start()
+        return (_LOW_PORT, hi) if hi - _LOW_PORT > 1000 else (0, 0)
+    try:
+        lo, hi = (int(x) for x in spec.split("-"))
+    except ValueError:
+        lo = hi = -1
+    if not 0 < lo < hi <= 65536:
+        raise ValueError(f"LLMSVC_BENCH_PORTS={spec!r}: expected LO-HI with 0 < LO < HI <= 65536, e.g. 20000-21000")
+    return lo, hi
+
+
 def free_port() -> int:
     """A loopback TCP port nothing is bound to, for a server about to start. Between this check
     and the server's bind another socket may take the port, so it is drawn at random below the
-    kernel's ephemeral range, where no outgoing connection (nor another bind to port 0) lands,
-    and never the same twice in one process: two servers of one fleet once got the same
-    port from port-0 binds and the second exited with "Address already in use"."""
-    lo, hi = _LOW_PORT, _ephemeral_start()
+    kernel's ephemeral range (port_range), where no outgoing connection (nor another bind to
+    port 0) lands, and never the same twice in one process: two servers of one fleet once got
+    the same port from port-0 binds and the second exited with "Address already in use"."""
+    lo, hi = port_range()
     for _ in range(200):
-        port = _rng.randrange(lo, hi) if hi - lo > 1000 else 0
+        port = _rng.randrange(lo, hi) if hi else 0
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -43,7 +61,7 @@ def free_port() -> int:
         if port not in _handed_out:
             _handed_out.add(port)
             return port
-    raise RuntimeError("no free loopback port found")
+    raise RuntimeError(f"no free loopback port found in {lo}-{hi}" if hi else "no free loopback port found")
 
 
 def wait_serving(target: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
