@@ -31,7 +31,7 @@ serve: setup
 
 # two pytest-xdist workers, a file each at a time: most of the suite's time is spent in servers,
 # workers and model loads that keep ~1 core busy (user+sys 105% of wall on 2 cores), so two
-# workers take the suite from ~19 to ~12 minutes on 2 cores. TEST_WORKERS=0 runs it in one process.
+# workers take the suite from ~19 to ~13 minutes on 2 cores. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile
 
