@@ -3,14 +3,14 @@
     python -m benchmarks.attention_ab [--base REV] [--threads 2] [--rounds 25] [--dtype bfloat16]
                                       [--layers 30]
 
-Compiles `kernels/cpu_ops/paged_attention.c` (and its `attention_item_*.c`) as committed at --base (default HEAD) and as it is
-in the working tree, each into its own library with the engine's flags, loads both, and times
-a step's layers of attention (30 by default, the default model's: 9 query heads, 3 KV heads of
-64, blocks of 16 in shuffled order, K/V from DRAM) for a few step shapes, the two builds taking
-turns round by round. A slow phase of a shared machine (its memory bandwidth swings from minute to minute)
-hits both alike, which separate runs of `benchmarks.step_profile` cannot promise. Prints the
-min and median ms of a step's calls and whether the two outputs are bit for bit equal (if not,
-their largest difference).
+Compiles `kernels/cpu_ops/paged_attention.c` and its `attention_item_*.c` as committed at --base
+(default HEAD) and as they are in the working tree, each into its own library with the engine's
+flags, loads both, and times a step's layers of attention (30 by default, the default model's:
+9 query heads, 3 KV heads of 64, blocks of 16 in shuffled order, K/V from DRAM) for a few step
+shapes, the two builds taking turns round by round. A slow phase of a shared machine (its
+memory bandwidth swings from minute to minute) hits both alike, which separate runs of
+`benchmarks.step_profile` cannot promise. Prints the min and median ms of a step's calls and
+whether the two outputs are bit for bit equal (if not, their largest difference).
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ os.environ.setdefault("LLMSVC_KV_PREFAULT", "background")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # the compiled kernels stay where they are when a test gives the model cache a fresh directory
-# (a build is ~30 s on 2 cores, and every spawned worker of such a test would pay it)
+# (a build is ~16 s on 2 cores, and every spawned worker of such a test would pay it)
 from kernels.cpu_ops.build import cache_dir as _kernel_cache_dir  # noqa: E402
 
 os.environ.setdefault("LLMSVC_KERNEL_CACHE", str(_kernel_cache_dir()))
