@@ -7,7 +7,8 @@ Compiles the GEMM's source (`gemm_bf16dp.c`, AVX512-BF16 dot products; `gemm.c`,
 its bf16 entry that widens bf16 panels on AVX2, `bfloat16-widen`, or its GGUF-block entry with
 the weights rounded to Q4_1-like blocks, `gguf`: `--base` must know the blob of 5a3f487; or
 the int8 GEMM's sources, `int8`: bf16 activations, the weights packed by kernels/cpu_ops/int8.py,
-the path int8.isa() picks) as committed at --base
+the path int8.isa() picks, by its code in int8.ISAS: a --base before the avx2_w7 path numbers
+the paths otherwise) as committed at --base
 (default HEAD) and as it is in the working tree, each into its own library with the engine's
 flags, and multiplies an [M, K] activation through the default
 model's 30 layers of packed weights (qkv, o, gate_up, down) and its LM head, as a decode step

@@ -1,8 +1,10 @@
 """Torch reference of the int8 linear layer (`--quantization int8`): the CPU fallback where the
 native GEMM (kernels/cpu_ops/gemm_int8*.c) is not built, and the tests' ground truth.
 
-Weights: per output channel, symmetric: q_w[n, k] = round(W[n, k] / s_w[n]) in [-127, 127],
-s_w[n] = max_k |W[n, k]| / 127 (0 for an all-zero row).
+Weights: per output channel, symmetric: q_w[n, k] = round(W[n, k] / s_w[n]) in [-qmax, qmax],
+s_w[n] = r max_k |W[n, k]| / qmax with the clipping ratio r (1 to 0.6) that leaves the row the
+least squared error (0 for an all-zero row); qmax is 127, or 64 for a path whose int16 pair
+sums hold no more (kernels/cpu_ops/int8.weight_qmax).
 Activations: per token (row of x), symmetric, at run time, the same rule with
 s_a[m] = max_k |x[m, k]| / 127. Both ranges stop at 127 (not -128), so a product is at most
 127 * 127 in magnitude on every ISA path and the sign can be moved between operands.
@@ -24,25 +26,43 @@ from typing import Optional
 import torch
 
 QMAX = 127
+# a weight row's scale is searched among these shares of its largest magnitude (quantize_weight)
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float -> (q [M, K] int8, scale [M] fp32), per row, symmetric.
+def quantize_rows(x: torch.Tensor, qmax: int = QMAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (q [M, K] int8 within +-qmax, scale [M] fp32), per row, symmetric.
 
-    The native kernels compute exactly this in fp32: inv = 127 / amax (one division), then
-    round-half-even(x * inv) (not x / scale, which rounds differently)."""
+    The native kernels compute exactly this in fp32 for activations (qmax 127): inv = 127 / amax
+    (one division), then round-half-even(x * inv) (not x / scale, which rounds differently)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
     # a true division: `127 / tensor` in torch is reciprocal() * 127, another rounding
-    inv = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))
-    q = torch.round(xf * inv.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
-    return q, amax / QMAX
+    inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv.unsqueeze(-1)).clamp_(-qmax, qmax).to(torch.int8)
+    return q, amax / qmax
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] (any float dtype, the checkpoint's) -> (q [N, K] int8, scale [N] fp32):
-    per output channel, the same rule as the activations."""
-    return quantize_rows(weight)
+def quantize_weight(weight: torch.Tensor, qmax: int = QMAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] (any float dtype, the checkpoint's) -> (q [N, K] int8, scale [N] fp32): per
+    output channel, symmetric, q = round(W / s) clamped to +-qmax, with s the one of
+    CLIP_RATIOS x max_k |W[n, k]| / qmax that leaves the row the least squared error. A row's few
+    largest weights then saturate where a finer grid serves the rest better."""
+    wf = weight.float()
+    amax = wf.abs().amax(dim=-1, keepdim=True)
+    amax1 = torch.where(amax > 0, amax, torch.ones_like(amax))  # an all-zero row: q = 0 at any scale
+
+    def sq_error(s: torch.Tensor) -> torch.Tensor:
+        return ((torch.round(wf / s).clamp_(-qmax, qmax) * s - wf) ** 2).sum(-1, keepdim=True)
+
+    scale = amax1 / qmax
+    best = sq_error(scale)
+    for ratio in CLIP_RATIOS[1:]:
+        s = amax1 * ratio / qmax
+        err = sq_error(s)
+        scale, best = torch.where(err < best, s, scale), torch.minimum(err, best)
+    q = torch.round(wf / scale).clamp_(-qmax, qmax).to(torch.int8)
+    return q, torch.where(amax > 0, scale, torch.zeros_like(scale)).squeeze(-1)
 
 
 def smoothing(act_amax: torch.Tensor, weight: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:

@@ -45,17 +45,39 @@ def test_quantize_rows_is_symmetric_per_row_and_within_127():
     assert q[2, 0] == 127 and torch.allclose(s, torch.tensor([1.0, 0.0, 3.0]) / 127)
 
 
+@pytest.mark.parametrize("qmax", [127, 64])
 @pytest.mark.parametrize("n,k", [(16, 64), (50, 70), (33, 130)])
-def test_pack_keeps_the_quantized_weight_and_its_scales(n, k):
+def test_pack_keeps_the_quantized_weight_and_its_scales(n, k, qmax):
     w = torch.randn(n, k)
-    blob = int8.pack(w)
+    blob = int8.pack(w, qmax=qmax)
     assert blob.dtype == torch.int8 and blob.data_ptr() % 64 == 0 and int8.shape(blob) == (n, k)
+    assert int8.qmax_of(blob) == qmax
     q, s, inv = int8.unpack(blob)
-    q_ref, s_ref = ref.quantize_weight(w)
+    q_ref, s_ref = ref.quantize_weight(w, qmax)
+    amax = w.abs().amax(1)
+    assert int(q.abs().max()) == qmax and bool(((s <= amax / qmax) & (s >= 0.6 * amax / qmax)).all())
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref) and torch.equal(inv, torch.ones(k))
     np_, kp = -(-n // 16), -(-k // 64) * 64
     colsums = blob[64 + np_ * 16 * kp + 64 * np_:].view(torch.int32)[:n]
     assert torch.equal(colsums, q_ref.sum(1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("qmax", [127, 64])
+def test_weight_scales_clip_the_largest_weight_where_that_lowers_the_error(qmax):
+    """Per row, the scale is the clipping ratio with the least squared error. Row 0's weights lie
+    on the grid of ratio 0.95 but for its largest, 1.0, which that grid clips to 0.95: plain max
+    scaling would round every other weight. Row 1 (equal magnitudes) keeps the plain scale."""
+    on_grid = torch.arange(-qmax + 4, qmax - 4).float().repeat(8) * 0.95 / qmax
+    w = torch.stack([torch.cat([torch.tensor([1.0]), on_grid]), torch.full((on_grid.numel() + 1,), -0.5)])
+    q, s = ref.quantize_weight(w, qmax)
+    plain = w.abs().amax(1) / qmax
+    torch.testing.assert_close(s, torch.stack([0.95 * plain[0], plain[1]]))
+    assert q[0, 0] == qmax and torch.equal(q[0, 1:].float(), torch.arange(-qmax + 4, qmax - 4).float().repeat(8))
+    err = ((q.float() * s[:, None] - w) ** 2).sum(1)
+    err_plain = ((torch.round(w / plain[:, None]) * plain[:, None] - w) ** 2).sum(1)
+    assert err[0] < 0.5 * err_plain[0]
+    zero_q, zero_s = ref.quantize_weight(torch.zeros(2, 64), qmax)
+    assert not zero_q.any() and not zero_s.any()
 
 
 def test_reference_is_close_to_the_float_product():
@@ -77,7 +99,7 @@ def test_native_path_equals_reference(path, dtype, m, k, n):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     w = torch.randn(n, k, generator=g) * 0.05
     smooth = None if m % 2 else torch.rand(k, generator=g) + 0.5  # every other shape smoothed
-    blob = int8.pack(w, smooth)
+    blob = int8.pack(w, smooth, qmax=int8.weight_qmax(path))
     x = (torch.randn(m, k, generator=g) * 2).to(dtype)
     x[0, :3] = 0  # zeros and a row whose max sits anywhere: both ends of the range
     bias = torch.randn(n, generator=g).to(dtype)
@@ -131,6 +153,43 @@ def test_native_rejects_a_blob_of_another_shape():
     assert rc == -1
     with pytest.raises(ValueError, match="features"):
         int8.linear(torch.randn(2, 65), blob)
+
+
+@needs_native
+@pytest.mark.parametrize("path", NATIVE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_widest_products_do_not_saturate(path, dtype):
+    """Every weight at +-qmax and every activation at a row's maximum: the largest partial sums
+    a path forms (avx2_w7: 255 * 64 * 2 = 32640 in an int16) must come out exact. Rows of
+    positive, negative and mixed signs, against weights of both signs."""
+    qmax, k = int8.weight_qmax(path), 256
+    w = torch.ones(32, k)
+    w[1::2] = -1
+    w[2::4, ::3] = -1
+    x = torch.ones(6, k)
+    x[1] = -1
+    x[2, ::2] = -1
+    x[3, 1::4] = 0.5
+    blob = int8.pack(w, qmax=qmax)
+    assert int(int8.unpack(blob)[0].abs().min()) == qmax
+    _close(int8.linear(x.to(dtype), blob, path=path), int8.linear(x.to(dtype), blob, path="ref"))
+    exact = int8.linear(x, blob, path=path)
+    assert torch.equal(exact[0], (x[0] @ w.t()))  # whole multiples of the scales: exact in fp32
+
+
+@needs_native
+def test_a_path_refuses_weights_wider_than_it_multiplies():
+    narrow = [p for p in NATIVE if int8.weight_qmax(p) < ref.QMAX]
+    if not narrow:
+        pytest.skip("every path here multiplies 8-bit weights")
+    blob = int8.pack(torch.randn(16, 64), qmax=ref.QMAX)
+    with pytest.raises(ValueError, match=f"qmax={int8.weight_qmax(narrow[0])}"):
+        int8.linear(torch.randn(2, 64), blob, path=narrow[0])
+    x, out = torch.randn(2, 64), torch.empty(2, 16)
+    rc = load().llmsvc_gemm_i8(int8.ISAS.index(narrow[0]), x.data_ptr(), 64, 0, blob.data_ptr(), None,
+                               out.data_ptr(), 16, 2, 16, 64, 1)
+    assert rc == -1
+    assert int8.linear(x, blob, path="ref").shape == (2, 16)  # the reference takes any range
 
 
 def test_unsupported_isa_is_refused(monkeypatch):

@@ -12,8 +12,10 @@
  *   AVX2 (gemm_int8_avx2.c): the int8 weights widened to int16 in registers and multiplied
  *     with int16 activations by vpmaddwd. Weights stay int8 in memory (the decode stream); a
  *     panel's first row block prefetches the next panel (panel_job).
- *   AVX-VNNI, AVX512-VNNI (gemm_int8_vnni.c): vpdpbusd on u8 = q + 128 activations; the
+ *   AVX2_W7 (gemm_int8_avx2.c), for blobs packed with weights in -64 .. 64: vpmaddubsw on
+ *     u8 = q + 128 activations, a third fewer operations per multiply-add than AVX2's; the
  *     epilogue subtracts 128 colsum.
+ *   AVX-VNNI, AVX512-VNNI (gemm_int8_vnni.c): vpdpbusd on u8 activations, as AVX2_W7.
  *   AMX-INT8 (gemm_int8_amx.c): tdpbssd on s8 x s8 tiles.
  */
 #include <stdint.h>
@@ -54,7 +56,7 @@ int i8_cpu_has(int isa) {
 #ifdef LLMSVC_CPU_ISA_LEVEL
     /* LLMSVC_CPU_ISA's cap (kernels/cpu_ops/isa.py's LEVELS index): the lowest level with each path,
      * AVX-VNNI counted with AVX-512 as isa.py removes it */
-    static const int min_level[I8_NISA] = {0, 1, 2, 3, 5};
+    static const int min_level[I8_NISA] = {0, 1, 1, 2, 3, 5};
     if (LLMSVC_CPU_ISA_LEVEL < min_level[isa]) return 0;
 #endif
     if (__get_cpuid_max(0, 0) < 7) return 0;
@@ -64,7 +66,7 @@ int i8_cpu_has(int isa) {
     const int avx_os = (x & 0x6) == 0x6, avx512_os = avx_os && (x & 0xe0) == 0xe0;
     const int avx2 = avx_os && (b & (1u << 5));
     switch (isa) {
-    case I8_AVX2: return avx2;
+    case I8_AVX2: case I8_AVX2_W7: return avx2;
     case I8_AVXVNNI: return avx2 && (a1 & (1u << 4));
     case I8_AVX512VNNI: return avx512_os && (b & (1u << 16)) && (b & (1u << 30)) && (c & (1u << 11));
     case I8_AMX:
@@ -117,7 +119,7 @@ typedef struct {
     int isa, mr, dtype;
     int64_t mc, m0, mb, N, ldc;
     const float *sa, *sw;
-    const int32_t *colsum; /* NULL unless the VNNI offset is to be undone */
+    const int32_t *colsum; /* NULL unless the u8 offset is to be undone */
     const void *bias;
     void *c;
 } job_t;
@@ -165,6 +167,7 @@ static int setup(job_t *j, int isa) {
     j->mc = MC;
     switch (isa) {
     case I8_AVX2: j->kern = i8_kernel_avx2, j->mr = I8_MR_AVX2; return 2;
+    case I8_AVX2_W7: j->kern = i8_kernel_avx2_w7, j->mr = I8_MR_AVX2_W7; return 1;
     case I8_AVXVNNI: j->kern = i8_kernel_avxvnni, j->mr = I8_MR_AVXVNNI; return 1;
     case I8_AVX512VNNI: j->kern = i8_kernel_avx512vnni, j->mr = I8_MR_AVX512VNNI; return 1;
     case I8_AMX: j->kern = i8_kernel_amx, j->mr = I8_MR_AMX, j->mc = MC_AMX; return 1;
@@ -174,12 +177,13 @@ static int setup(job_t *j, int isa) {
 
 /* a [M, K] (row stride lda) fp32 (dtype 0) or bf16 (1); packed: int8.py's blob; bias [N] in
  * a's dtype or NULL; c [M, N] (row stride ldc) in a's dtype. 0, or -1 for rejected arguments
- * (an ISA this CPU lacks, a blob of another shape). */
+ * (an ISA this CPU lacks, a blob of another shape, weights wider than the path multiplies). */
 int llmsvc_gemm_i8(int isa, const void *a, int64_t lda, int dtype, const int8_t *packed, const void *bias,
                    void *c, int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
     const int32_t *hdr = (const int32_t *)packed;
     if (!llmsvc_gemm_i8_supported(isa) || (dtype != 0 && dtype != 1) || M < 0 || hdr[0] != MAGIC
-        || hdr[1] != N || hdr[2] != K || hdr[3] % I8_KQ || hdr[3] < K || ((uintptr_t)packed & 63))
+        || hdr[1] != N || hdr[2] != K || hdr[3] % I8_KQ || hdr[3] < K || ((uintptr_t)packed & 63)
+        || hdr[4] < 1 || hdr[4] > 127 || (isa == I8_AVX2_W7 && hdr[4] > I8_W7_QMAX))
         return -1;
     if (M == 0 || N == 0) return 0;
     job_t j;
@@ -189,7 +193,8 @@ int llmsvc_gemm_i8(int isa, const void *a, int64_t lda, int dtype, const int8_t 
     j.g.panels = packed + HEADER;
     j.g.Kp = Kp;
     j.sw = (const float *)(j.g.panels + np * I8_NP * Kp);
-    j.colsum = (isa == I8_AVXVNNI || isa == I8_AVX512VNNI) ? (const int32_t *)(j.sw + np * I8_NP) : NULL;
+    const int u8 = isa == I8_AVX2_W7 || isa == I8_AVXVNNI || isa == I8_AVX512VNNI;
+    j.colsum = u8 ? (const int32_t *)(j.sw + np * I8_NP) : NULL;
     const float *sinv = j.sw + 2 * np * I8_NP; /* [Kp], after the scales and colsums */
     j.dtype = dtype, j.N = N, j.ldc = ldc, j.bias = bias, j.c = c;
     const int64_t Mp = (M + 15) / 16 * 16, abytes = M * Kp * esize;

@@ -4,20 +4,28 @@ output channel; activations per token at run time (kernels/reference_int8.py has
 `pack(weight)` quantizes and packs a weight into one 64-byte aligned int8 blob, the only thing
 the layer keeps:
 
-  header  64 bytes: int32 MAGIC, N, K, Kp (K rounded up to KQ), then zeros
+  header  64 bytes: int32 MAGIC, N, K, Kp (K rounded up to KQ), qmax (|q_w| <= qmax), then zeros
   panels  [ceil(N / NP), Kp / 4, NP, 4] int8: panel p, k-quad g, column c, byte e holds
           q_w[NP p + c, 4 g + e], zero past N and K. A k-quad row of a panel is 64 bytes (one
           cache line): one zmm for AVX512-VNNI (vpdpbusd's 4 bytes per int32 lane), two ymm
-          for AVX-VNNI, four ymm of int16 pairs for AVX2, and 16 of them are one AMX B tile
+          for AVX-VNNI and AVX2_W7, four ymm of int16 pairs for AVX2, and 16 of them are one AMX
+          B tile
   scales  [ceil(N / NP) * NP] fp32: s_w per column (0 past N)
-  colsums [ceil(N / NP) * NP] int32: sum_k q_w[n, k], which undoes the +128 offset VNNI's
-          unsigned activations add (sum (q_a + 128) q_w = sum q_a q_w + 128 colsum)
+  colsums [ceil(N / NP) * NP] int32: sum_k q_w[n, k], which undoes the +128 offset the u8
+          paths' unsigned activations add (sum (q_a + 128) q_w = sum q_a q_w + 128 colsum)
   smooth  [Kp] fp32: 1 / f[k], SmoothQuant's factor (reference_int8.smoothing), by which each
           activation is multiplied before it is quantized; 1 without smoothing, 0 past K
 
 `linear(x, packed, bias)` is the one dispatch point: the native GEMM (gemm_int8.c, on the
 best ISA this CPU has, or the one LLMSVC_INT8_ISA names) or, where none is built, the torch
 reference on the unpacked weight. Both give the reference's integer sums exactly.
+
+The weights' range is the path's (`weight_qmax`): +-127, except on `avx2_w7`, the fastest path
+on a CPU with AVX2 but no VNNI (Haswell to Skylake-SP, Zen 1 to 3). Its
+vpmaddubsw adds two u8 x s8 products in int16, which holds 255 * 64 * 2 but not 255 * 127 * 2,
+so its blobs are quantized to +-64: 1.3x the int16 path's multiply-adds per cycle for one bit
+of weight precision (docs/cpu-kernels.md has the quality cost). `LLMSVC_INT8_ISA=avx2` keeps
+8-bit weights on such a CPU.
 """
 from __future__ import annotations
 
@@ -36,7 +44,9 @@ KQ = 64  # K is padded to this: one AMX tile row of int8 (16 k-quads)
 HEADER = 64
 MAGIC = 0x38544E49  # "INT8"
 # gemm_int8.c's ISA codes, slowest first; "ref" is the torch reference
-ISAS = ("ref", "avx2", "avxvnni", "avx512vnni", "amx")
+ISAS = ("ref", "avx2", "avx2_w7", "avxvnni", "avx512vnni", "amx")
+# paths that multiply only a narrower weight range than reference_int8.QMAX exactly (gemm_int8.h)
+NARROW_QMAX = {"avx2_w7": 64}
 
 
 def _layout(n: int, k: int) -> tuple[int, int]:
@@ -44,12 +54,26 @@ def _layout(n: int, k: int) -> tuple[int, int]:
     return -(-n // NP), -(-k // KQ) * KQ
 
 
-def pack(weight: torch.Tensor, smooth: Optional[torch.Tensor] = None) -> torch.Tensor:
+def weight_qmax(path: Optional[str] = None) -> int:
+    """The weight range path (None: `isa()`) multiplies exactly: |q_w| <= this. "ref" takes the
+    range of this CPU's fastest native path, so that LLMSVC_INT8_ISA=ref reproduces its tokens."""
+    path = path or isa()
+    if path == "ref":
+        native = _native_isas()
+        path = native[-1] if native else path
+    return NARROW_QMAX.get(path, _ref.QMAX)
+
+
+def pack(weight: torch.Tensor, smooth: Optional[torch.Tensor] = None, qmax: Optional[int] = None) -> torch.Tensor:
     """weight [N, K] float on the CPU -> the int8 blob of the module docstring. smooth: f [K]
-    (reference_int8.smoothing): W f is quantized, and activations are divided by f at run time."""
+    (reference_int8.smoothing): W f is quantized, and activations are divided by f at run time.
+    qmax: the weights' range (default `weight_qmax()`, what this CPU's path multiplies)."""
     n, k = weight.shape
+    qmax = weight_qmax() if qmax is None else int(qmax)
+    if not 1 <= qmax <= _ref.QMAX:
+        raise ValueError(f"int8 weights: qmax must be 1..{_ref.QMAX}, not {qmax}")
     inv = torch.ones(k) if smooth is None else 1.0 / smooth.float()
-    q, scale = _ref.quantize_weight(weight if smooth is None else weight.float() * smooth)
+    q, scale = _ref.quantize_weight(weight if smooth is None else weight.float() * smooth, qmax)
     np_, kp = _layout(n, k)
     qp = torch.zeros(np_ * NP, kp, dtype=torch.int8)
     qp[:n, :k] = q
@@ -59,7 +83,7 @@ def pack(weight: torch.Tensor, smooth: Optional[torch.Tensor] = None) -> torch.T
     colsums = torch.zeros(np_ * NP, dtype=torch.int32)
     colsums[:n] = q.sum(dim=1, dtype=torch.int32)
     header = torch.zeros(HEADER // 4, dtype=torch.int32)
-    header[:4] = torch.tensor([MAGIC, n, k, kp], dtype=torch.int32)
+    header[:5] = torch.tensor([MAGIC, n, k, kp, qmax], dtype=torch.int32)
     smooth_inv = torch.zeros(kp, dtype=torch.float32)
     smooth_inv[:k] = inv
     parts = [header.view(torch.int8), panels.view(-1), scales.view(torch.int8), colsums.view(torch.int8),
@@ -76,6 +100,11 @@ def shape(packed: torch.Tensor) -> tuple[int, int]:
     """(N, K) of a blob."""
     _, n, k, _ = packed[:16].view(torch.int32).tolist()
     return n, k
+
+
+def qmax_of(packed: torch.Tensor) -> int:
+    """The weight range a blob was quantized to."""
+    return int(packed[:20].view(torch.int32)[4])
 
 
 def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -130,6 +159,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] =
     n, k = shape(packed)
     if x.shape[-1] != k:
         raise ValueError(f"int8 linear: input has {x.shape[-1]} features, the weight {k}")
+    exact = NARROW_QMAX.get(path, _ref.QMAX)
+    if qmax_of(packed) > exact:
+        raise ValueError(f"int8 linear ({path}): weights quantized to +-{qmax_of(packed)}, this path multiplies "
+                         f"+-{exact} exactly (pack with qmax={exact})")
     if path == "ref" or x.dtype not in DTYPE_CODES:
         q, s, inv = unpack(packed)
         return _ref.int8_linear(x, q, s, bias, inv)

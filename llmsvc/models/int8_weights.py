@@ -33,8 +33,10 @@ top-1 98.6% / 98.6% / 98.8% / 98.5% / 98.4%, no gain in top-1 beyond the sample'
 (0.3 points = 6 positions), while the extra gather, small GEMM and add in torch roughly
 doubled a one-row int8 linear on the AVX2 box (4 channels: +47-84 us a layer). On all 64
 prompts x 128 tokens (python -m benchmarks.int8_quality) int8 ranks bf16's token first at
-98.1% of the positions (fp32: 99.4%, bf16 itself 99.1%; docs/cpu-kernels.md has the table); on
-24 natural chat questions (--prompts chat) at 92.8% (fp32 98.2%, bf16 itself 97.3%).
+98.1% of the positions with 8-bit weights (the VNNI and AMX paths, LLMSVC_INT8_ISA=avx2) and
+98.0% with the +-64 weights of AVX2's default path (bf16 itself 98.9%); on 24 natural chat
+questions (--prompts chat) at 92.5% and 91.2% (bf16 itself 95.8%). docs/cpu-kernels.md has the
+tables.
 
 What keeps working: biases (added in the GEMM's epilogue, or after the all-reduce of a row-parallel
 layer), LoRA adapters (their low-rank update is added in the compute dtype after the int8
