@@ -108,6 +108,7 @@ static int run(long call, const char *name, int (*fn)(), int isa, int rc, const 
  * blobs packed for 8-bit weights are refused by the path that holds only +-64, by design */
 static int i8_takes(int isa, const arg_t *args, const stor_t *st) {
     int32_t hdr[5];
+    if (args[4].kind != ARG_PTR || st[args[4].idx].n < (uint64_t)args[4].v + sizeof hdr) return 1;
     memcpy(hdr, st[args[4].idx].before + args[4].v, sizeof hdr);
     return isa != I8_AVX2_W7 || hdr[4] <= I8_W7_QMAX;
 }
@@ -141,8 +142,11 @@ int main(int argc, char **argv) {
             if (!fn) { fprintf(stderr, "replay: unknown entry %s\n", name); return 2; }
             int bad = 0;
             if (!strcmp(name, "llmsvc_gemm_i8")) { /* every int8 ISA here; the first argument names it */
+                /* on each ISA that takes the blob's range as the recorded one did (a call
+                 * refused for it is replayed where it is refused again) */
+                const int takes = i8_takes((int)args[0].v, args, st);
                 for (int isa = I8_REF + 1; isa < I8_NISA; isa++)
-                    if (llmsvc_gemm_i8_supported(isa) && i8_takes(isa, args, st))
+                    if (llmsvc_gemm_i8_supported(isa) && i8_takes(isa, args, st) == takes)
                         bad |= run(calls, name, fn, isa, rc, args, na, st, ns, &rounding), runs++;
             } else {
                 bad = run(calls, name, fn, 0, rc, args, na, st, ns, &rounding), runs++;
