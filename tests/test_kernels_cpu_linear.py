@@ -14,7 +14,7 @@ pytestmark = needs_native
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, 16, 64, 200, 300, 1024])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 11, 16, 64, 200, 300, 1024])  # 4-6 row blocks: asm
 @pytest.mark.parametrize("with_bias", [False, True])
 # whole panels / ragged last panel, K % 4 / K % 32 == 0 (bf16: the native VNNI panels)
 @pytest.mark.parametrize("n,k", [(96, 80), (100, 33), (100, 64)])

@@ -31,56 +31,62 @@ static void widen_panel(float *dst, const uint16_t *src, int64_t n) {
         }                                                                                 \
     } while (0)
 
-/* Four k of a full 6-row block: acc[r][j] += a[k][r] * bs[k][8j .. 8j + 7]. From the
- * intrinsics above GCC keeps the 12 accumulators in registers but re-reads a panel vector
- * from L1 for every row (up to 13 loads per 12 FMAs); here ymm0-1 hold the panel vectors and
- * ymm2-3 take turns as the broadcast. */
+/* Four k of a block of 4-6 rows: acc[r][j] += a[k][r] * bs[k][8j .. 8j + 7]. From the
+ * intrinsics above GCC keeps the accumulators in registers but re-reads a panel vector from L1
+ * for every row (up to 13 loads per 12 FMAs), and for 4 or 5 rows ran a block at ~half the
+ * 6-row block's rate per FMA (16 rows = 6 + 6 + 4 took longer than 18); here ymm0-1 hold the
+ * panel vectors and ymm2-3 take turns as the broadcast. a is packed [K][MR] whatever mr is. */
 #define K6_ROW(J, R, T, C0, C1)                                                           \
     "vbroadcastss " #J "*24+" #R "*4(%[a]), %%ymm" #T "\n\t"                             \
     "vfmadd231ps %%ymm0, %%ymm" #T ", %[" #C0 "]\n\t"                                      \
     "vfmadd231ps %%ymm1, %%ymm" #T ", %[" #C1 "]\n\t"
-#define K6_STEP(J)                                                                        \
-    "vmovaps " #J "*64(%[b]), %%ymm0\n\t"                                                  \
-    "vmovaps " #J "*64+32(%[b]), %%ymm1\n\t"                                               \
-    K6_ROW(J, 0, 2, c00, c01) K6_ROW(J, 1, 3, c10, c11) K6_ROW(J, 2, 2, c20, c21)          \
-    K6_ROW(J, 3, 3, c30, c31) K6_ROW(J, 4, 2, c40, c41) K6_ROW(J, 5, 3, c50, c51)
-
-/* the same with a bf16 sub-panel: each panel vector widened (zero-extend, shift by 16) */
-#define K6_STEP_BF16(J)                                                                   \
+#define K_ROWS4(J) K6_ROW(J, 0, 2, c00, c01) K6_ROW(J, 1, 3, c10, c11) K6_ROW(J, 2, 2, c20, c21) \
+    K6_ROW(J, 3, 3, c30, c31)
+#define K_ROWS5(J) K_ROWS4(J) K6_ROW(J, 4, 2, c40, c41)
+#define K_ROWS6(J) K_ROWS5(J) K6_ROW(J, 5, 3, c50, c51)
+#define K_LOAD_F32(J) "vmovaps " #J "*64(%[b]), %%ymm0\n\t" "vmovaps " #J "*64+32(%[b]), %%ymm1\n\t"
+/* a bf16 sub-panel: each panel vector widened (zero-extend, shift by 16) */
+#define K_LOAD_BF16(J)                                                                    \
     "vpmovzxwd " #J "*32(%[b]), %%ymm0\n\t"                                               \
     "vpmovzxwd " #J "*32+16(%[b]), %%ymm1\n\t"                                            \
     "vpslld $16, %%ymm0, %%ymm0\n\t"                                                      \
-    "vpslld $16, %%ymm1, %%ymm1\n\t"                                                      \
-    K6_ROW(J, 0, 2, c00, c01) K6_ROW(J, 1, 3, c10, c11) K6_ROW(J, 2, 2, c20, c21)          \
-    K6_ROW(J, 3, 3, c30, c31) K6_ROW(J, 4, 2, c40, c41) K6_ROW(J, 5, 3, c50, c51)
+    "vpslld $16, %%ymm1, %%ymm1\n\t"
 
-#define K6_OUTPUTS                                                                        \
-    [c00] "+x"(acc[0][0]), [c01] "+x"(acc[0][1]), [c10] "+x"(acc[1][0]), [c11] "+x"(acc[1][1]), \
-    [c20] "+x"(acc[2][0]), [c21] "+x"(acc[2][1]), [c30] "+x"(acc[3][0]), [c31] "+x"(acc[3][1]), \
-    [c40] "+x"(acc[4][0]), [c41] "+x"(acc[4][1]), [c50] "+x"(acc[5][0]), [c51] "+x"(acc[5][1])
+#define K_OUT4 [c00] "+x"(acc[0][0]), [c01] "+x"(acc[0][1]), [c10] "+x"(acc[1][0]), [c11] "+x"(acc[1][1]), \
+    [c20] "+x"(acc[2][0]), [c21] "+x"(acc[2][1]), [c30] "+x"(acc[3][0]), [c31] "+x"(acc[3][1])
+#define K_OUT5 K_OUT4, [c40] "+x"(acc[4][0]), [c41] "+x"(acc[4][1])
+#define K_OUT6 K_OUT5, [c50] "+x"(acc[5][0]), [c51] "+x"(acc[5][1])
 
-static inline __attribute__((always_inline)) void k6_four(const float *a, const float *b, __m256 acc[MR][2]) {
-    __asm__(K6_STEP(0) K6_STEP(1) K6_STEP(2) K6_STEP(3)
-            : K6_OUTPUTS
-            : [a] "r"(a), [b] "r"(b), "m"(*(const float(*)[4 * MR])a), "m"(*(const float(*)[4 * NP])b)
-            : "xmm0", "xmm1", "xmm2", "xmm3");
-}
+/* NAME(a, b, acc): four k of R rows, the panel LOAD-ed as BT */
+#define K_FOUR_FN(NAME, R, LOAD, BT)                                                      \
+    static inline __attribute__((always_inline)) void NAME(const float *a, const BT *b, __m256 acc[MR][2]) { \
+        __asm__(LOAD(0) K_ROWS##R(0) LOAD(1) K_ROWS##R(1) LOAD(2) K_ROWS##R(2) LOAD(3) K_ROWS##R(3) \
+                : K_OUT##R                                                                \
+                : [a] "r"(a), [b] "r"(b), "m"(*(const float(*)[4 * MR])a), "m"(*(const BT(*)[4 * NP])b) \
+                : "xmm0", "xmm1", "xmm2", "xmm3");                                         \
+    }
+K_FOUR_FN(k4_four, 4, K_LOAD_F32, float)
+K_FOUR_FN(k5_four, 5, K_LOAD_F32, float)
+K_FOUR_FN(k6_four, 6, K_LOAD_F32, float)
+K_FOUR_FN(k4_four_bf16, 4, K_LOAD_BF16, uint16_t)
+K_FOUR_FN(k5_four_bf16, 5, K_LOAD_BF16, uint16_t)
+K_FOUR_FN(k6_four_bf16, 6, K_LOAD_BF16, uint16_t)
 
-static inline __attribute__((always_inline)) void k6_four_bf16(const float *a, const uint16_t *b,
-                                                               __m256 acc[MR][2]) {
-    __asm__(K6_STEP_BF16(0) K6_STEP_BF16(1) K6_STEP_BF16(2) K6_STEP_BF16(3)
-            : K6_OUTPUTS
-            : [a] "r"(a), [b] "r"(b), "m"(*(const float(*)[4 * MR])a), "m"(*(const uint16_t(*)[4 * NP])b)
-            : "xmm0", "xmm1", "xmm2", "xmm3");
-}
-
-/* mr is a constant in each inlined kernel: full blocks take the asm, the others the intrinsics */
+/* mr is a constant in each inlined kernel: blocks of 4-6 rows take the asm, the others the
+ * intrinsics */
 #define FMA_FOUR(K_)                                                                      \
     do {                                                                                  \
-        if (mr == MR && (bf & BF_B)) {                                                    \
-            k6_four_bf16(a + (K_) * MR, bh + (K_) * NP, acc);                             \
-        } else if (mr == MR) {                                                            \
-            k6_four(a + (K_) * MR, bs + (K_) * NP, acc);                                  \
+        const float *ak_ = a + (K_) * MR;                                                 \
+        if (mr >= 4 && (bf & BF_B)) {                                                     \
+            const uint16_t *bk_ = bh + (K_) * NP;                                         \
+            if (mr == 6) k6_four_bf16(ak_, bk_, acc);                                     \
+            else if (mr == 5) k5_four_bf16(ak_, bk_, acc);                                \
+            else k4_four_bf16(ak_, bk_, acc);                                             \
+        } else if (mr >= 4) {                                                             \
+            const float *bk_ = bs + (K_) * NP;                                            \
+            if (mr == 6) k6_four(ak_, bk_, acc);                                          \
+            else if (mr == 5) k5_four(ak_, bk_, acc);                                     \
+            else k4_four(ak_, bk_, acc);                                                  \
         } else {                                                                          \
             FMA_ROWS(K_); FMA_ROWS((K_) + 1); FMA_ROWS((K_) + 2); FMA_ROWS((K_) + 3);     \
         }                                                                                 \
