@@ -1,7 +1,7 @@
 """Two builds of a packed CPU GEMM, side by side in one process, called alternately.
 
     python -m benchmarks.gemm_ab [--base REV] [--dtype bfloat16|bfloat16-widen|float32|gguf|int8]
-                                 [--rows 1,16,64] [--threads 2] [--rounds 25]
+                                 [--rows 1,16,64] [--threads 2] [--rounds 25] [--reuse]
 
 Compiles the GEMM's source (`gemm_bf16dp.c`, AVX512-BF16 dot products; `gemm.c`, fp32 panels,
 its bf16 entry that widens bf16 panels on AVX2, `bfloat16-widen`, or its GGUF-block entry with
@@ -12,7 +12,8 @@ the paths otherwise) as committed at --base
 (default HEAD) and as it is in the working tree, each into its own library with the engine's
 flags, and multiplies an [M, K] activation through the default
 model's 30 layers of packed weights (qkv, o, gate_up, down) and its LM head, as a decode step
-does (weights from DRAM), the two builds taking turns round by round. Prints, per M, the min
+does (weights from DRAM; with --reuse the first layer's weights every time, from L3: the
+kernel's compute without the weight stream), the two builds taking turns round by round. Prints, per M, the min
 and median ms of each projection's 30 calls and of the whole pass, and whether the two builds'
 outputs are bit for bit equal.
 """
@@ -77,18 +78,20 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--reuse", action="store_true", help="every layer multiplies the first layer's weights")
     a = ap.parse_args(argv)
     dtype = {"gguf": torch.float32, "int8": torch.bfloat16}.get(a.dtype) or getattr(torch, a.dtype.split("-")[0])
     paths, entry, pack, argtypes, call = GEMMS[a.dtype]
     g = torch.Generator().manual_seed(0)
     # (name, weight [N, K]) in the order a step calls them
-    calls = [(name, w) for _ in range(a.layers) for name, n, k in SHAPES
+    calls = [(name, w) for _ in range(1 if a.reuse else a.layers) for name, n, k in SHAPES
              for w in [(torch.randn(n, k, generator=g) * 0.02).to(dtype)]]
+    calls *= a.layers if a.reuse else 1  # the same tensors again: packed once, read from cache
     calls.append(("lm_head", (torch.randn(*LM_HEAD, generator=g) * 0.02).to(dtype)))
     names = [n for n, _, _ in SHAPES] + ["lm_head"]
     with tempfile.TemporaryDirectory() as tmp:
         fns = ab_build.compile_pair(paths, a.base, tmp, entry, argtypes)
-        packed = {tag: [pack(w, *_layout(fn)) for _, w in calls] for tag, fn in fns.items()}
+        packed = {tag: _pack_each_once(calls, pack, _layout(fn)) for tag, fn in fns.items()}
         print(f"{', '.join(paths)}, {a.dtype}, {a.threads} threads, {a.layers} layers + LM head")
         for m in (int(r) for r in a.rows.split(",")):
             xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in {w.shape[1] for _, w in calls}}
@@ -113,6 +116,15 @@ def main(argv=None) -> None:
                 cols = "   ".join(f"{tag}: min {1e3 * min(t[name][1:]):7.3f} median "
                                    f"{1e3 * statistics.median(t[name][1:]):7.3f} ms" for tag, t in times.items())
                 print(f"    {name:<8} {cols}", flush=True)
+
+
+def _pack_each_once(calls, pack, layout: tuple) -> list:
+    """The packed weight of each call; a tensor that comes again (--reuse) is packed once."""
+    done: dict[int, torch.Tensor] = {}
+    for _, w in calls:
+        if id(w) not in done:
+            done[id(w)] = pack(w, *layout)
+    return [done[id(w)] for _, w in calls]
 
 
 def _layout(fn) -> tuple:

@@ -72,6 +72,26 @@ def test_gemm_ab_compares_two_builds_in_one_process(capsys, dtype):
         assert all(v.endswith("bit for bit yes") for v in verdicts), verdicts
 
 
+def test_gemm_ab_reuse_packs_each_weight_once():
+    """--reuse multiplies the first layer's weights in every layer: they must stay one packed
+    copy each, or they would stream from DRAM as distinct layers do."""
+    import torch
+
+    from benchmarks import gemm_ab
+    w1, w2 = torch.ones(2, 2), torch.zeros(2, 2)
+    calls = [("qkv", w1), ("o", w2)] * 3 + [("lm_head", torch.ones(3, 2))]
+    packed_args = []
+
+    def pack(w, *layout):
+        packed_args.append((w, layout))
+        return w.clone()
+
+    out = gemm_ab._pack_each_once(calls, pack, (16,))
+    assert len(packed_args) == 3 and all(layout == (16,) for _, layout in packed_args)
+    assert out[0] is out[2] is out[4] and out[1] is out[3] is out[5] and out[0] is not out[1]
+    assert [torch.equal(p, w) for p, (_, w) in zip(out, calls)] == [True] * 7
+
+
 def test_warm_start_times_a_server_to_serving_and_reads_its_phases(tmp_path):
     from benchmarks import warm_start
     from tests.server_harness import make_tiny_served_model_dir

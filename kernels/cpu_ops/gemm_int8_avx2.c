@@ -173,17 +173,17 @@ __attribute__((target("avx2"))) void i8_kernel_avx2(const i8_gemm_t *g, int64_t 
  * panel row is two ymm (columns 0-7 and 8-15, 4 k each), so the sums come out in column order,
  * offset by +128 colsum like VNNI's. Per row and k-quad: one broadcast, then per half
  * vpmaddubsw, vpmaddwd, vpaddd: 3 operations per 32 multiply-adds against the int16 path's 4.
- * On Zen 3, over one L1-resident panel: 39-40 multiply-adds a tick against 30. */
+ * On Zen 3, over one L1-resident panel: 39-40 multiply-adds a tick against 30. Blocks of 4-6
+ * rows run in assembly (w7_block_asm), 1-3 in C (w7_block). */
 
-/* rows 1 .. 5 in C: mr x 2 sums, the two weight halves, ones, the broadcast and two products
- * fit the 16 ymm at mr <= 5 */
+/* rows 1 .. 3 in C: mr x 2 sums, the two weight halves, ones, the broadcast and two products */
 AVX2_T void w7_block(const i8_gemm_t *g, int64_t r0, int64_t p, const int8_t *pf, int32_t acc[][I8_NP],
                      const int mr) {
     const int64_t kp = g->Kp, nq = kp / 4;
     const int8_t *w = g->panels + p * kp * I8_NP;
     const uint8_t *a = (const uint8_t *)g->aq + r0 * kp;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i s[5][2];
+    __m256i s[3][2];
     for (int r = 0; r < mr; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
     for (int64_t q = 0; q < nq; q++, w += 64, pf += 64) {
         _mm_prefetch((const char *)pf, _MM_HINT_T0);
@@ -200,18 +200,12 @@ AVX2_T void w7_block(const i8_gemm_t *g, int64_t r0, int64_t p, const int8_t *pf
         for (int h = 0; h < 2; h++) _mm256_storeu_si256((__m256i *)(acc[r] + 8 * h), s[r][h]);
 }
 
-/* Six rows, k-loop in assembly: row r's sums in ymm 2r and 2r + 1, ones in ymm12, the row's
- * broadcast activations in ymm13, products in ymm14-15; the weights are vpmaddubsw's memory
- * operand (12 loads a k-quad, which Zen 3's three load ports absorb), leaving 12 registers
- * for sums. Activations are indexed by i, which runs from -Kp to 0 (4 bytes a k-quad); the
- * panel and pf advance 64 bytes a k-quad. */
-AVX2_T void w7_block6_asm(const i8_gemm_t *g, int64_t r0, int64_t p, const int8_t *pf, int32_t acc[][I8_NP]) {
-    const int64_t kp = g->Kp;
-    const int8_t *w = g->panels + p * kp * I8_NP;
-    const uint8_t *a0 = (const uint8_t *)g->aq + r0 * kp + kp;
-    const uint8_t *a1 = a0 + kp, *a2 = a1 + kp, *a3 = a2 + kp, *a4 = a3 + kp, *a5 = a4 + kp;
-    int64_t i = -kp;
-    __m256i s[6][2];
+/* Four to six rows, k-loop in assembly: row r's sums in ymm 2r and 2r + 1, ones in ymm12, the
+ * row's broadcast activations in ymm13, products in ymm14-15; the weights are vpmaddubsw's
+ * memory operand (12 loads a k-quad at six rows, which Zen 3's three load ports absorb), leaving
+ * 12 registers for sums. Activations are indexed by i, which runs from -Kp to 0 (4 bytes a
+ * k-quad); the panel and pf advance 64 bytes a k-quad. In C, GCC spilled a sum at four rows and
+ * ran them at ~0.6x the six-row rate per multiply (16 rows took longer than 18). */
 #define I8_W7_ROW(A, S0, S1)                                                                \
     "vpbroadcastd (%[" #A "], %[i]), %%ymm13\n\t"                                           \
     "vpmaddubsw (%[w]), %%ymm13, %%ymm14\n\t"                                               \
@@ -220,34 +214,54 @@ AVX2_T void w7_block6_asm(const i8_gemm_t *g, int64_t r0, int64_t p, const int8_
     "vpmaddubsw 32(%[w]), %%ymm13, %%ymm15\n\t"                                             \
     "vpmaddwd %%ymm12, %%ymm15, %%ymm15\n\t"                                                \
     "vpaddd %%ymm15, %%ymm" #S1 ", %%ymm" #S1 "\n\t"
-    __asm__ volatile(
-        I8_ZERO_SUMS
-        "vpcmpeqw %%ymm12, %%ymm12, %%ymm12\n\t"
-        "vpsrlw $15, %%ymm12, %%ymm12\n\t" /* int16 ones */
-        "1:\n\t"
-        "prefetcht0 (%[pf])\n\t"
-        I8_W7_ROW(a0, 0, 1) I8_W7_ROW(a1, 2, 3) I8_W7_ROW(a2, 4, 5) I8_W7_ROW(a3, 6, 7) I8_W7_ROW(a4, 8, 9)
-        I8_W7_ROW(a5, 10, 11)
-        "add $64, %[w]\n\t" "add $64, %[pf]\n\t"
-        "add $4, %[i]\n\t"
-        "jnz 1b\n\t"
-        I8_STORE_SUMS
-        : [i] "+r"(i), [w] "+r"(w), [pf] "+r"(pf)
-        : [a0] "r"(a0), [a1] "r"(a1), [a2] "r"(a2), [a3] "r"(a3), [a4] "r"(a4), [a5] "r"(a5), [s] "r"(&s[0][0])
-        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
-          "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
-#undef I8_W7_ROW
-    for (int r = 0; r < 6; r++)
+#define I8_W7_ROWS4 I8_W7_ROW(a0, 0, 1) I8_W7_ROW(a1, 2, 3) I8_W7_ROW(a2, 4, 5) I8_W7_ROW(a3, 6, 7)
+#define I8_W7_ROWS5 I8_W7_ROWS4 I8_W7_ROW(a4, 8, 9)
+#define I8_W7_ROWS6 I8_W7_ROWS5 I8_W7_ROW(a5, 10, 11)
+#define I8_W7_LOOP(ROWS)                                                                    \
+    __asm__ volatile(                                                                       \
+        I8_ZERO_SUMS                                                                        \
+        "vpcmpeqw %%ymm12, %%ymm12, %%ymm12\n\t"                                            \
+        "vpsrlw $15, %%ymm12, %%ymm12\n\t" /* int16 ones */                                 \
+        "1:\n\t"                                                                            \
+        "prefetcht0 (%[pf])\n\t"                                                            \
+        ROWS                                                                                \
+        "add $64, %[w]\n\t" "add $64, %[pf]\n\t"                                            \
+        "add $4, %[i]\n\t"                                                                  \
+        "jnz 1b\n\t"                                                                        \
+        I8_STORE_SUMS                                                                       \
+        : [i] "+r"(i), [w] "+r"(w), [pf] "+r"(pf)                                           \
+        : [a0] "r"(a0), [a1] "r"(a1), [a2] "r"(a2), [a3] "r"(a3), [a4] "r"(a4), [a5] "r"(a5), [s] "r"(&s[0][0]) \
+        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", \
+          "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
+
+AVX2_T void w7_block_asm(const i8_gemm_t *g, int64_t r0, int64_t p, const int8_t *pf, int32_t acc[][I8_NP],
+                         const int mr) {
+    const int64_t kp = g->Kp;
+    const int8_t *w = g->panels + p * kp * I8_NP;
+    /* rows past mr: addresses only, never read */
+    const uint8_t *a0 = (const uint8_t *)g->aq + r0 * kp + kp;
+    const uint8_t *a1 = a0 + kp, *a2 = a1 + kp, *a3 = a2 + kp, *a4 = a3 + kp, *a5 = a4 + kp;
+    int64_t i = -kp;
+    __m256i s[6][2]; /* all 12 sums are stored; rows past mr hold zeros */
+    if (mr == 6) I8_W7_LOOP(I8_W7_ROWS6);
+    else if (mr == 5) I8_W7_LOOP(I8_W7_ROWS5);
+    else I8_W7_LOOP(I8_W7_ROWS4);
+    for (int r = 0; r < mr; r++)
         for (int h = 0; h < 2; h++) _mm256_storeu_si256((__m256i *)(acc[r] + 8 * h), s[r][h]);
 }
+#undef I8_W7_LOOP
+#undef I8_W7_ROWS6
+#undef I8_W7_ROWS5
+#undef I8_W7_ROWS4
+#undef I8_W7_ROW
 
 __attribute__((target("avx2"))) void i8_kernel_avx2_w7(const i8_gemm_t *g, int64_t r0, int mr, int64_t p,
                                                        const int8_t *pf, int32_t acc[][I8_NP]) {
     if (!pf) pf = g->panels + p * g->Kp * I8_NP;
     switch (mr) { /* constant row counts, so each block keeps its sums in registers */
-    case 6: w7_block6_asm(g, r0, p, pf, acc); break;
-    case 5: w7_block(g, r0, p, pf, acc, 5); break;
-    case 4: w7_block(g, r0, p, pf, acc, 4); break;
+    case 6: w7_block_asm(g, r0, p, pf, acc, 6); break;
+    case 5: w7_block_asm(g, r0, p, pf, acc, 5); break;
+    case 4: w7_block_asm(g, r0, p, pf, acc, 4); break;
     case 3: w7_block(g, r0, p, pf, acc, 3); break;
     case 2: w7_block(g, r0, p, pf, acc, 2); break;
     default: w7_block(g, r0, p, pf, acc, 1); break;
