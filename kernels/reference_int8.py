@@ -5,7 +5,7 @@ Weights: per output channel, symmetric: q_w[n, k] = round(W[n, k] / s_w[n]) in [
 s_w[n] = r max_k |W[n, k]| / qmax with the clipping ratio r (1 to 0.6) that leaves the row the
 least squared error (0 for an all-zero row); qmax is 127, or 64 for a path whose int16 pair
 sums hold no more (kernels/cpu_ops/int8.weight_qmax).
-Activations: per token (row of x), symmetric, at run time, the same rule with
+Activations: per token (row of x), symmetric, at run time, unclipped:
 s_a[m] = max_k |x[m, k]| / 127. Both ranges stop at 127 (not -128), so a product is at most
 127 * 127 in magnitude on every ISA path and the sign can be moved between operands.
 
@@ -30,17 +30,17 @@ QMAX = 127
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 
 
-def quantize_rows(x: torch.Tensor, qmax: int = QMAX) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float -> (q [M, K] int8 within +-qmax, scale [M] fp32), per row, symmetric.
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (q [M, K] int8, scale [M] fp32), per row, symmetric.
 
-    The native kernels compute exactly this in fp32 for activations (qmax 127): inv = 127 / amax
-    (one division), then round-half-even(x * inv) (not x / scale, which rounds differently)."""
+    The native kernels compute exactly this in fp32: inv = 127 / amax (one division), then
+    round-half-even(x * inv) (not x / scale, which rounds differently)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
     # a true division: `127 / tensor` in torch is reciprocal() * 127, another rounding
-    inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
-    q = torch.round(xf * inv.unsqueeze(-1)).clamp_(-qmax, qmax).to(torch.int8)
-    return q, amax / qmax
+    inv = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, amax / QMAX
 
 
 def quantize_weight(weight: torch.Tensor, qmax: int = QMAX) -> tuple[torch.Tensor, torch.Tensor]:

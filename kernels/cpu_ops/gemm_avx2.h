@@ -33,8 +33,8 @@ static void widen_panel(float *dst, const uint16_t *src, int64_t n) {
 
 /* Four k of a block of 4-6 rows: acc[r][j] += a[k][r] * bs[k][8j .. 8j + 7]. From the
  * intrinsics above GCC keeps the accumulators in registers but re-reads a panel vector from L1
- * for every row (up to 13 loads per 12 FMAs), and for 4 or 5 rows ran a block at ~half the
- * 6-row block's rate per FMA (16 rows = 6 + 6 + 4 took longer than 18); here ymm0-1 hold the
+ * for every row (up to 13 loads per 12 FMAs), and ran 4 or 5 rows at ~half the 6-row block's
+ * rate per FMA (weights in L3: 16 rows = 6 + 6 + 4 took longer than 18); here ymm0-1 hold the
  * panel vectors and ymm2-3 take turns as the broadcast. a is packed [K][MR] whatever mr is. */
 #define K6_ROW(J, R, T, C0, C1)                                                           \
     "vbroadcastss " #J "*24+" #R "*4(%[a]), %%ymm" #T "\n\t"                             \

@@ -205,7 +205,7 @@ AVX2_T void w7_block(const i8_gemm_t *g, int64_t r0, int64_t p, const int8_t *pf
  * memory operand (12 loads a k-quad at six rows, which Zen 3's three load ports absorb), leaving
  * 12 registers for sums. Activations are indexed by i, which runs from -Kp to 0 (4 bytes a
  * k-quad); the panel and pf advance 64 bytes a k-quad. In C, GCC spilled a sum at four rows and
- * ran them at ~0.6x the six-row rate per multiply (16 rows took longer than 18). */
+ * ran them at about half the six-row rate per multiply (16 rows took as long as 18). */
 #define I8_W7_ROW(A, S0, S1)                                                                \
     "vpbroadcastd (%[" #A "], %[i]), %%ymm13\n\t"                                           \
     "vpmaddubsw (%[w]), %%ymm13, %%ymm14\n\t"                                               \

@@ -21,11 +21,11 @@ best ISA this CPU has, or the one LLMSVC_INT8_ISA names) or, where none is built
 reference on the unpacked weight. Both give the reference's integer sums exactly.
 
 The weights' range is the path's (`weight_qmax`): +-127, except on `avx2_w7`, the fastest path
-on a CPU with AVX2 but no VNNI (Haswell to Skylake-SP, Zen 1 to 3). Its
-vpmaddubsw adds two u8 x s8 products in int16, which holds 255 * 64 * 2 but not 255 * 127 * 2,
-so its blobs are quantized to +-64: 1.3x the int16 path's multiply-adds per cycle for one bit
-of weight precision (docs/cpu-kernels.md has the quality cost). `LLMSVC_INT8_ISA=avx2` keeps
-8-bit weights on such a CPU.
+on a CPU with AVX2 but no VNNI (Haswell to Skylake-SP, Zen 1 to 3). Its vpmaddubsw adds two
+u8 x s8 products in int16, which holds 255 * 64 * 2 but not 255 * 127 * 2, so its blobs are
+quantized to +-64: 1.25-1.33x the int16 path's speed from 16 rows for one bit of weight
+precision (docs/cpu-kernels.md has the quality cost). `LLMSVC_INT8_ISA=avx2` keeps 8-bit
+weights on such a CPU.
 """
 from __future__ import annotations
 
@@ -55,8 +55,9 @@ def _layout(n: int, k: int) -> tuple[int, int]:
 
 
 def weight_qmax(path: Optional[str] = None) -> int:
-    """The weight range path (None: `isa()`) multiplies exactly: |q_w| <= this. "ref" takes the
-    range of this CPU's fastest native path, so that LLMSVC_INT8_ISA=ref reproduces its tokens."""
+    """The weight range |q_w| <= this that blobs for path (None: `isa()`) are packed with: the
+    widest it multiplies exactly. "ref", which multiplies any, takes the range of this CPU's
+    fastest native path, so that LLMSVC_INT8_ISA=ref reproduces that path's tokens."""
     path = path or isa()
     if path == "ref":
         native = _native_isas()
