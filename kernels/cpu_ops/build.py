@@ -82,6 +82,7 @@ _SIGNATURES = {
     "llmsvc_gemm_f32": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
     "llmsvc_gemm_q8": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
     "llmsvc_gemm_i8_supported": [_i],
+    "llmsvc_gemm_i8_qmax": [_i],
     "llmsvc_gemm_i8": [_i, _p, _i64, _i, _p, _p, _p, _i64, _i64, _i64, _i64, _i],
     "llmsvc_gemm_bf16_supported": [],
     "llmsvc_gemm_bf16_layout": [],

@@ -75,6 +75,9 @@ int i8_cpu_has(int isa) {
     }
 }
 
+/* The widest weight range (|q_w| <= this) path isa multiplies exactly: what int8.py packs for it */
+int llmsvc_gemm_i8_qmax(int isa) { return isa == I8_AVX2_W7 ? I8_W7_QMAX : 127; }
+
 int llmsvc_gemm_i8_supported(int isa) {
     static int cache[I8_NISA]; /* 0 unknown, 1 yes, -1 no */
     if (isa <= I8_REF || isa >= I8_NISA) return 0;
@@ -183,7 +186,7 @@ int llmsvc_gemm_i8(int isa, const void *a, int64_t lda, int dtype, const int8_t 
     const int32_t *hdr = (const int32_t *)packed;
     if (!llmsvc_gemm_i8_supported(isa) || (dtype != 0 && dtype != 1) || M < 0 || hdr[0] != MAGIC
         || hdr[1] != N || hdr[2] != K || hdr[3] % I8_KQ || hdr[3] < K || ((uintptr_t)packed & 63)
-        || hdr[4] < 1 || hdr[4] > 127 || (isa == I8_AVX2_W7 && hdr[4] > I8_W7_QMAX))
+        || hdr[4] < 1 || hdr[4] > llmsvc_gemm_i8_qmax(isa))
         return -1;
     if (M == 0 || N == 0) return 0;
     job_t j;
@@ -227,6 +230,7 @@ int llmsvc_gemm_i8(int isa, const void *a, int64_t lda, int dtype, const int8_t 
 }
 #else /* other architectures: no native int8 GEMM (int8.py runs the torch reference) */
 int llmsvc_gemm_i8_supported(int isa) { (void)isa; return 0; }
+int llmsvc_gemm_i8_qmax(int isa) { (void)isa; return 127; }
 int llmsvc_gemm_i8(int isa, const void *a, int64_t lda, int dtype, const int8_t *packed, const void *bias,
                    void *c, int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
     (void)isa, (void)a, (void)lda, (void)dtype, (void)packed, (void)bias, (void)c, (void)ldc, (void)M, (void)N,

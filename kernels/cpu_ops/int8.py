@@ -45,8 +45,6 @@ HEADER = 64
 MAGIC = 0x38544E49  # "INT8"
 # gemm_int8.c's ISA codes, slowest first; "ref" is the torch reference
 ISAS = ("ref", "avx2", "avx2_w7", "avxvnni", "avx512vnni", "amx")
-# paths that multiply only a narrower weight range than reference_int8.QMAX exactly (gemm_int8.h)
-NARROW_QMAX = {"avx2_w7": 64}
 
 
 def _layout(n: int, k: int) -> tuple[int, int]:
@@ -54,15 +52,22 @@ def _layout(n: int, k: int) -> tuple[int, int]:
     return -(-n // NP), -(-k // KQ) * KQ
 
 
+def exact_qmax(path: str) -> int:
+    """The widest weight range (|q_w| <= this) path multiplies exactly: reference_int8.QMAX for
+    the reference, else gemm_int8.h's for that ISA (64 for avx2_w7), asked of the library."""
+    lib = load() if path != "ref" else None
+    return _ref.QMAX if lib is None else int(lib.llmsvc_gemm_i8_qmax(ISAS.index(path)))
+
+
 def weight_qmax(path: Optional[str] = None) -> int:
-    """The weight range |q_w| <= this that blobs for path (None: `isa()`) are packed with: the
-    widest it multiplies exactly. "ref", which multiplies any, takes the range of this CPU's
-    fastest native path, so that LLMSVC_INT8_ISA=ref reproduces that path's tokens."""
+    """The weight range that blobs for path (None: `isa()`) are packed with: the widest it
+    multiplies exactly. "ref", which multiplies any, takes the range of this CPU's fastest native
+    path, so that LLMSVC_INT8_ISA=ref reproduces that path's tokens."""
     path = path or isa()
     if path == "ref":
         native = _native_isas()
         path = native[-1] if native else path
-    return NARROW_QMAX.get(path, _ref.QMAX)
+    return exact_qmax(path)
 
 
 def pack(weight: torch.Tensor, smooth: Optional[torch.Tensor] = None, qmax: Optional[int] = None) -> torch.Tensor:
@@ -160,7 +165,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] =
     n, k = shape(packed)
     if x.shape[-1] != k:
         raise ValueError(f"int8 linear: input has {x.shape[-1]} features, the weight {k}")
-    exact = NARROW_QMAX.get(path, _ref.QMAX)
+    exact = exact_qmax(path)
     if qmax_of(packed) > exact:
         raise ValueError(f"int8 linear ({path}): weights quantized to +-{qmax_of(packed)}, this path multiplies "
                          f"+-{exact} exactly (pack with qmax={exact})")

@@ -24,6 +24,7 @@ ENTRIES(DECLARE)
 #define ROW(n) {#n, n},
 static const struct { const char *name; int (*fn)(); } FNS[] = {ENTRIES(ROW)};
 int llmsvc_gemm_i8_supported(int);
+int llmsvc_gemm_i8_qmax(int);
 
 enum { ARG_I32, ARG_I64, ARG_F32, ARG_PTR, ARG_NULL };      /* trace.py's argument kinds */
 enum { T_F32 = 1, T_BF16 = 2, T_I32 = 6, T_I64 = 7 };       /* trace.py's DTYPE_CODES used here */
@@ -105,12 +106,12 @@ static int run(long call, const char *name, int (*fn)(), int isa, int rc, const 
 }
 
 /* Whether int8 ISA isa multiplies the call's blob (argument 4; its header's qmax, gemm_int8.h):
- * blobs packed for 8-bit weights are refused by the path that holds only +-64, by design */
+ * a blob wider than the path's range is refused by design (8-bit weights on avx2_w7) */
 static int i8_takes(int isa, const arg_t *args, const stor_t *st) {
     int32_t hdr[5];
     if (args[4].kind != ARG_PTR || st[args[4].idx].n < (uint64_t)args[4].v + sizeof hdr) return 1;
     memcpy(hdr, st[args[4].idx].before + args[4].v, sizeof hdr);
-    return isa != I8_AVX2_W7 || hdr[4] <= I8_W7_QMAX;
+    return hdr[4] <= llmsvc_gemm_i8_qmax(isa);
 }
 
 int main(int argc, char **argv) {
