@@ -52,6 +52,7 @@ def _layout(n: int, k: int) -> tuple[int, int]:
     return -(-n // NP), -(-k // KQ) * KQ
 
 
+@functools.cache
 def exact_qmax(path: str) -> int:
     """The widest weight range (|q_w| <= this) path multiplies exactly: reference_int8.QMAX for
     the reference, else gemm_int8.h's for that ISA (64 for avx2_w7), asked of the library."""
@@ -102,15 +103,20 @@ def is_packed(packed: Optional[torch.Tensor]) -> bool:
             and packed.numel() >= HEADER and int(packed[:4].view(torch.int32)[0]) == MAGIC)
 
 
+def _header(packed: torch.Tensor) -> tuple[int, int, int]:
+    """(N, K, qmax) of a blob, in one read of its header."""
+    _, n, k, _, qmax = packed[:20].view(torch.int32).tolist()
+    return n, k, qmax
+
+
 def shape(packed: torch.Tensor) -> tuple[int, int]:
     """(N, K) of a blob."""
-    _, n, k, _ = packed[:16].view(torch.int32).tolist()
-    return n, k
+    return _header(packed)[:2]
 
 
 def qmax_of(packed: torch.Tensor) -> int:
     """The weight range a blob was quantized to."""
-    return int(packed[:20].view(torch.int32)[4])
+    return _header(packed)[2]
 
 
 def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,13 +168,12 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] =
     """x [..., K] fp32 or bf16 -> [..., N] in x's dtype: reference_int8.int8_linear on the
     blob's weight. path: one of available_isas() (None: `isa()`)."""
     path = path or isa()
-    n, k = shape(packed)
+    n, k, qmax = _header(packed)  # one header read per call: this is every per-op int8 layer's path
     if x.shape[-1] != k:
         raise ValueError(f"int8 linear: input has {x.shape[-1]} features, the weight {k}")
-    exact = exact_qmax(path)
-    if qmax_of(packed) > exact:
-        raise ValueError(f"int8 linear ({path}): weights quantized to +-{qmax_of(packed)}, this path multiplies "
-                         f"+-{exact} exactly (pack with qmax={exact})")
+    if qmax > exact_qmax(path):
+        raise ValueError(f"int8 linear ({path}): weights quantized to +-{qmax}, this path multiplies "
+                         f"+-{exact_qmax(path)} exactly (pack with qmax={exact_qmax(path)})")
     if path == "ref" or x.dtype not in DTYPE_CODES:
         q, s, inv = unpack(packed)
         return _ref.int8_linear(x, q, s, bias, inv)
