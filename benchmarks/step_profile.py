@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0, help="torch / kernel threads (0: every core)")
     ap.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--quantization", default="none", choices=list(QUANTIZATION_CHOICES), help="as `llmsvc serve`'s")
+    ap.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_CHOICES), help="as `llmsvc serve`'s")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -21,10 +21,12 @@ for _i, _p in enumerate("kmgt", start=1):
 DTYPES = ("float32", "bfloat16", "float16")  # ModelConfig.dtype names; torch's via models.llama.to_torch_dtype
 # what --dtype accepts: "auto" is the checkpoint's own dtype, resolved by resolve_model_config
 DTYPE_CHOICES = ("auto", *DTYPES)
-# none: every weight dequantized to the compute dtype at load; gguf: a GGUF's Q4_0 ... Q8_0, Q4_K,
-# Q5_K and Q6_K linear weights multiplied as blocks on the CPU, in float32 (models/gguf_blocks.py);
-# int8: linear weights quantized per channel at load, activations per token (CPU, models/int8_weights.py)
-QUANTIZATION_CHOICES = ("none", "gguf", "int8")
+# auto: gguf where it applies (a .gguf model computed in float32 on the CPU), else none, as vLLM
+# runs a GGUF's blocks by default (models/resolve.py, resolve_quantization); none: every weight
+# dequantized to the compute dtype at load; gguf: a GGUF's Q4_0 ... Q8_0, Q4_K, Q5_K and Q6_K
+# linear weights multiplied as blocks on the CPU, in float32 (models/gguf_blocks.py); int8: linear
+# weights quantized per channel at load, activations per token (CPU, models/int8_weights.py)
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
 MEMORY_SIZE_HELP = "K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000"
 
 
@@ -52,7 +54,7 @@ class ModelConfig:
     # "vllm" (none: the neutral values), or a directory holding a generation_config.json / a JSON file
     generation_config: str = "auto"
     override_generation_config: dict | None = None  # e.g. {"temperature": 0.5}, over the above
-    quantization: str = "none"  # one of QUANTIZATION_CHOICES
+    quantization: str = "auto"  # one of QUANTIZATION_CHOICES; "auto" resolved to one of the others
     # resolved (filled by resolve_model_config; never set by users)
     model_source: str = ""  # `model` as given, or the default GGUF's path: what GetModelInfo.model_id names
     model_dir: str | None = None  # HF-style directory: config.json, *.safetensors, tokenizer files

@@ -1,5 +1,6 @@
-"""--quantization gguf: a GGUF's Q4_0 / Q4_1 / Q8_0 linear weights, multiplied as blocks,
-compute the logits of the same model dequantized at load, bit for bit, on every executor."""
+"""--quantization gguf (the default for a .gguf model in float32 on the CPU): a GGUF's Q4_0 /
+Q4_1 / Q8_0 linear weights, multiplied as blocks, compute the logits of the same model
+dequantized at load, bit for bit, on every executor."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +15,7 @@ from kernels.cpu_ops import isa, linear
 from kernels.cpu_ops.build import load
 from llmsvc.config import ModelConfig
 from llmsvc.models.loader import build_model
-from llmsvc.models.resolve import check_quantization, gguf_file, resolve_model_config
+from llmsvc.models.resolve import check_quantization, gguf_file, resolve_model_config, resolve_quantization
 from model_utils import PagedRunner, load_hf_model, make_tiny_model_dir
 from server_harness import TINY_VOCAB
 
@@ -116,12 +117,12 @@ def test_decode_blocks_matches_gguf_py():
 def test_executors_give_uniprocs_tokens(tiny_gguf):
     from test_executors import engine_config, prompts_for, run
 
-    def config(executor, tp):
+    def config(executor="uniproc", tp=1, quantization="gguf"):
         c = engine_config(tiny_gguf, executor, tp)
-        c.model_config.quantization = "gguf"
+        c.model_config.quantization = quantization
         return c
     prompts = prompts_for(TINY_VOCAB)
-    expected = run(engine_config(tiny_gguf), prompts)  # dequantized at load
+    expected = run(config(quantization="none"), prompts)  # dequantized at load
     assert run(config("uniproc", 1), prompts, chunk=7) == expected
     assert run(config("tp", 2), prompts) == expected
 
@@ -141,9 +142,28 @@ def test_quantization_is_checked_at_start(tiny_gguf, tmp_path):
         resolve_model_config(ModelConfig(model=tiny_gguf, dtype="bfloat16", quantization="gguf"))
 
 
-def test_served_over_grpc_with_the_flag(tiny_gguf):
-    """`llmsvc serve --quantization gguf`: GetModelInfo says so, and a greedy stream gives the
-    tokens of the model dequantized at load."""
+def test_quantization_auto_takes_the_blocks_where_they_apply(tiny_gguf, tmp_path):
+    """The default, "auto": GGUF blocks for a .gguf model computed in float32 off CUDA (as vLLM
+    runs a GGUF quantized), the dequantized weights anywhere else; an explicit choice stands."""
+    assert resolve_quantization("auto", tiny_gguf, "float32", "cpu") == "gguf"
+    assert resolve_quantization("auto", tiny_gguf, "float32", "auto") == "gguf"
+    assert resolve_quantization("auto", os.path.dirname(tiny_gguf), "float32", "cpu") == "gguf"
+    assert resolve_quantization("auto", tiny_gguf, "bfloat16", "cpu") == "none"
+    assert resolve_quantization("auto", tiny_gguf, "float32", "cuda") == "none"
+    assert resolve_quantization("auto", make_tiny_model_dir(tmp_path), "float32", "cpu") == "none"
+    assert resolve_quantization("none", tiny_gguf, "float32", "cpu") == "none"
+    assert resolve_quantization("int8", tiny_gguf, "float32", "cpu") == "int8"
+    assert ModelConfig().quantization == "auto"
+    assert resolve_model_config(ModelConfig(model=tiny_gguf, dtype="float32")).quantization == "gguf"
+    assert resolve_model_config(ModelConfig(model=tiny_gguf, dtype="bfloat16")).quantization == "none"
+    assert resolve_model_config(ModelConfig(model=tiny_gguf, quantization="none")).quantization == "none"
+    with pytest.raises(ValueError, match="computes in float32"):
+        resolve_quantization("gguf", tiny_gguf, "bfloat16", "cpu")  # an explicit choice is still checked
+
+
+def test_served_over_grpc_by_default(tiny_gguf):
+    """`llmsvc serve model.gguf` with no flag multiplies the blocks: GetModelInfo says so, and a
+    greedy stream gives the tokens of the model dequantized at load."""
     import grpc
 
     from executor_procs import LoggedProcess, llmsvc_cmd
@@ -152,9 +172,9 @@ def test_served_over_grpc_with_the_flag(tiny_gguf):
     from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
 
     prompt = list(range(10, 30))
-    want = LLM(tiny_gguf, dtype="float32", kv_cache_memory="8MiB").generate(
+    want = LLM(tiny_gguf, dtype="float32", quantization="none", kv_cache_memory="8MiB").generate(
         [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    srv = LoggedProcess(llmsvc_cmd("serve", tiny_gguf, "--quantization", "gguf", "--host", "127.0.0.1", "--port", "0",
+    srv = LoggedProcess(llmsvc_cmd("serve", tiny_gguf, "--host", "127.0.0.1", "--port", "0",
                                    "--device", "cpu", "--kv-cache-memory", "8MiB", "--shutdown-grace", "0"))
     try:
         port = int(srv.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
@@ -219,10 +239,10 @@ def test_k_quants_and_mixed_block_sizes(tiny_k_quants):
         a, b = (r.step(step) for r in runs)
         for sid in step:
             assert torch.isfinite(a[sid]).all() and torch.equal(a[sid], b[sid]), sid
-    config = engine_config(tiny_k_quants, "tp", 2)
-    config.model_config.quantization = "gguf"
+    config, plain_config = engine_config(tiny_k_quants, "tp", 2), engine_config(tiny_k_quants)
+    config.model_config.quantization, plain_config.model_config.quantization = "gguf", "none"
     ids = prompts_for(TINY_VOCAB, lens=(9, 20))
-    assert run(config, ids) == run(engine_config(tiny_k_quants), ids)
+    assert run(config, ids) == run(plain_config, ids)
 
 
 def test_fp32_copies_go_and_lora_still_applies(tiny_gguf, tmp_path):

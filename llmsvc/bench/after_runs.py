@@ -131,7 +131,7 @@ def print_ceiling(a, w, res: dict, ours: dict, model_dir: str) -> None:
           f"at {m['read_gb_s']:.1f} GB/s): {m['output_tok_s']:.0f} out tok/s; the K/V reads alone take "
           f"{m['kv_seconds']:.1f} s, outside the FLOP ceiling")
     quantization = getattr(a, "quantization", "none")
-    if d := decode_step(model_dir, a.dtype, m["read_gb_s"] * 1e9, quantization=quantization):  # None on a GPU
+    if d := decode_step(a.model, a.dtype, m["read_gb_s"] * 1e9, quantization=quantization):  # None on a GPU
         res["decode_step"] = d
         print(f"  {d['seqs']}-seq decode step: {d['step_ms']:.1f} ms = {d['ratio']:.2f} x its memory floor")
 

@@ -168,21 +168,22 @@ def multiplied_weight_bytes(model) -> int:
     return total
 
 
-def decode_step(model_dir: str, dtype: str, bytes_per_s: float, seqs: int = 64, context: int = 192,
+def decode_step(model: str | None, dtype: str, bytes_per_s: float, seqs: int = 64, context: int = 192,
                 steps: int = 5, quantization: str = "none") -> dict | None:
     """The fastest of `steps` CPU decode steps of `seqs` sequences at ~`context` keys
     (llmsvc/bench/engine_steps.py) against that step's memory floor; None where the engine
-    runs on a GPU."""
+    runs on a GPU. `model` as the engine takes it (a .gguf, for GGUF blocks; None: the default)."""
     from llmsvc.bench import engine_steps
 
     if bench_device()[0].type != "cpu":
         return None
-    runner = engine_steps.make_cpu_runner(dtype, engine_steps.decode_blocks(seqs, context, steps), model_dir,
+    runner = engine_steps.make_cpu_runner(dtype, engine_steps.decode_blocks(seqs, context, steps), model,
                                           quantization)
     seconds = min(engine_steps.run_steps(runner, engine_steps.decode_steps(runner, seqs, context, steps)))
     nb = runner.kv_caches[0][0].element_size()
-    floor = step_floor(param_counts(model_dir), kv_bytes_per_token(model_dir, nb), nb,
+    mc = runner.config.model_config
+    floor = step_floor(param_counts(mc.model_dir), kv_bytes_per_token(mc.model_dir, nb), nb,
                        seqs * (context + steps // 2), bytes_per_s,
-                       multiplied_weight_bytes(runner.model) if quantization != "none" else None)
+                       multiplied_weight_bytes(runner.model) if mc.quantization != "none" else None)
     return {"seqs": seqs, "context": context, "step_ms": seconds * 1e3,
             "floor_ms": floor["min_seconds"] * 1e3, "ratio": seconds / floor["min_seconds"]}

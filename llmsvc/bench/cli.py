@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--ceiling", action="store_true", help="measure GEMM FLOP/s and print the tokens/s ceiling")
     p.add_argument("--compare-prefix-caching", action="store_true", help="run again with prefix caching off")
-    p.add_argument("--compare-quantization", choices=[q for q in QUANTIZATION_CHOICES if q != "none"],
+    p.add_argument("--compare-quantization", choices=[q for q in QUANTIZATION_CHOICES if q != "auto"],
                    help="also run our engine with --quantization Q, in turns with the run as given; print the ratios")
     p.add_argument("--compare-preemption", action="store_true",
                    help="run again with --preemption-mode recompute and no swap space, and print swap's output tok/s "
@@ -98,8 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine (passed to the server it starts, or used offline)")
     # explicit: the peers (HF, vLLM) and the ceiling run in the dtype named here
     e.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    e.add_argument("--quantization", default="none", choices=list(QUANTIZATION_CHOICES),
-                   help="as `llmsvc serve`'s (the peers and the ceiling keep the dequantized weights)")
+    e.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_CHOICES),
+                   help="as `llmsvc serve`'s, resolved once and printed (the peers and the ceiling keep the "
+                        "dequantized weights)")
     e.add_argument("--executor", default="auto", help="as `llmsvc serve`'s; auto: its default when serving, "
                    "uniproc (the model in this process, as LLM) offline")
     e.add_argument("--engine-core", default="process", choices=["process", "inline"],
@@ -265,7 +266,18 @@ def main(a) -> int:
     from llmsvc.models.resolve import resolve_model_config
     from transformers import AutoTokenizer
 
-    mc = resolve_model_config(ModelConfig(model=a.model))
+    try:  # "auto" resolved once here, so that every run, the ceiling and the JSON name the same
+        mc = resolve_model_config(ModelConfig(model=a.model, dtype=a.dtype, quantization=a.quantization))
+    except ValueError as e:
+        print(f"llmsvc bench: {e}", file=sys.stderr)
+        return 2
+    if a.quantization == "auto":
+        print(f"quantization auto: {mc.quantization}")
+    a.quantization = mc.quantization
+    if getattr(a, "compare_quantization", None) == a.quantization:
+        print(f"llmsvc bench: --compare-quantization {a.quantization} is what the runs as given use "
+              f"(pass --quantization to set those)", file=sys.stderr)
+        return 2
     tokenizer = AutoTokenizer.from_pretrained(mc.model_dir)
     vocab = ordinary_vocab(tokenizer)
     chat = ChatPrompts(tokenizer) if getattr(a, "openai", None) else None

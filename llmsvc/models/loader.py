@@ -56,7 +56,9 @@ def build_model(model_config: ModelConfig, device: str | torch.device = "cpu", d
         model = cls(model_config.hf_config, torch_dtype, model_config.max_model_len)
     model.load_weights(model_config.model_dir)
     if model_config.quantization == "gguf" and torch.device(device).type != "cpu":
-        logger.warning("quantization 'gguf': the GPU multiplies the dequantized weights")
+        # only a device "auto" that became a GPU gets here (check_quantization refuses "cuda"),
+        # e.g. the default quantization "auto" with a .gguf model on a GPU machine
+        logger.info("quantization 'gguf': GGUF blocks are a CPU path; the GPU multiplies the dequantized weights")
     elif model_config.quantization == "gguf":
         from llmsvc.models.gguf_blocks import load_gguf_blocks
         from llmsvc.models.resolve import gguf_file

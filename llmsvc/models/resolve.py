@@ -63,7 +63,8 @@ def gguf_file(model: str | None) -> str | None:
 def check_quantization(quantization: str, model: str | None, dtype: str, device: str) -> None:
     """ValueError unless `quantization` (one of QUANTIZATION_CHOICES) can serve this model:
     "gguf" needs a .gguf model, the CPU and float32 (the blocks' GEMM computes in fp32); "int8"
-    needs the CPU (any float checkpoint, fp32 or bf16 compute)."""
+    needs the CPU (any float checkpoint, fp32 or bf16 compute); "auto" always can (it resolves
+    to one that does, resolve_quantization)."""
     from llmsvc.config import QUANTIZATION_CHOICES
 
     if quantization not in QUANTIZATION_CHOICES:
@@ -79,6 +80,18 @@ def check_quantization(quantization: str, model: str | None, dtype: str, device:
     if quantization == "int8" and device == "cuda":
         raise ValueError("--quantization int8 runs on the CPU only (its GEMMs are CPU kernels): "
                          "use --device cpu, or --quantization none on CUDA")
+
+
+def resolve_quantization(quantization: str, model: str | None, dtype: str, device: str) -> str:
+    """`quantization` checked (check_quantization) and "auto" resolved: "gguf" for a .gguf model
+    computed in float32 off CUDA (the blocks give the dequantized model's logits bit for bit from
+    ~1/3 of the weight bytes: 2-2.7x faster steps of 1-4 sequences on the AVX2 box, the same from
+    ~12 on; docs/models.md), else "none". A device "auto" counts as the CPU here: the front end
+    resolves without torch, and a GPU given "gguf" multiplies the dequantized weights."""
+    check_quantization(quantization, model, dtype, device)
+    if quantization != "auto":
+        return quantization
+    return "gguf" if gguf_file(model) is not None and dtype == "float32" and device != "cuda" else "none"
 
 
 def resolve_model_dir(model: str | None = None) -> str:
@@ -198,8 +211,8 @@ def _ids(value) -> list[int]:
 
 def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
     """A copy of mc with model_dir, hf_config, architecture, vocab_size, eos/bos/pad ids,
-    generation_defaults and max_model_len filled, and dtype "auto" resolved (resolve_dtype,
-    for `device` as configured). Raises ValueError when max_model_len
+    generation_defaults and max_model_len filled, dtype "auto" resolved (resolve_dtype,
+    for `device` as configured) and then quantization "auto" (resolve_quantization). Raises ValueError when max_model_len
     exceeds the model's max_position_embeddings (or, for longrope, its
     original_max_position_embeddings; sliding windows do not limit it: they are honoured by
     every attention path)."""
@@ -213,7 +226,7 @@ def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
     chat_template = None if mc.chat_template is None else read_chat_template(mc.chat_template)
     model_dir = resolve_model_dir(mc.model)
     dtype = resolve_dtype(mc.dtype, model_dir, device)
-    check_quantization(mc.quantization, mc.model, dtype, device)
+    quantization = resolve_quantization(mc.quantization, mc.model, dtype, device)
     hf_config = load_hf_config(model_dir, derived_cache_dir())
     archs = list(getattr(hf_config, "architectures", None) or [])
     archs.append(MODEL_TYPES.get(hf_config.model_type, ""))
@@ -248,6 +261,7 @@ def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
     return dataclasses.replace(
         mc,
         dtype=dtype,
+        quantization=quantization,
         model_source=mc.model if mc.model is not None else default_model_path(),
         chat_template=chat_template,
         tokenizer=None if mc.tokenizer is None else os.path.abspath(mc.tokenizer),
