@@ -97,6 +97,19 @@ static inline __m256i lane_mask(int nc, int lo) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(nc - lo), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+/* c[0:16] = v0, v1 where n >= 16 columns remain, else the lanes of masks m0, m1 (lane_mask):
+ * VMASKMOVPS to memory is microcoded on AMD (Zen 3: one per ~12 cycles), and a decode pass
+ * ends in 12 of them; every panel of a shape whose N % 48 == 0 is full */
+static inline void store_c16(float *c, __m256 v0, __m256 v1, int n, __m256i m0, __m256i m1) {
+    if (n >= 16) {
+        _mm256_storeu_ps(c, v0);
+        _mm256_storeu_ps(c + 8, v1);
+    } else {
+        _mm256_maskstore_ps(c, m0, v0);
+        _mm256_maskstore_ps(c + 8, m1, v1);
+    }
+}
+
 /* 8 fp32 -> 8 bf16, round to nearest even, NaN kept a quiet NaN (bf16.h's f32_to_bf16) */
 static inline __m128i bf16x8(__m256 v) {
     const __m256i u = _mm256_castps_si256(v), one = _mm256_set1_epi32(1);
@@ -153,10 +166,8 @@ static inline __attribute__((always_inline)) void kernel(
             _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++)
                 store_bf16((uint16_t *)cv + r * ldc + h, acc[r][0], acc[r][1], nc - h);
         } else {
-            _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++) {
-                _mm256_maskstore_ps(c + r * ldc + h, m0, acc[r][0]);
-                _mm256_maskstore_ps(c + r * ldc + h + 8, m1, acc[r][1]);
-            }
+            _Pragma("GCC unroll 6") for (int r = 0; r < mr; r++)
+                store_c16(c + r * ldc + h, acc[r][0], acc[r][1], nc - h, m0, m1);
         }
     }
 }
@@ -203,10 +214,8 @@ static inline __attribute__((always_inline)) void q8_kernel(
                 }
             }
         }
-        _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
-            _mm256_maskstore_ps(c + r * ldc + h, m0, acc[r][0]);
-            _mm256_maskstore_ps(c + r * ldc + h + 8, m1, acc[r][1]);
-        }
+        _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
+            store_c16(c + r * ldc + h, acc[r][0], acc[r][1], nc - h, m0, m1);
     }
 }
 
@@ -243,5 +252,6 @@ static inline void q8_row(const float *a, const int8_t *q, const float *d, const
             }
         }
     }
-    for (int v = 0; v < 6; v++) _mm256_maskstore_ps(c + 8 * v, lane_mask(nc, 8 * v), acc[v]);
+    for (int v = 0; v < 6; v += 2) store_c16(c + 8 * v, acc[v], acc[v + 1], nc - 8 * v, lane_mask(nc, 8 * v),
+                                             lane_mask(nc, 8 * v + 8));
 }
