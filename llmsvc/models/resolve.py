@@ -212,8 +212,8 @@ def _ids(value) -> list[int]:
 def resolve_model_config(mc: ModelConfig, device: str = "auto") -> ModelConfig:
     """A copy of mc with model_dir, hf_config, architecture, vocab_size, eos/bos/pad ids,
     generation_defaults and max_model_len filled, dtype "auto" resolved (resolve_dtype,
-    for `device` as configured) and then quantization "auto" (resolve_quantization). Raises ValueError when max_model_len
-    exceeds the model's max_position_embeddings (or, for longrope, its
+    for `device` as configured) and then quantization "auto" (resolve_quantization). Raises
+    ValueError when max_model_len exceeds the model's max_position_embeddings (or, for longrope, its
     original_max_position_embeddings; sliding windows do not limit it: they are honoured by
     every attention path)."""
     from llmsvc.models.hf_config import load_hf_config
