@@ -89,3 +89,19 @@ def test_decode_step_and_step_profile_on_a_tiny_model(tmp_path, capsys, monkeypa
                        "--repeats", "1"])
     out = capsys.readouterr().out
     assert "native layers: False" in out and "  model " in out and "attention" not in out
+
+
+def test_decode_step_of_a_gguf_takes_its_blocks(tmp_path, monkeypatch):
+    """--ceiling's decode step builds the engine from the model as given: a .gguf multiplies its
+    blocks under "gguf" (or "auto", the default) and the floor counts the blocks' bytes."""
+    gguf = pytest.importorskip("gguf")
+    from test_models_gguf import write_gguf
+
+    monkeypatch.setenv("LLMSVC_CACHE", str(tmp_path / "cache"))
+    src = make_tiny_model_dir(tmp_path, arch="llama", tie=False, max_position_embeddings=512)
+    path = str(tmp_path / "tiny.gguf")
+    Q = gguf.GGMLQuantizationType
+    write_gguf(src, path, "llama", {"proj": Q.Q8_0})
+    plain = decode_step(path, "float32", bytes_per_s=1e9, seqs=2, context=20, steps=2, quantization="none")
+    blocks = decode_step(path, "float32", bytes_per_s=1e9, seqs=2, context=20, steps=2, quantization="gguf")
+    assert blocks["floor_ms"] < plain["floor_ms"]  # one int8 + 1/4 of a scale and an offset per weight, not 4 bytes
