@@ -98,8 +98,9 @@ static inline __m256i lane_mask(int nc, int lo) {
 }
 
 /* c[0:16] = v0, v1 where n >= 16 columns remain, else the lanes of masks m0, m1 (lane_mask):
- * VMASKMOVPS to memory is microcoded on AMD (Zen 3: one per ~12 cycles), and a decode pass
- * ends in 12 of them; every panel of a shape whose N % 48 == 0 is full */
+ * VMASKMOVPS to memory is slow on AMD cores, and a 6-row pass ends in 12 of them (plain stores
+ * made a 16-row fp32 pass 7% faster on Zen 3, docs/cpu-kernels.md); every panel of a shape
+ * whose N % 48 == 0 is full */
 static inline void store_c16(float *c, __m256 v0, __m256 v1, int n, __m256i m0, __m256i m1) {
     if (n >= 16) {
         _mm256_storeu_ps(c, v0);

@@ -85,10 +85,9 @@ def check_quantization(quantization: str, model: str | None, dtype: str, device:
 def resolve_quantization(quantization: str, model: str | None, dtype: str, device: str) -> str:
     """`quantization` checked (check_quantization) and "auto" resolved: "gguf" for a .gguf model
     computed in float32 off CUDA (the blocks give the dequantized model's logits bit for bit from
-    ~1/3 of the weight bytes: 2-2.7x faster GEMMs at 1-4 rows on the AVX2 box, 1.3-1.45x at 6-8,
-    0.92-1.0x from 12 rows, where the dequantizing costs what the bytes save; docs/models.md),
-    else "none". A device "auto" counts as the CPU here: the front end
-    resolves without torch, and a GPU given "gguf" multiplies the dequantized weights."""
+    ~1/3 of the weight bytes, faster at a few rows and about as fast from ~12: docs/models.md),
+    else "none". A device "auto" counts as the CPU here: the front end resolves without torch,
+    and a GPU given "gguf" multiplies the dequantized weights."""
     check_quantization(quantization, model, dtype, device)
     if quantization != "auto":
         return quantization

@@ -56,10 +56,11 @@ def _model_flags(p: argparse.ArgumentParser, opt: Callable) -> None:
         help="compute and KV-cache dtype; auto: the checkpoint's own (float16 runs as bfloat16 off CUDA)")
     opt("--quantization", str, "auto", choices=list(QUANTIZATION_CHOICES),
         help="auto: gguf for a .gguf model in float32 on the CPU (the default model: the same tokens as "
-             "none, 2-2.7x faster decode steps of a few sequences), else none; gguf: multiply a .gguf model's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K linear weights "
-             "as stored (CPU, float32: the logits of none, from a fraction of the weight bytes); int8: "
-             "linear weights quantized per channel at load, activations per token, int8 GEMMs (CPU); none: "
-             "dequantize every weight at load")
+             "none, about 2x faster decode steps of one sequence), else none; gguf: multiply a .gguf "
+             "model's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K linear weights as stored (CPU, "
+             "float32: the logits of none, from a fraction of the weight bytes); int8: linear weights "
+             "quantized per channel at load, activations per token, int8 GEMMs (CPU); none: dequantize "
+             "every weight at load")
     opt("--max-model-len", positive_int, None, help="context length (default: the model's)")
     opt("--chat-template", str, None,
         help="Jinja chat template (a file, or the text itself) replacing the model's own, for chat prompts "
