@@ -53,6 +53,8 @@ def test_memory_floor_counts_weights_per_decode_step_and_every_kv_read(tmp_path)
     assert m["kv_read_gb"] == pytest.approx(2 * (11 + 12 + 13) * kvb / 1e9)
     assert m["min_seconds"] == pytest.approx(m["weight_read_gb"] + m["kv_read_gb"])
     assert m["output_tok_s"] == pytest.approx(8 / m["min_seconds"])
+    stored = memory_floor(Workload("w", 2, 10, 4), c, kvb, 2, 1e9, weight_bytes=1000)  # e.g. GGUF blocks
+    assert stored["weight_read_gb"] == pytest.approx(3 * 1000 / 1e9) and stored["kv_read_gb"] == m["kv_read_gb"]
     one = memory_floor(Workload("w", 1, 10, 1), c, kvb, 2, 1e9)  # prefill only: no decode reads
     assert one["min_seconds"] == 0 and one["output_tok_s"] == float("inf")
     assert read_bandwidth(n_bytes=1 << 24, repeats=1, device="cpu") > 0
@@ -105,3 +107,4 @@ def test_decode_step_of_a_gguf_takes_its_blocks(tmp_path, monkeypatch):
     plain = decode_step(path, "float32", bytes_per_s=1e9, seqs=2, context=20, steps=2, quantization="none")
     blocks = decode_step(path, "float32", bytes_per_s=1e9, seqs=2, context=20, steps=2, quantization="gguf")
     assert blocks["floor_ms"] < plain["floor_ms"]  # one int8 + 1/4 of a scale and an offset per weight, not 4 bytes
+    assert blocks["weight_mb"] < plain["weight_mb"]  # what --ceiling's workload floor then counts

@@ -129,11 +129,13 @@ def read_bandwidth(n_bytes: int = 1 << 29, repeats: int = 3, device: str = "auto
 
 
 def memory_floor(w: Workload, counts: dict, kv_token_bytes: int, dtype_bytes: int,
-                 bytes_per_s: float) -> dict:
+                 bytes_per_s: float, weight_bytes: int | None = None) -> dict:
     """Fewest bytes workload `w` must read (weights once per decode step, every decode step's
-    K/V) and the time they take at `bytes_per_s`."""
+    K/V) and the time they take at `bytes_per_s`; `weight_bytes`: a step's weights where they
+    are not stored at the compute dtype (GGUF blocks, int8: multiplied_weight_bytes)."""
     steps = max(w.output_len - 1, 0)
-    weights = steps * (counts["gen_flops_per_token"] // 2) * dtype_bytes  # body + LM head
+    per_step = counts["gen_flops_per_token"] // 2 * dtype_bytes if weight_bytes is None else weight_bytes
+    weights = steps * per_step  # body + LM head
     rows = steps * w.input_len + steps * (steps + 1) // 2  # sum of input_len + j, j = 1 .. steps
     kv = w.num_requests * rows * kv_token_bytes
     seconds = (weights + kv) / bytes_per_s
@@ -185,5 +187,5 @@ def decode_step(model: str | None, dtype: str, bytes_per_s: float, seqs: int = 6
     floor = step_floor(param_counts(mc.model_dir), kv_bytes_per_token(mc.model_dir, nb), nb,
                        seqs * (context + steps // 2), bytes_per_s,
                        multiplied_weight_bytes(runner.model) if mc.quantization != "none" else None)
-    return {"seqs": seqs, "context": context, "step_ms": seconds * 1e3,
+    return {"seqs": seqs, "context": context, "step_ms": seconds * 1e3, "weight_mb": floor["weight_mb"],
             "floor_ms": floor["min_seconds"] * 1e3, "ratio": seconds / floor["min_seconds"]}
