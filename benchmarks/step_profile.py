@@ -149,7 +149,7 @@ def _run(a, runner, timer: PhaseTimer, counts: dict, esz: int, kv_tok: int, bw: 
           f"native layers: {native}")
     rows = run_steps(runner, timer, engine_steps.decode_steps(runner, a.seqs, a.context, a.repeats))
     ctx = a.context + a.repeats // 2  # the keys of the median step
-    wb = ceiling.multiplied_weight_bytes(runner.model) if mc.quantization != "none" else None
+    wb = ceiling.stored_weight_bytes(runner)
     report(f"decode, {a.seqs} sequences at {a.context}-{a.context + a.repeats} keys", rows,
            ceiling.step_floor(counts, kv_tok, esz, a.seqs * ctx, bw, wb))
     if a.prefill:

@@ -107,4 +107,4 @@ def test_decode_step_of_a_gguf_takes_its_blocks(tmp_path, monkeypatch):
     plain = decode_step(path, "float32", bytes_per_s=1e9, seqs=2, context=20, steps=2, quantization="none")
     blocks = decode_step(path, "float32", bytes_per_s=1e9, seqs=2, context=20, steps=2, quantization="gguf")
     assert blocks["floor_ms"] < plain["floor_ms"]  # one int8 + 1/4 of a scale and an offset per weight, not 4 bytes
-    assert blocks["weight_mb"] < plain["weight_mb"]  # what --ceiling's workload floor then counts
+    assert plain["weight_bytes"] is None and 0 < blocks["weight_bytes"]  # what --ceiling's workload floor counts

@@ -125,11 +125,10 @@ def print_ceiling(a, w, res: dict, ours: dict, model_dir: str) -> None:
     print(f"  ceiling ({label} GEMM {c['gemm_gflops']:.0f} GFLOP/s, {c['workload_tflop']:.2f} TFLOP): "
           f"{c['output_tok_s']:.0f} out tok/s; llmsvc reaches {100 * c['fraction']:.0f}%")
     nb = 4 if a.dtype == "float32" else 2
-    bw, quantization = read_bandwidth(), getattr(a, "quantization", "none")
-    d = decode_step(a.model, a.dtype, bw, quantization=quantization)  # None on a GPU
+    bw = read_bandwidth()
+    d = decode_step(a.model, a.dtype, bw, quantization=getattr(a, "quantization", "none"))  # None on a GPU
     # quantized weights are read as stored: the decode step's engine counted them
-    wb = round(d["weight_mb"] * 1e6) if d and quantization != "none" else None
-    m = memory_floor(w, counts, kv_bytes_per_token(model_dir, nb), nb, bw, weight_bytes=wb)
+    m = memory_floor(w, counts, kv_bytes_per_token(model_dir, nb), nb, bw, weight_bytes=d and d["weight_bytes"])
     res["memory_floor"] = m
     print(f"  memory floor ({m['weight_read_gb']:.1f} GB of weights + {m['kv_read_gb']:.1f} GB of K/V "
           f"at {m['read_gb_s']:.1f} GB/s): {m['output_tok_s']:.0f} out tok/s; the K/V reads alone take "

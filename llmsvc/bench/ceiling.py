@@ -170,11 +170,18 @@ def multiplied_weight_bytes(model) -> int:
     return total
 
 
+def stored_weight_bytes(runner) -> int | None:
+    """multiplied_weight_bytes of a runner's model where its weights are quantized (GGUF blocks,
+    int8), else None: dense weights are read at the compute dtype, which the floors count."""
+    return None if runner.config.model_config.quantization == "none" else multiplied_weight_bytes(runner.model)
+
+
 def decode_step(model: str | None, dtype: str, bytes_per_s: float, seqs: int = 64, context: int = 192,
                 steps: int = 5, quantization: str = "none") -> dict | None:
     """The fastest of `steps` CPU decode steps of `seqs` sequences at ~`context` keys
     (llmsvc/bench/engine_steps.py) against that step's memory floor; None where the engine
-    runs on a GPU. `model` as the engine takes it (a .gguf, for GGUF blocks; None: the default)."""
+    runs on a GPU. `model` as the engine takes it (a .gguf, for GGUF blocks; None: the default).
+    "weight_bytes": stored_weight_bytes of its engine."""
     from llmsvc.bench import engine_steps
 
     if bench_device()[0].type != "cpu":
@@ -183,9 +190,8 @@ def decode_step(model: str | None, dtype: str, bytes_per_s: float, seqs: int = 6
                                           quantization)
     seconds = min(engine_steps.run_steps(runner, engine_steps.decode_steps(runner, seqs, context, steps)))
     nb = runner.kv_caches[0][0].element_size()
-    mc = runner.config.model_config
-    floor = step_floor(param_counts(mc.model_dir), kv_bytes_per_token(mc.model_dir, nb), nb,
-                       seqs * (context + steps // 2), bytes_per_s,
-                       multiplied_weight_bytes(runner.model) if mc.quantization != "none" else None)
-    return {"seqs": seqs, "context": context, "step_ms": seconds * 1e3, "weight_mb": floor["weight_mb"],
+    model_dir, wb = runner.config.model_config.model_dir, stored_weight_bytes(runner)
+    floor = step_floor(param_counts(model_dir), kv_bytes_per_token(model_dir, nb), nb,
+                       seqs * (context + steps // 2), bytes_per_s, wb)
+    return {"seqs": seqs, "context": context, "step_ms": seconds * 1e3, "weight_bytes": wb,
             "floor_ms": floor["min_seconds"] * 1e3, "ratio": seconds / floor["min_seconds"]}
