@@ -138,6 +138,13 @@ def test_flush_refused_while_a_request_holds_blocks(srv):
     assert srv.vllm.FlushCache(cpb.FlushCacheRequest(timeout_s=5.0)).success
 
 
+@pytest.mark.parametrize("timeout_s", [-1.0, float("nan"), float("inf")])
+def test_flush_timeout_must_be_finite_and_not_negative(srv, timeout_s):
+    with pytest.raises(grpc.RpcError) as ei:
+        srv.vllm.FlushCache(cpb.FlushCacheRequest(timeout_s=timeout_s), timeout=10)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s" in ei.value.details()
+
+
 def test_cursor_resumes_without_snapshot_and_a_stale_one_is_out_of_range(srv):
     reader = Reader(srv.vllm)
     reader.next()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import logging
 import time
 import uuid
@@ -173,10 +174,15 @@ class VllmEngineService(pb_grpc.VllmEngineServicer):
 
     async def FlushCache(self, request, context):
         """Forget the prefix cache. It can only be flushed while no request holds KV blocks: with
-        timeout_s > 0 this retries until the engine is idle or the time is up."""
+        timeout_s > 0 this retries until the engine is idle or the time is up (or the call's
+        deadline). Open to any caller the server admits, as vLLM's worker has it: a gateway's
+        cache flush reaches its workers through here (docs/vllm-engine.md)."""
+        if not (math.isfinite(request.timeout_s) and request.timeout_s >= 0):
+            await errors.abort(context, errors.invalid("timeout_s", f"must be a finite number of seconds >= 0, "
+                                                                    f"got {request.timeout_s}"))
         if self.engine is None:
             return cpb.FlushCacheResponse(success=False, message="model is loading")
-        deadline = time.monotonic() + max(0.0, request.timeout_s)
+        deadline = time.monotonic() + request.timeout_s
         while True:
             try:
                 if await self.engine.reset_prefix_cache():  # its `cleared` went out before this
