@@ -72,6 +72,11 @@ BAD = [
     # no text satisfies these: they used to finish "stop" with an empty output
     (_bad(regex="[a&&b]"), "sampling.regex", "INVALID_REGEX", "not satisfiable"),
     (_bad(json_schema='{"$ref": "#"}'), "sampling.json_schema", "INVALID_SCHEMA", "not satisfiable"),
+    # valid, but past the lexer's limits on the first token: they used to end "abort" at once,
+    # blaming token rules the request never set
+    (_bad(regex="a{2000000}"), "sampling.regex", "INVALID_REGEX", "too large for the grammar engine"),
+    (_bad(json_schema='{"type": "string", "pattern": "^(a{1000}){1000}$"}'), "sampling.json_schema",
+     "INVALID_SCHEMA", "too large for the grammar engine"),
 ]
 
 

@@ -91,10 +91,16 @@ def compile_matcher(tokenizer: llguidance.LLTokenizer, params: StructuredOutputs
     if not matcher.is_error():
         # a constraint no text satisfies ([a&&b], {"$ref": "#"}) shows only once asked for the
         # first mask (it would allow only EOS): refuse it here, not as an empty "stop"
-        matcher.compute_bitmask()
-        if not matcher.is_error():
+        mask = matcher.compute_bitmask()
+        if matcher.is_error():
+            raise E.ConstraintError(kind, _UNSATISFIABLE[kind], "is not satisfiable: no output matches it")
+        # the lexer is built lazily: a pattern past its limits ("a{2000000}") fails on the first
+        # token consumed, so consume one the mask allows, on a copy, and refuse it here
+        probe = matcher.deep_copy()
+        if probe.consume_token(_first_allowed(mask)):
             return matcher
-        raise E.ConstraintError(kind, _UNSATISFIABLE[kind], "is not satisfiable: no output matches it")
+        raise E.ConstraintError(kind, _UNSATISFIABLE[kind], "is too large for the grammar engine: "
+                                + probe.get_error().replace("<non-verbose/>", "").strip())
     err = matcher.get_error()
     if kind in ("json", "json_object"):
         if "coerce_one_of" in err:  # llguidance's hint names an option of its own, not ours
@@ -109,3 +115,10 @@ def compile_matcher(tokenizer: llguidance.LLTokenizer, params: StructuredOutputs
     if kind == "choice":
         raise E.ConstraintError(kind, E.INVALID_CHOICE, f"cannot be compiled: {err}")
     raise E.ConstraintError(kind, E.INVALID_GRAMMAR, f"is not a valid grammar: {err}")
+
+
+def _first_allowed(bitmask: bytes) -> int:
+    """The lowest token id set in a one-row bitmask (little-endian 32-bit words, bit t % 32 of
+    word t // 32 for token t); a mask the satisfiability test passed has one."""
+    value = int.from_bytes(bitmask, "little")
+    return (value & -value).bit_length() - 1
