@@ -115,6 +115,10 @@ class ModelRunnerOutput:
     # prompt logprobs for prompt positions computed this step: req_id -> one entry per
     # position (None for the first prompt token), when SamplingParams.prompt_logprobs is set
     prompt_logprobs: dict[str, list[SampleLogprobs | None]] = field(default_factory=dict)
+    # req_id -> index into its sampled_token_ids of the first token whose row had nothing left
+    # to sample (the grammar mask and the request's token rules forbade every token): that token
+    # and the rest are not emitted, and the request ends "abort"
+    no_token: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> "ModelRunnerOutput":

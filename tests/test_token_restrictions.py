@@ -1,7 +1,9 @@
 """allowed_token_ids and bad_words on a tiny random model. allowed: offline and over gRPC every
 sampled token is one of the allowed ids, greedy picks the allowed id the unrestricted model
 ranks highest, an id outside the vocabulary is INVALID_ARGUMENT naming the element. bad_words:
-a banned bigram never appears and the output changes exactly where it would have."""
+a banned bigram never appears and the output changes exactly where it would have. Rules that
+leave nothing to sample: refused up front where the first token shows it, else the request
+ends "abort" with the reason and no stray token."""
 from __future__ import annotations
 
 import grpc
@@ -12,6 +14,7 @@ from llmsvc.client import Client
 from llmsvc.client.errors import LlmsvcError
 from llmsvc.config import EngineConfig
 from llmsvc.engine.llm_engine import LLMEngine
+from llmsvc.worker.model_runner import first_token_without_a_row
 from tests.server_harness import EOS, TINY_VOCAB, ServerThread, make_tiny_served_model_dir
 
 PROMPT = [5 + (11 * i) % (EOS - 5) for i in range(12)]
@@ -75,3 +78,53 @@ def test_bad_words_over_grpc(model_dir):
         with pytest.raises(LlmsvcError) as ei:
             c.generate(PROMPT, max_tokens=2, bad_words=["ok", " "])
         assert ei.value.field_violations[0][0] == "sampling.bad_words[1]"
+
+
+def test_token_rules_that_leave_nothing_end_the_request_without_a_stray_token(model_dir):
+    """allowed 'a' with the bad word 'aa': the first 'a' is fine, then every allowed token is
+    banned. The request ends "abort" with the reason, after its one real token (an argmax over
+    an all -inf row would have emitted token 0, which it never allowed)."""
+    a = ord("a")
+    llm = LLM(model=model_dir, **ENGINE)
+    try:
+        outs = llm.generate([{"prompt_token_ids": PROMPT}] * 3,
+                            [SamplingParams(max_tokens=6, temperature=t, seed=2, ignore_eos=True,
+                                            allowed_token_ids=[a], bad_words=["aa"]) for t in (0.0, 1.0)]
+                            + [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)],
+                            use_tqdm=False)
+        for out in outs[:2]:
+            o = out.outputs[0]
+            assert (o.finish_reason, o.token_ids) == ("abort", [a])
+            assert "left no token to sample" in out.abort_reason
+        assert outs[2].outputs[0].finish_reason == "length" and len(outs[2].outputs[0].token_ids) == 6
+        assert not llm.llm_engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
+
+
+def test_allowed_tokens_all_forbidden_at_the_first_token_are_invalid_argument(model_dir):
+    a = ord("a")
+    config = EngineConfig.from_options(model=model_dir, log_stats_interval_s=0.0, **ENGINE)
+    with ServerThread(lambda: LLMEngine.from_config(config)) as srv, Client(srv.address, timeout=60) as c:
+        for kw in (dict(allowed_token_ids=[a], bad_words=["a"]),  # a one-token bad word
+                   dict(allowed_token_ids=[EOS], min_tokens=2),  # EOS held back by min_tokens
+                   dict(allowed_token_ids=[a, 7], stop_token_ids=[7], min_tokens=1, bad_words=["a"])):
+            with pytest.raises(LlmsvcError) as ei:
+                c.generate(PROMPT, max_tokens=4, **kw)
+            assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert ei.value.field_violations[0][0] == "sampling.allowed_token_ids"
+        # one allowed token left over, or EOS not held back (ignore_eos): served
+        r = c.generate(PROMPT, max_tokens=3, allowed_token_ids=[a, ord("b")], bad_words=["a"], ignore_eos=True)
+        assert r.token_ids == [ord("b")] * 3
+        r = c.generate(PROMPT, max_tokens=3, allowed_token_ids=[EOS], min_tokens=2, ignore_eos=True)
+        assert r.token_ids == [EOS] * 3
+
+
+def test_the_first_token_without_a_row_is_found_per_request():
+    # one row each: a dead row marks that request's only token
+    assert first_token_without_a_row([1], ["x", "y"], [[5], [6]], None) == {"y": 0}
+    # with drafts: x has rows 0-2 and kept 3 tokens, y rows 3-4 and kept 1 (its row 4 unused)
+    sampled = [[5, 6, 7], [8]]
+    assert first_token_without_a_row([2, 4], ["x", "y"], sampled, [3, 2]) == {"x": 2}
+    assert first_token_without_a_row([3], ["x", "y"], sampled, [3, 2]) == {"y": 0}
+    assert first_token_without_a_row([], ["x"], [[5]], None) == {}

@@ -11,7 +11,7 @@ import time
 from llmsvc import outputs
 from llmsvc.core.core_output import EngineCoreOutput
 from llmsvc.core.request import Request, RequestStatus
-from llmsvc.core.stop import check_stop, fresh_prompt_logprobs, grammar_complete, grammar_rejects
+from llmsvc.core.stop import check_stop, fresh_prompt_logprobs, grammar_complete, grammar_rejects, no_token_left
 from llmsvc.wire import ModelRunnerOutput, SchedulerOutput
 
 
@@ -45,9 +45,9 @@ class UpdateMixin:
             lps = None
             if runner_output.logprobs is not None and req.sampling_params.logprobs is not None:
                 lps = runner_output.logprobs[k]
-            kept = 0
+            kept, dead_at = 0, runner_output.no_token.get(rid)
             for token in tokens:  # an accepted draft may end the request: the rest are dropped
-                if grammar_rejects(req, token):
+                if (kept == dead_at and no_token_left(req)) or grammar_rejects(req, token):
                     stopped.append(req)
                     break
                 kept += 1

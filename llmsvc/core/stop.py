@@ -30,20 +30,30 @@ def check_stop(req: Request, token: int, max_len: int) -> bool:
     return False
 
 
-NO_ALLOWED_TOKEN = ("the output constraint and the request's other token rules (allowed_token_ids, bad_words, "
-                    "logit_bias, min_tokens) left no token to sample")
+NO_ALLOWED_TOKEN = ("the request's token rules (the output constraint, allowed_token_ids, bad_words, "
+                    "min_tokens) left no token to sample")
+
+
+def no_token_left(req: Request) -> bool:
+    """The sampler found nothing allowed in the request's row (ModelRunnerOutput.no_token): the
+    request ends "abort" with the reason, and the row's token is not emitted."""
+    req.status = RequestStatus.FINISHED_ABORTED
+    req.stop_reason = NO_ALLOWED_TOKEN
+    return True
 
 
 def grammar_rejects(req: Request, token: int) -> bool:
-    """Structured output: advance the grammar by the sampled token, before it is recorded. A
-    token the grammar refuses was sampled from a row with nothing allowed (the mask and the
-    request's own token rules together exclude every token): the request ends "abort", with
-    the reason, and the token is not emitted."""
+    """Structured output: advance the grammar by the sampled token, before it is recorded. The
+    mask allowed the token, so a refusal is the grammar engine failing on its own (a lexer past
+    its limits on a huge pattern): the request ends "abort" with the engine's message, and the
+    token is not emitted."""
     st = req.structured
     if st is None or st.accept(token):
         return False
     req.status = RequestStatus.FINISHED_ABORTED
-    req.stop_reason = NO_ALLOWED_TOKEN
+    err = st.error()
+    req.stop_reason = (NO_ALLOWED_TOKEN if "doesn't satisfy the grammar" in err
+                       else f"the output constraint failed in the grammar engine: {err}")
     return True
 
 

@@ -9,7 +9,9 @@ again, except the scheduler's test that needs the KV pool. `admit` returns the r
 - cache_salt's shape; the LoRA adapter it names (LoRANotFoundError), resolved to its entry;
 - structured output refused when this engine has no grammar engine;
 - completions that make a request replayable: an unseeded sampling request gets a drawn seed
-  (echoed back), bad_words are tokenized once.
+  (echoed back), bad_words are tokenized once;
+- allowed_token_ids that the request's own bad_words / min_tokens leave nothing of (that needs
+  the tokenized bad_words, so it is checked last).
 
 The params are copied before they are completed, never changed in place (a caller may reuse
 one SamplingParams for many requests), and copied without running their __post_init__ again:
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 from llmsvc.core.errors import InvalidRequestError
 from llmsvc.engine.bad_words import bad_words_token_ids
-from llmsvc.engine.validation import RequestLimits, check_cache_salt, check_request
+from llmsvc.engine.validation import RequestLimits, check_allowed_tokens_reachable, check_cache_salt, check_request
 from llmsvc.engine_request import EngineRequest
 
 
@@ -68,6 +70,7 @@ class Admission:
                 raise InvalidRequestError("bad_words", "this engine has no tokenizer; send bad_words_token_ids")
             completed = completed or copy.copy(params)
             completed.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        check_allowed_tokens_reachable(completed or params, self.limits)
         if completed is not None:
             request = copy.copy(request)
             request.sampling_params = completed

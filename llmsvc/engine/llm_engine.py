@@ -118,7 +118,8 @@ class LLMEngine:
         pool_bound = context is not None and max_len < context
         return RequestLimits(vocab_size=self.vocab_size, max_len=max_len, max_n=self.config.max_n,
                              max_stop_strings=self.config.max_stop_strings, max_logprobs=self.config.max_logprobs,
-                             max_len_source="the KV cache pool" if pool_bound else "the maximum context length")
+                             max_len_source="the KV cache pool" if pool_bound else "the maximum context length",
+                             eos_token_ids=tuple(self.eos_token_ids))
 
     def admit(self, request: EngineRequest) -> AdmittedRequest:
         """Validate a request once, at admission (llmsvc.engine.admission); thread-safe enough

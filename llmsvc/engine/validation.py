@@ -29,6 +29,7 @@ class RequestLimits:
     max_logprobs: int = 20
     # what max_len is, for the PROMPT_TOO_LONG message
     max_len_source: str = "the maximum context length"
+    eos_token_ids: tuple[int, ...] = ()  # what min_tokens keeps from being sampled (unless ignore_eos)
 
 
 def make_sampling_params(**kw) -> SamplingParams:
@@ -136,3 +137,20 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
         raise InvalidRequestError("prompt", "must not be empty")
     check_token_ids("prompt_token_ids", prompt_token_ids, limits.vocab_size)
     check_prompt_fits(len(prompt_token_ids), params, limits)
+
+
+def check_allowed_tokens_reachable(params: SamplingParams, limits: RequestLimits) -> None:
+    """allowed_token_ids that the request's own rules all forbid at the first output token (a
+    one-token bad word; under min_tokens, a stop token or EOS) leave nothing to sample: refused
+    here rather than ending the request at its first step. Needs bad_words tokenized."""
+    if not params.allowed_token_ids:
+        return
+    excluded = {seq[0] for seq in params.bad_words_token_ids or () if len(seq) == 1}
+    if params.min_tokens > 0:
+        excluded.update(params.stop_token_ids)
+        if not params.ignore_eos:
+            excluded.update(limits.eos_token_ids)
+    if excluded.issuperset(params.allowed_token_ids):
+        raise InvalidRequestError("allowed_token_ids", "every allowed token is forbidden at the first output "
+                                  "token by the request's own bad_words or, under min_tokens, as a stop token or "
+                                  "EOS: nothing could be sampled")

@@ -75,3 +75,7 @@ class StructuredRequest:
     @property
     def failed(self) -> bool:
         return self.matcher.is_error()
+
+    def error(self) -> str:
+        """The grammar engine's message once `failed` ("" before), without its verbosity marker."""
+        return self.matcher.get_error().replace("<non-verbose/>", "").strip()

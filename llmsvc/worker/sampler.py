@@ -29,7 +29,7 @@ from instead (after step 5; for greedy rows after step 3).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +45,9 @@ from llmsvc.worker.stages.base import take_rows
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [S] int64
     logprobs: list[SampleLogprobs | None]  # per row; None where the row asked for none
+    # rows whose grammar mask and token rules (allowed_token_ids, min_tokens, bad words) left no
+    # token: their sampled id is meaningless and must not be emitted
+    no_token_rows: list[int] = field(default_factory=list)
 
 
 class Sampler:
@@ -75,14 +78,17 @@ class Sampler:
         if want_lp and raw:
             raw_lp = torch.log_softmax(take_rows(logits, lp_rows).float(), dim=-1)
 
+        no_token: list[int] = []
         if md.all_greedy and not md.processors:  # plain greedy: nothing to process
             sampled = ops.argmax_rows(logits)
             processed = logits
+            if owned:  # a grammar mask alone
+                no_token = _rows_without_a_token(logits)
         else:
             # [S, V] float32, contiguous, ours to modify in place (raw logprobs are taken already)
             processed = logits if owned else torch.empty(logits.shape, dtype=torch.float32,
                                                          device=logits.device).copy_(logits)
-            sampled = self._sample(processed, md)
+            sampled, no_token = self._sample(processed, md)
 
         logprobs: list[SampleLogprobs | None] = [None] * md.num_rows
         if want_lp:
@@ -92,21 +98,29 @@ class Sampler:
                                       [md.num_logprobs[i] for i in lp_rows.tolist()])
             for i, e in zip(lp_rows.tolist(), entries):
                 logprobs[i] = e
-        return SamplerOutput(sampled_token_ids=sampled.to(torch.int64), logprobs=logprobs)
+        return SamplerOutput(sampled_token_ids=sampled.to(torch.int64), logprobs=logprobs, no_token_rows=no_token)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """logits [S, V] float32 contiguous, modified in place into the sampled distribution."""
+    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, list[int]]:
+        """logits [S, V] float32 contiguous, modified in place into the sampled distribution.
+        Returns the sampled ids and the rows the masks left without a token."""
         apply_logits_processors(logits, md)
+        no_token = _rows_without_a_token(logits) if md.processors or md.grammar_rows is not None else []
         if md.all_greedy:
-            return ops.argmax_rows(logits)
+            return ops.argmax_rows(logits), no_token
         greedy = None if md.all_random else ops.argmax_rows(logits)
         for stage in md.truncators:
             stage.apply(logits)
         sampled = exponential_race(logits, md)
         if greedy is not None:
             sampled = torch.where(md.greedy_mask, greedy, sampled)
-        return sampled
+        return sampled, no_token
+
+
+def _rows_without_a_token(logits: torch.Tensor) -> list[int]:
+    """Rows of logits [S, V] that are -inf everywhere: the masks forbade every token (argmax
+    there would answer token 0, which the request never allowed)."""
+    return torch.nonzero(logits.amax(dim=-1) == float("-inf")).flatten().tolist()
 
 
 def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> None:
