@@ -14,7 +14,7 @@ from llmsvc.client import Client
 from llmsvc.client.errors import LlmsvcError
 from llmsvc.config import EngineConfig
 from llmsvc.engine.llm_engine import LLMEngine
-from llmsvc.worker.model_runner import first_token_without_a_row
+from llmsvc.worker.model_runner import first_token_from_an_empty_row
 from tests.server_harness import EOS, TINY_VOCAB, ServerThread, make_tiny_served_model_dir
 
 PROMPT = [5 + (11 * i) % (EOS - 5) for i in range(12)]
@@ -120,11 +120,11 @@ def test_allowed_tokens_all_forbidden_at_the_first_token_are_invalid_argument(mo
         assert r.token_ids == [EOS] * 3
 
 
-def test_the_first_token_without_a_row_is_found_per_request():
+def test_the_first_token_from_an_empty_row_is_found_per_request():
     # one row each: a dead row marks that request's only token
-    assert first_token_without_a_row([1], ["x", "y"], [[5], [6]], None) == {"y": 0}
+    assert first_token_from_an_empty_row([1], ["x", "y"], [[5], [6]], None) == {"y": 0}
     # with drafts: x has rows 0-2 and kept 3 tokens, y rows 3-4 and kept 1 (its row 4 unused)
     sampled = [[5, 6, 7], [8]]
-    assert first_token_without_a_row([2, 4], ["x", "y"], sampled, [3, 2]) == {"x": 2}
-    assert first_token_without_a_row([3], ["x", "y"], sampled, [3, 2]) == {"y": 0}
-    assert first_token_without_a_row([], ["x"], [[5]], None) == {}
+    assert first_token_from_an_empty_row([2, 4], ["x", "y"], sampled, [3, 2]) == {"x": 2}
+    assert first_token_from_an_empty_row([3], ["x", "y"], sampled, [3, 2]) == {"y": 0}
+    assert first_token_from_an_empty_row([], ["x"], [[5]], None) == {}

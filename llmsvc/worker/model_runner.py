@@ -159,7 +159,7 @@ class ModelRunner:
                                        so.scheduled_spec_decode_tokens)
         self.states.prev_sampled = {r: t[-1] for r, t in zip(inp.sampling_req_ids, sampled)}
         logprobs = logprobs if any(lp is not None for lp in logprobs) else None
-        no_token = first_token_without_a_row(out.no_token_rows, inp.sampling_req_ids, sampled, inp.num_sample_rows)
+        no_token = first_token_from_an_empty_row(out.no_token_rows, inp.sampling_req_ids, sampled, inp.num_sample_rows)
         return ModelRunnerOutput(inp.sampling_req_ids, sampled, logprobs, prompt_logprobs, no_token)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp) -> dict:
@@ -175,8 +175,8 @@ class ModelRunner:
         return result
 
 
-def first_token_without_a_row(rows: list[int], req_ids: list[str], sampled: list[list[int]],
-                              num_sample_rows: list[int] | None) -> dict[str, int]:
+def first_token_from_an_empty_row(rows: list[int], req_ids: list[str], sampled: list[list[int]],
+                                  num_sample_rows: list[int] | None) -> dict[str, int]:
     """req_id -> index of its first sampled token that came from a row with nothing to sample
     (`rows`, the sampler's). A request's k-th token comes from its k-th row: one row each, or
     with drafts its positions in order (spec_decode.accept keeps a prefix of them)."""
