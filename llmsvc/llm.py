@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 from collections.abc import Sequence
 
 from llmsvc.config import EngineConfig, parse_memory  # noqa: F401 - parse_memory: public here too
 from llmsvc.engine.chat_roles import developer_as_system
+from llmsvc.engine.chat_rules import check_chat_dicts, parsed_tool_calls, text_content
 from llmsvc.engine.validation import default_max_tokens
 from llmsvc.outputs import CONTEXT, LENGTH, RequestOutput
 from llmsvc.sampling_params import GENERATION_DEFAULTS, RequestOutputKind, SamplingParams
@@ -40,6 +40,7 @@ class LLM:
         from llmsvc.engine.llm_engine import LLMEngine
 
         self.llm_engine = LLMEngine.from_config(config)
+        self._closed = False
         self._counter = itertools.count()
         self._lora_use: list[str] = []  # adapter names, least recently used first
 
@@ -48,6 +49,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (vLLM's name); False while requests hold KV blocks."""
+        self._check_open()
         return self.llm_engine.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -66,19 +68,27 @@ class LLM:
         model), one per prompt. priority: one for all prompts or one each. use_tqdm: a bool, or
         a tqdm-like class to build the progress bar with. An output that reached max_model_len
         finishes "length", as in vLLM (the engine's own reason is "context")."""
+        self._check_open()
         if (isinstance(prompts, (str, dict))
-                or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))):
+                or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int))):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a str, token ids, a prompt dict or a list of them, "
+                            f"got {type(prompts).__name__}")
         prompts = list(prompts)
         defaulted = sampling_params is None
         if defaulted:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         if isinstance(priority, int):
             priority = [priority] * len(prompts)
+        if priority is not None and (isinstance(priority, str) or not all(isinstance(p, int) for p in priority)):
+            raise TypeError("priority must be an int or a list of ints, one per prompt")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
@@ -191,21 +201,23 @@ class LLM:
         """Apply the model's chat template to each conversation, then generate (vLLM's
         arguments: add_generation_prompt defaults to not continue_final_message; tools and
         chat_template_kwargs reach the template; lora_request as for generate)."""
+        self._check_open()
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message cannot be combined with add_generation_prompt=True")
         add_gen = not continue_final_message if add_generation_prompt is None else add_generation_prompt
         extra = {**(chat_template_kwargs or {}), **template_kwargs}
         for own in ("add_generation_prompt", "tokenize", "conversation"):  # this method's, as in vLLM
             extra.pop(own, None)
+        convs = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
+        convs = [check_chat_dicts(conv, extra, tools) for conv in convs]  # the gRPC doors' rules
         if tools:
             extra["tools"] = tools
         if continue_final_message:
             extra["continue_final_message"] = True
         tok = self.get_tokenizer()
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in convs:
-            conv = developer_as_system([_parsed_tool_calls(_text_content(m)) for m in conv], tok.chat_template)
+            conv = developer_as_system([parsed_tool_calls(text_content(m)) for m in conv], tok.chat_template)
             text = tok.apply_chat_template(conv, add_generation_prompt=add_gen, tokenize=False, **extra)
             # the template writes the special tokens itself (as the server and vLLM encode it)
             ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -213,7 +225,13 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def shutdown(self) -> None:
+        self._closed = True
         self.llm_engine.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down (shutdown() or the end of its with block); "
+                               "build a new LLM to generate again")
 
     def __enter__(self) -> "LLM":
         return self
@@ -231,37 +249,6 @@ class LoRARequest:
     lora_path: str = ""
 
 
-def _text_content(message: dict) -> dict:
-    """OpenAI's content parts ([{"type": "text", "text": ...}, ...]) as one string, the parts
-    joined by newlines (vLLM's "string" content format); only text parts are supported."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"chat content parts must be text parts ({{'type': 'text', 'text': ...}}), got {kind!r}")
-        texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
-
-
-def _parsed_tool_calls(message: dict) -> dict:
-    """OpenAI's tool calls carry their arguments as JSON text; templates write them with tojson
-    and expect an object (as the gRPC server hands them over)."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return message
-    out = []
-    for c in calls:
-        fn = c.get("function", {})
-        if isinstance(fn.get("arguments"), str):
-            fn = {**fn, "arguments": json.loads(fn["arguments"]) if fn["arguments"] else {}}
-            c = {**c, "function": fn}
-        out.append(c)
-    return {**message, "tool_calls": out}
-
-
 def _prompt_parts(prompt, tok) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of one prompt: a str, token ids, or a vLLM prompt dict."""
     if isinstance(prompt, dict):
@@ -276,6 +263,8 @@ def _prompt_parts(prompt, tok) -> tuple[str | None, list[int]]:
 
 
 def _token_ids(ids) -> list[int]:
+    if not isinstance(ids, Sequence):
+        raise TypeError(f"a prompt must be a str, token ids or a prompt dict, got {type(ids).__name__}")
     if isinstance(ids, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise TypeError("token ids must be a sequence of ints")
     return list(ids)

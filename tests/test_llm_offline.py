@@ -1,6 +1,8 @@
 """Offline LLM front end, on the FakeExecutor (the real model is covered by test_engine_e2e.py)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from engine_fakes import FakeExecutor, smollm2_tokenizer
@@ -88,6 +90,43 @@ def test_bad_arguments(fake_llm):
     assert parse_memory("1.5GiB") == 3 << 29 and parse_memory(1024) == 1024
     with pytest.raises(ValueError):
         parse_memory("lots")
+
+
+def test_wrong_argument_types_say_what_was_wrong(fake_llm):
+    llm = LLM()
+    sp = SamplingParams(max_tokens=2)
+    for call, says in ((lambda: llm.generate(5, sp), "prompts must be"),
+                       (lambda: llm.generate([None], sp), "a prompt must be"),
+                       (lambda: llm.generate("hi", {"temperature": 0}), "sampling_params must be"),
+                       (lambda: llm.generate("hi", sp, priority="x"), "priority must be")):
+        with pytest.raises(TypeError, match=says):
+            call()
+    tup, lst = llm.generate([(504, 3575, 282), [504, 3575, 282]], sp, use_tqdm=False)  # a tuple is token ids too
+    assert tup.prompt_token_ids == lst.prompt_token_ids == [504, 3575, 282] and tup.outputs[0].token_ids
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_chat_refuses_what_the_grpc_doors_refuse(fake_llm):
+    llm = LLM()
+    sp = SamplingParams(max_tokens=2)
+    for kw, field in ((dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
+                      (dict(messages=[]), "messages"),
+                      (dict(messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"messages": []}),
+                       "chat_template_kwargs")):
+        with pytest.raises(ValueError, match=rf"^{re.escape(field)}: "):
+            llm.chat(sampling_params=sp, use_tqdm=False, **kw)
+    (out,) = llm.chat([{"role": "user"}], sp, use_tqdm=False)  # no content: "", as a gRPC message's default
+    assert "<|im_start|>user" in llm.get_tokenizer().decode(out.prompt_token_ids)
+
+
+def test_an_llm_shut_down_says_so(fake_llm):
+    with LLM() as llm:
+        llm.generate("hi", SamplingParams(max_tokens=1), use_tqdm=False)
+    for call in (lambda: llm.generate("hi", SamplingParams(max_tokens=1)),
+                 lambda: llm.chat([{"role": "user", "content": "hi"}]), llm.reset_prefix_cache):
+        with pytest.raises(RuntimeError, match="has been shut down"):
+            call()
+    llm.shutdown()  # again: nothing happens
 
 
 def test_vllm_prompt_dicts(fake_llm):

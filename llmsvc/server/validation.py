@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from llmsvc.engine import validation as rules
+from llmsvc.engine.chat_rules import CHAT_ROLES, MAX_TOOLS, RESERVED_TEMPLATE_KWARGS
 from llmsvc.core.errors import InvalidRequestError
 from llmsvc.sampling_params import GENERATION_DEFAULTS, PROTO_PARENTS, RequestOutputKind, SamplingParams
 from llmsvc.server.constraints import served_constraints, structured_outputs_from_proto
@@ -21,7 +22,6 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_LABELS = 64
 MAX_LABEL_CHARS = 256  # a label's key or value: each goes into every log line of the request and a metric series
 MAX_ABORT_REASON_CHARS = 256  # sent back in each aborted stream's FinishInfo.abort_reason
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 @dataclass
@@ -93,14 +93,6 @@ def check_abort_reason(reason: str) -> None:
         raise invalid("reason", f"must be at most {MAX_ABORT_REASON_CHARS} characters, got {len(reason)}")
     if not reason.isprintable():
         raise invalid("reason", "must contain printable characters only")
-
-
-MAX_TOOLS = 128
-# apply_chat_template's own parameters: not template variables a request may set
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
 
 
 def check_chat(chat, field_prefix: str = "chat") -> None:
