@@ -4,11 +4,14 @@ from __future__ import annotations
 import io
 import json
 import logging
+import time
 
 import pytest
 
 from llmsvc.server.logging_setup import (JsonFormatter, make_handler, request_id_var, request_labels_var,
                                          setup_logging)
+from llmsvc.server.vllm_engine.proto import vllm_engine_pb2 as vpb
+from llmsvc.server.vllm_engine.proto import vllm_engine_pb2_grpc as vgrpc
 from llmsvc.v1 import llmsvc_pb2 as pb
 from tests.server_harness import ServerThread, fake_engine_factory
 
@@ -116,3 +119,23 @@ def test_json_formatter_without_filter_reads_contextvar():
         assert json.loads(JsonFormatter().format(rec))["request_id"] == "ctx"
     finally:
         request_id_var.reset(token)
+
+
+@pytest.mark.parametrize("log_requests", [True, False])
+def test_the_vllm_door_leaves_the_same_per_request_lines(caplog, log_requests):
+    """A gateway's requests arrive through vLLM's engine door: each ends with the same one line
+    as llmsvc.v1's (finished with its reasons and counts, or cancelled), unless turned off."""
+    with caplog.at_level(logging.INFO, logger="llmsvc.server"):
+        with ServerThread(fake_engine_factory(), log_requests=log_requests) as s:
+            door = vgrpc.VllmEngineStub(s.channel)
+            list(door.Generate(vpb.GenerateRequest(request_id="door-1", tokenized=vpb.TokenizedInput(
+                input_ids=[97] * 5), sampling_params=vpb.SamplingParams(max_tokens=2))))
+            call = door.Generate(vpb.GenerateRequest(request_id="door-2", stream=True, tokenized=vpb.TokenizedInput(
+                input_ids=[97] * 5), sampling_params=vpb.SamplingParams(max_tokens=200, ignore_eos=True)))
+            next(call)
+            call.cancel()
+            time.sleep(0.5)  # the server sees the cancel
+    msgs = [r.getMessage() for r in caplog.records]
+    finished = [m for m in msgs if "request door-1 finished: length; 5 prompt tokens, 2 generated" in m]
+    cancelled = [m for m in msgs if "request door-2 cancelled" in m]
+    assert (len(finished), len(cancelled)) == ((1, 1) if log_requests else (0, 0)), msgs

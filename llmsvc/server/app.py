@@ -103,6 +103,7 @@ class LlmServer:
         self.tracer = self.servicer.tracer = tracer  # tracing.RequestTracer or None
         if self.vllm is not None:
             self.vllm.metrics = self.metrics
+            self.vllm.log_requests = log_requests
         self.server: grpc.aio.Server | None = None
         self.async_engine: AsyncEngine | None = None
         self.engine_died = False

@@ -68,6 +68,17 @@ class ServerState:
     device: str = "cpu"
 
 
+def log_finished(rid: str, tracker, num_prompt_tokens: int, lora_name: str | None = None) -> None:
+    """The one INFO line a finished Generate leaves (every door): its reasons and token counts."""
+    logger.info("request %s finished: %s; %d prompt tokens, %d generated%s", rid,
+                ",".join(tracker.reasons[i] for i in sorted(tracker.reasons)) or "-", num_prompt_tokens,
+                tracker.num_generated, f"; LoRA {lora_name}" if lora_name else "")
+
+
+def log_cancelled(rid: str) -> None:
+    logger.info("request %s cancelled by the client or its deadline", rid)
+
+
 class LlmService(pb_grpc.LlmServiceServicer):
     """Registered before the model loads (answers UNAVAILABLE until `attach`)."""
 
@@ -144,15 +155,13 @@ class LlmService(pb_grpc.LlmServiceServicer):
             finally:
                 await gen.aclose()
             if tracker is not None and self.log_requests:
-                logger.info("request %s finished: %s; %d prompt tokens, %d generated%s", rid,
-                            ",".join(tracker.reasons[i] for i in sorted(tracker.reasons)) or "-", len(ids),
-                            tracker.num_generated, f"; LoRA {lora_name}" if lora_name else "")
+                log_finished(rid, tracker, len(ids), lora_name)
         except (asyncio.CancelledError, GeneratorExit):
             code = grpc.StatusCode.CANCELLED
             if tracker is not None:
                 tracker.cancelled()
             if self.log_requests:
-                logger.info("request %s cancelled by the client or its deadline", rid)
+                log_cancelled(rid)
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes a status
             # a constraint that fails to compile is refused after admission (the compile runs

@@ -23,7 +23,8 @@ from llmsvc.sampling_params import SamplingParams
 from llmsvc.server import errors
 from llmsvc.server.door_outputs import door_outputs
 from llmsvc.server.logging_setup import request_id_var
-from llmsvc.server.servicer import MAX_ABORT_IDS, ServerState, _version, off_loop_if_large
+from llmsvc.server.servicer import (MAX_ABORT_IDS, ServerState, _version, log_cancelled, log_finished,
+                                     off_loop_if_large)
 from llmsvc.server.validation import ModelLimits, check_abort_ids, check_request_id
 from llmsvc.server.vllm_engine.kv_events import CursorError, KVEventRelay, StreamEnded
 from llmsvc.server.vllm_engine.loads import LoadTracker
@@ -49,6 +50,7 @@ class VllmEngineService(pb_grpc.VllmEngineServicer):
         self.state = state or ServerState()
         self.engine = self.tokenizer = self.config = self.limits = None
         self.metrics = None  # llmsvc.server.metrics.ServerMetrics: per-request series (as llmsvc.v1's)
+        self.log_requests = True  # one INFO line per finished or cancelled Generate (as llmsvc.v1's)
         self.loads = LoadTracker()
         self.kv_events: KVEventRelay | None = None
         self.bundle: TokenizerBundle | None = None
@@ -118,9 +120,13 @@ class VllmEngineService(pb_grpc.VllmEngineServicer):
             finally:
                 self.loads.finished(rid)
                 await gen.aclose()
+            if tracker is not None and self.log_requests:
+                log_finished(rid, tracker, len(req.prompt_token_ids))
         except (asyncio.CancelledError, GeneratorExit):
             if tracker is not None:
                 tracker.cancelled()
+            if self.log_requests:
+                log_cancelled(rid)
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes a status
             if tracker is not None:
