@@ -52,9 +52,12 @@ def test_compose_services_are_wired_for_operations():
     assert prom["profiles"] == ["monitoring"]
     src = prom["volumes"][0].split(":")[0]
     scrape = yaml.safe_load((ROOT / src).read_text())
-    targets = scrape["scrape_configs"][0]["static_configs"][0]["targets"]
-    assert targets == [f"{name}:9400" for name in ("llmsvc", "llmsvc-gpu")] and set(targets) <= {
-        f"{name}:{svc['environment']['LLMSVC_METRICS_PORT']}" for name in services}  # each service scraped
+    jobs = {j["job_name"]: j["static_configs"][0]["targets"] for j in scrape["scrape_configs"]}
+    replicas = {f"{name}:{s['environment']['LLMSVC_METRICS_PORT']}" for name, s in services.items()
+                if "LLMSVC_METRICS_PORT" in s.get("environment", {})}
+    assert len(replicas) == 3 and set(jobs["llmsvc"]) == replicas  # every replica scraped, nothing else
+    smg = services["smg"]["command"]
+    assert jobs["smg"] == [f"smg:{smg[smg.index('--prometheus-port') + 1]}"]
     assert svc["build"]["args"]["TORCH_INDEX_URL"].endswith("/cpu")  # not PyPI's CUDA wheel in a CPU image
 
 

@@ -65,7 +65,7 @@ def test_k8s_gateway_discovers_the_llmsvc_pods_on_their_grpc_port():
     worker = one(docs, "Deployment", "llmsvc")["spec"]["template"]
     (llmsvc,) = worker["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in llmsvc["ports"]}
-    env = {e["name"]: e["value"] for e in llmsvc["env"]}
+    env = {e["name"]: e.get("value") for e in llmsvc["env"]}
     assert env["LLMSVC_HOST"] == "0.0.0.0" and int(env["LLMSVC_PORT"]) == ports["grpc"]
 
     gw_spec = one(docs, "Deployment", "smg")["spec"]["template"]["spec"]
@@ -106,9 +106,12 @@ def test_k8s_llmsvc_probes_and_drain_fit_a_rolling_restart():
     # ready only once the engine serves; alive as long as the process answers
     assert c["readinessProbe"]["grpc"]["service"] == "llmsvc.v1.LlmService"
     assert c["livenessProbe"]["grpc"].get("service", "") == ""
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
     # in-flight requests finish inside the drain, which ends before Kubernetes SIGKILLs the pod
     assert float(env["LLMSVC_SHUTDOWN_GRACE"]) < pod["terminationGracePeriodSeconds"]
+    # compute threads follow the cores the pod requests, not the node's
+    ref = env["LLMSVC_NUM_THREADS"]["resourceFieldRef"]
+    assert (ref["containerName"], ref["resource"]) == (c["name"], "requests.cpu") and "cpu" in c["resources"]["requests"]
     assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     svc = one(docs, "Service", "llmsvc")
     assert svc["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
