@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 # `llmsvc generate` flag kinds: a number type (the proto field's), a string, a repeated flag
 # (action="append" of that kind) or a switch (store_true); the client maps each to a parser
-CLI_KINDS = ("float", "int32", "uint32", "uint64", "positive_uint32", "str", "bool")
+CLI_KINDS = ("float", "int32", "uint32", "uint64", "str", "bool")
 
 
 @dataclass(frozen=True)

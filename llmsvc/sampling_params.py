@@ -90,7 +90,7 @@ class SamplingParams:
                                    help="graceful time limit (finish reason time_limit)")
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # tokens per streamed output; raised to the engine's
-    stream_interval: int | None = sf(None, proto="output.stream_interval", kind="int", lo=1, cli="positive_uint32",
+    stream_interval: int | None = sf(None, proto="output.stream_interval", kind="int", lo=1, cli="uint32",
                                      help="with --stream: new tokens per message (at least the server's "
                                           "--stream-interval)")
     structured_outputs: StructuredOutputsParams | None = None

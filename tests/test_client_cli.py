@@ -201,7 +201,8 @@ def test_missing_mtls_and_tools_files_name_the_flag_and_path(capsys, tmp_path):
     (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
     (["--seed", str(2**64)], f"argument --seed: must be <= {2**64 - 1}, got {2**64}"),
     (["--logprobs", "-1"], "argument --logprobs: must be >= 0, got -1"),
-    (["--max-tokens", "-3"], "argument --max-tokens: must be >= 0, got -3"),
+    (["--max-tokens", "-3"], "argument --max-tokens: must be >= 1, got -3"),
+    (["--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),  # the field's own bound
     (["--max-tokens", str(2**32)], f"argument --max-tokens: must be <= {2**32 - 1}, got {2**32}"),
     (["--time-limit-ms", "-1"], "argument --time-limit-ms: must be >= 0, got -1"),
     (["--top-k", str(2**31)], f"argument --top-k: must be <= {2**31 - 1}, got {2**31}"),

@@ -24,8 +24,15 @@ PROG = "llmsvc generate"
 # dest is the proto field's name; passed to Client.generate only when given. Integer types are
 # the proto field's range: limits that depend on the model or server are the server's to check.
 _CLI_TYPES: dict[str, Callable[[str], object]] = {
-    "float": float, "int32": INT32, "uint32": UINT32, "uint64": UINT64, "str": str,
-    "positive_uint32": int_in(1, 2**32 - 1)}
+    "float": float, "int32": INT32, "uint32": UINT32, "uint64": UINT64, "str": str}
+
+
+def _flag_type(facts) -> Callable[[str], object]:
+    """The flag's parser: the proto type's range, narrowed to the field's own lower bound where
+    it has one above 0 (max_tokens >= 1), so the CLI refuses what the server would."""
+    if facts.cli == "uint32" and facts.lo is not None and facts.lo > 0:
+        return int_in(int(facts.lo), 2**32 - 1)
+    return _CLI_TYPES[facts.cli]
 _SAMPLING_FLAGS = tuple((f.name, facts) for f, facts in declared(SamplingParams) if facts.cli)
 # request fields that are not sampling parameters
 _REQUEST_FLAGS: tuple[tuple[str, Callable[[str], object], str], ...] = (
@@ -42,11 +49,11 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
         if facts.cli == "bool":
             parser.add_argument(flag, dest=name, action="store_true", default=None, help=facts.help)
         elif facts.repeated:
-            parser.add_argument(flag, dest=name, action="append", type=_CLI_TYPES[facts.cli], default=None,
+            parser.add_argument(flag, dest=name, action="append", type=_flag_type(facts), default=None,
                                 metavar=flag.split("-")[-1][0].upper() if facts.cli == "str" else "ID",
                                 help=facts.help)
         else:
-            parser.add_argument(flag, dest=name, type=_CLI_TYPES[facts.cli], default=None, help=facts.help)
+            parser.add_argument(flag, dest=name, type=_flag_type(facts), default=None, help=facts.help)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
