@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import time
 from collections.abc import Sequence
 
 from llmsvc.config import EngineConfig, parse_memory  # noqa: F401 - parse_memory: public here too
@@ -170,7 +171,7 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm) -> list[RequestOutput]:
         engine = self.llm_engine
         done: dict[str, RequestOutput] = {}
-        bar = None
+        bar, n_out, start = None, 0, time.perf_counter()
         if use_tqdm and len(ids) > 1:
             if callable(use_tqdm):
                 tqdm = use_tqdm
@@ -185,10 +186,11 @@ class LLM:
                             if c.finish_reason == CONTEXT:  # vLLM has no reason of its own for it
                                 c.finish_reason = LENGTH
                         done[out.request_id] = out
-                        if bar is not None:
-                            n_out = sum(len(o.token_ids) for o in out.outputs)
+                        if bar is not None:  # as vLLM's bar: the output rate of the run so far
+                            n_out += sum(len(o.token_ids) for o in out.outputs)
                             bar.update(1)
-                            bar.set_postfix_str(f"{n_out} out toks", refresh=False)
+                            rate = n_out / max(time.perf_counter() - start, 1e-9)
+                            bar.set_postfix_str(f"output: {rate:.1f} toks/s", refresh=False)
         finally:
             if bar is not None:
                 bar.close()

@@ -1,6 +1,7 @@
 """Offline LLM front end, on the FakeExecutor (the real model is covered by test_engine_e2e.py)."""
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -234,3 +235,29 @@ def test_min_tokens_masks_the_tokenizers_eos_that_ends_generation(tmp_path):
             assert eos not in ids[:4] and ids[4] == eos and out.outputs[0].finish_reason == "stop", (eos, ids)
     finally:
         llm.shutdown()
+
+
+def test_the_progress_bar_shows_the_output_rate_of_the_whole_run(fake_llm, monkeypatch):
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **kw):
+            self.total, self.n, self.postfix = total, 0, []
+            bars.append(self)
+
+        def update(self, k):
+            self.n += k
+
+        def set_postfix_str(self, text, refresh=True):
+            self.postfix.append(text)
+
+        def close(self):
+            pass
+
+    clock = itertools.chain([0.0], itertools.repeat(2.0))  # the run starts at 0; every request ends at 2 s
+    monkeypatch.setattr("llmsvc.llm.time.perf_counter", lambda: next(clock))
+    llm = LLM()
+    llm.generate(["a", "b", "c"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=Bar)
+    (bar,) = bars
+    assert (bar.total, bar.n) == (3, 3)
+    assert bar.postfix == ["output: 2.0 toks/s", "output: 4.0 toks/s", "output: 6.0 toks/s"]  # 4, 8, 12 tokens
