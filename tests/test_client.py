@@ -367,3 +367,21 @@ def test_a_call_that_fails_before_output_keeps_its_id_and_an_empty_result():
             for _ in stream:
                 pass
         assert (stream.result.text, stream.result.token_ids, stream.result.finish_reason) == ("", [], None)
+
+
+def test_a_closed_client_says_so_on_every_call(server):
+    with Client(server.target, timeout=10) as c:
+        assert c.tokenize("hi").token_ids
+    for call in (lambda: c.tokenize("hi"), lambda: c.generate("hi", max_tokens=2),
+                 lambda: list(c.generate_stream("hi", max_tokens=2)), c.model_info):
+        with pytest.raises(errors.ClientClosed, match="client is closed"):
+            call()
+
+    async def main():
+        a = AsyncClient(server.target, timeout=10)
+        await a.close()
+        with pytest.raises(errors.ClientClosed):
+            await a.tokenize("hi")
+        with pytest.raises(errors.LlmsvcError):  # ClientClosed is one of the client's errors
+            await a.generate("hi", max_tokens=2)
+    asyncio.run(main())

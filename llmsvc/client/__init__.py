@@ -24,6 +24,7 @@ _EXPORTS = {
     "InvalidArgument": "llmsvc.client.errors",
     "PromptTooLong": "llmsvc.client.errors",
     "FailedPrecondition": "llmsvc.client.errors",
+    "ClientClosed": "llmsvc.client.errors",
     "NotFound": "llmsvc.client.errors",
     "AlreadyExists": "llmsvc.client.errors",
     "ResourceExhausted": "llmsvc.client.errors",

@@ -225,6 +225,7 @@ class AsyncClient(ClientBase):
             call.cancel()
 
     async def close(self) -> None:
+        self._closed = True
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from llmsvc.client import channel as ch
-from llmsvc.client.errors import from_rpc_error
+from llmsvc.client.errors import ClientClosed, from_rpc_error
 from llmsvc.client.request import (build_detokenize_request, build_drain_request, build_generate_request,
                                    build_tokenize_request)
 from llmsvc.client.result import GenerateResult, ResultBuilder
@@ -34,10 +34,13 @@ class ClientBase:
         self._token = token
         self._compression = ch.compression_of(compression)
         self._metadata = tuple(metadata)
+        self._closed = False
 
     def _kw(self, timeout: float | None, metadata: Sequence[tuple[str, str]] | None = None,
             request_id: str | None = None) -> dict[str, Any]:
-        """Keyword arguments for one stub call."""
+        """Keyword arguments for one stub call (every call takes them: ClientClosed once closed)."""
+        if self._closed:
+            raise ClientClosed("this client is closed; make a new one to call the server again")
         return {
             "timeout": self.timeout if timeout is _UNSET else timeout,
             "metadata": ch.call_metadata(self._token, (*self._metadata, *(metadata or ())), request_id),
@@ -247,6 +250,7 @@ class Client(ClientBase):
             call.cancel()
 
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
 
     def __enter__(self) -> Client:

@@ -112,6 +112,10 @@ class FailedPrecondition(LlmsvcError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class ClientClosed(FailedPrecondition):
+    """A call on a Client / AsyncClient after close() (or its with block): nothing was sent."""
+
+
 class NotFound(LlmsvcError):
     code = grpc.StatusCode.NOT_FOUND
 
