@@ -139,3 +139,21 @@ class SpecEngineMachine(EngineMachine):
 
 SpecEngineMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 TestSpecEngineMachine = SpecEngineMachine.TestCase
+
+
+def test_priority_preempts_a_running_request_passed_over_this_step():
+    """Found by the machine above: under async scheduling r1's last token is in flight, so the
+    step passes r1 over; the higher-ranked r2 then needs its blocks, and taking r1 "back out of
+    the step" failed, as it had never been scheduled in it."""
+    m = AsyncEngineMachine()
+    m.setup(num_blocks=11, block_size=4, budget=2, max_seqs=2, policy="priority", caching=False, chunked=True)
+    prefix = [10, 11, 12, 13, 14, 15, 16, 17]
+    m.add(eos=False, max_tokens=1, prefix=prefix, priority=0, tail=[])
+    m.add(eos=False, max_tokens=14, prefix=prefix, priority=0, tail=[0] * 8)
+    for _ in range(10):
+        m.step(n=1)
+        m.blocks_consistent()
+    m.step(n=2)
+    m.add(eos=False, max_tokens=2, prefix=prefix, priority=-1, tail=[0] * 4)
+    m.blocks_consistent()
+    m.teardown()

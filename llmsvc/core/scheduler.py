@@ -190,7 +190,10 @@ class Scheduler(PreemptionMixin, SwapMixin, GrammarWaitMixin, UpdateMixin):
             victim = self._pick_victim(self.running if self.config.policy == "priority" else self.running[i:])
             if self.running.index(victim) < i:
                 i -= 1
-                step.budget += self._unschedule(victim, step.num_scheduled, step.spec_tokens, step.cached)
+                # a request passed over above (no room in the budget, or under async scheduling one
+                # that finishes with its token in flight) was never scheduled: nothing to take back
+                if victim.request_id in step.num_scheduled:
+                    step.budget += self._unschedule(victim, step.num_scheduled, step.spec_tokens, step.cached)
             self.running.remove(victim)
             self._preempt(victim)
             step.preempted = True
