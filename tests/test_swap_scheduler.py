@@ -260,3 +260,36 @@ def test_swap_in_shares_blocks_still_in_the_device_prefix_cache():
     swap = core.scheduler.swap
     assert swap.num_swap_ins == swap.num_swap_outs == 1
     assert swap.num_blocks_swapped_in < 3, "b's first block was still cached: it needs no copy"
+
+
+@pytest.mark.parametrize("policy, order", [
+    # A (priority 10) is swapped out by B (5), B by C (0); D (5) arrives last. Swapped requests
+    # resume by (priority, arrival) under priority, so B goes before D and A last; in swap-out
+    # order A came back first and ran ahead of both. FCFS: arrival order, A first.
+    ("priority", ["C", "B", "D", "A"]),
+    ("fcfs", ["A", "B", "C", "D"]),
+])
+def test_swapped_requests_resume_in_their_rank_order(policy, order):
+    core, _ = make_core(num_blocks=64, policy=policy, max_num_seqs=1)
+    finished = []
+
+    def add(rid, priority, max_tokens, t):
+        core.add_request(Request(rid, [5, 6, 7, 8, 9], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                 priority=priority, arrival_time=t))
+
+    def steps(n):
+        for _ in range(n):
+            outs, _ = core.step()
+            finished.extend(o.req_id for o in outs if o.finish_reason is not None)
+    add("A", 10, 12, 1.0)
+    steps(3)
+    add("B", 5, 6, 2.0)
+    steps(3)
+    add("C", 0, 6, 3.0)
+    steps(2)
+    add("D", 5, 6, 4.0)
+    steps(200)
+    assert not core.has_unfinished()
+    assert finished == order
+    if policy == "priority":
+        assert core.scheduler.num_preemptions == 2 and core.scheduler.swap.num_free_blocks == core.scheduler.swap.num_blocks

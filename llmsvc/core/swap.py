@@ -8,7 +8,8 @@ request's path:
    queues (device, host) copies, frees v's device blocks, sets v SWAPPED and names it in
    finished_req_ids (workers drop its state, as for a recompute-preemption).
 2. Each later step, after the running requests and before any waiting one, `_schedule_swapped`
-   takes swapped requests in order while the pool has room for their blocks and next tokens:
+   takes swapped requests in arrival order (under priority: by priority, then arrival) while
+   the pool has room for their blocks and next tokens:
    its leading blocks still in the device's prefix cache are shared as hits, the rest get fresh
    device blocks and (host, device) copies, and v goes back to the workers as a new request
    whose num_computed_tokens is where it stopped; no token is recomputed but, at most, the last.
@@ -25,6 +26,8 @@ looked up there, and each one found is copied to a fresh device block registered
 hash, so the admission finds it as an ordinary prefix-cache hit.
 """
 from __future__ import annotations
+
+import bisect
 
 from llmsvc.core.kv_cache_manager import cdiv
 from llmsvc.core.request import Request, RequestStatus
@@ -76,13 +79,19 @@ class SwapMixin:
         req.num_swaps += 1
         self.num_preemptions += 1
         self.finished_req_ids.add(req.request_id)  # workers drop it; it comes back as a new request
-        self.swapped.append(req)
+        # the queue stays in the order it resumes in: arrival, or (priority, arrival) under priority
+        # (in swap-out order a later arrival, swapped out first, came back first)
+        bisect.insort(self.swapped, req, key=self._swap_rank)
         return True
+
+    def _swap_rank(self, req: Request) -> tuple:
+        return (req.priority, req.arrival_time) if self.config.policy == "priority" else (req.arrival_time,)
 
     # ---- in ----------------------------------------------------------------------------------
     def _swapped_first(self) -> bool:
-        """Whether the swapped queue's head goes before any waiting request: always under FCFS
-        (it arrived first and holds host memory); under priority when it ranks at least as high."""
+        """Whether the swapped queue's head (its first to resume, `_swap_rank`) goes before any
+        waiting request: always under FCFS (it arrived first and holds host memory); under
+        priority when it ranks at least as high."""
         if not self.swapped:
             return False
         if self.config.policy != "priority" or not len(self.waiting):
