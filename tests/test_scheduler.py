@@ -229,6 +229,8 @@ def test_prefix_caching_disabled():
     core.add_request(req("b", prompt, max_tokens=1))
     res = run(core)
     assert res["b"]["cached"] == 0
+    kv = core.kv_cache_manager  # nothing was looked up, so nothing is counted (the metrics' queries)
+    assert (kv.prefix_queries, kv.prefix_hits) == (0, 0)
 
 
 def test_stop_conditions_without_text():

@@ -96,6 +96,10 @@ class KVCacheManager:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count an admission's prompt tokens looked up in the prefix cache, and those found;
+        with caching off nothing is looked up, so nothing is counted (as vLLM)."""
+        if not self.enable_caching:
+            return
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
 
