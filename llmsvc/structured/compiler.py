@@ -100,7 +100,7 @@ def compile_matcher(tokenizer: llguidance.LLTokenizer, params: StructuredOutputs
         if probe.consume_token(_first_allowed(mask)):
             return matcher
         raise E.ConstraintError(kind, _UNSATISFIABLE[kind], "is too large for the grammar engine: "
-                                + probe.get_error().replace("<non-verbose/>", "").strip())
+                                + E.matcher_error(probe))
     err = matcher.get_error()
     if kind in ("json", "json_object"):
         if "coerce_one_of" in err:  # llguidance's hint names an option of its own, not ours

@@ -14,6 +14,11 @@ COMPILE_CANCELLED = "COMPILE_CANCELLED"
 _MAX_MESSAGE_CHARS = 600
 
 
+def matcher_error(matcher) -> str:
+    """An llguidance matcher's error message, without the marker its non-verbose mode appends."""
+    return matcher.get_error().replace("<non-verbose/>", "").strip()
+
+
 class ConstraintError(ValueError):
     """`kind` is the StructuredOutputsParams field (json, regex, choice, grammar, json_object);
     `field` is "structured_outputs.<kind>"; `reason` one of the constants above."""

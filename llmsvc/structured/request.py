@@ -78,4 +78,4 @@ class StructuredRequest:
 
     def error(self) -> str:
         """The grammar engine's message once `failed` ("" before), without its verbosity marker."""
-        return self.matcher.get_error().replace("<non-verbose/>", "").strip()
+        return E.matcher_error(self.matcher)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import logging
+import math
 import time
 import uuid
 
