@@ -7,6 +7,7 @@ The tiny model's tokenizer maps token id i < 256 to byte i, so a token's bytes (
 logprobs) name its id. Failover and drain behind the gateway: tests/test_smg_failover.py."""
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import time
@@ -68,6 +69,20 @@ def test_models_and_both_workers_registered(fleet):
     status, workers = fleet.get("/workers")
     assert {w["url"] for w in workers["workers"]} == {r.url for r in fleet.replicas}
     assert {w["connection_mode"] for w in workers["workers"]} == {"grpc"}
+
+
+def test_an_http_probe_of_a_replica_fails_so_discovery_registers_it_as_grpc(fleet):
+    """SMG's Kubernetes discovery (deploy/k8s/smg.yaml) registers a pod by bare host:port and
+    probes it over HTTP (GET /health) and gRPC at once, HTTP winning when both answer. Our port
+    speaks HTTP/2 only: an HTTP/1.1 GET must fail, or the gateway would send it OpenAI HTTP."""
+    host, port = fleet.replicas[0].address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=5)
+    with pytest.raises(http.client.HTTPException):
+        try:
+            conn.request("GET", "/health")
+            conn.getresponse()
+        finally:
+            conn.close()
 
 
 def test_chat_plain_and_streamed_give_the_same_greedy_text(fleet):
