@@ -27,11 +27,11 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # one dict per token: sampled + top-k
     finish_reason: str | None = None  # None while running
-    # what matched: int = stop token id, str = stop string, None otherwise (an EOS too, as vLLM)
+    # what matched: int = stop token id, str = stop string, None otherwise (the tokenizer's EOS too, as vLLM)
     stop_reason: int | str | None = None
     num_output_tokens: int = 0  # cumulative, also in DELTA mode
     seed: int | None = None  # the seed this index sampled with (the request's seed + index)
-    eos_token_id: int | None = None  # the EOS token that ended it (finish "stop", stop_reason None)
+    eos_token_id: int | None = None  # the EOS token that ended it (finish "stop"; stop_reason: see request_state)
     # speculative decoding for this index alone: draft tokens verified, and of those accepted
     # (RequestMetrics sums them over the indexes)
     num_draft_tokens: int = 0

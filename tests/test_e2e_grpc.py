@@ -8,7 +8,10 @@ import grpc
 import pytest
 
 from llmsvc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmsvc.outputs import CompletionOutput, RequestOutput
+from llmsvc.sampling_params import SamplingParams
 from llmsvc.server.app import default_engine_factory
+from llmsvc.server.responses import ResponseBuilder
 from llmsvc.v1 import llmsvc_pb2 as pb
 from tests.server_harness import EOS, ServerThread, make_tiny_served_model_dir
 from tests.test_server import free_blocks_back
@@ -151,3 +154,12 @@ def test_finish_names_the_eos_or_the_stop_token(tiny, stream):
     assert f.reason == pb.FinishInfo.REASON_STOP and f.WhichOneof("matched") == "eos_token_id" and f.eos_token_id == EOS
     f = finish(logit_bias={7: 100.0})
     assert f.reason == pb.FinishInfo.REASON_STOP and f.WhichOneof("matched") == "stop_token_id" and f.stop_token_id == 7
+
+
+def test_finish_names_an_eos_that_offline_reports_as_a_stop_token():
+    # the model's EOS ids other than the tokenizer's keep their id as stop_reason offline (vLLM);
+    # FinishInfo still says it was an EOS
+    out = RequestOutput("r", "hi", [1, 2], [], finished=True)
+    comp = CompletionOutput(0, "", [5], finish_reason="stop", stop_reason=5, eos_token_id=5)
+    f = ResponseBuilder("r", pb.GenerateRequest(), SamplingParams(), None).finish_info(out, comp)
+    assert f.WhichOneof("matched") == "eos_token_id" and f.eos_token_id == 5

@@ -154,6 +154,16 @@ def test_eos_not_in_text_but_in_token_ids(tok):
     assert outs[0].outputs[0].text.endswith("<|im_end|>")
 
 
+def test_an_eos_other_than_the_tokenizers_is_reported_as_a_stop_token_as_vllm_does(tok):
+    # generation_config may list more EOS ids than the tokenizer's own (SmolLM2: <|im_end|> = 2);
+    # vLLM adds the others to the stop token ids, so its stop_reason names them
+    assert tok.eos_token_id == 2 and tok.convert_ids_to_tokens(0) == "<|endoftext|>"
+    outs, _, _ = drive(tok, "Bye now", SamplingParams(output_kind=FINAL), finish="stop", stop_reason=0,
+                       extra_ids=[0])
+    o = outs[0].outputs[0]
+    assert (o.finish_reason, o.stop_reason, o.eos_token_id, o.text) == ("stop", 0, 0, "Bye now")
+
+
 @pytest.mark.parametrize("kind", [DELTA, CUMULATIVE, FINAL])
 def test_output_kinds(tok, kind):
     text = "Emoji 🎉 and 中文 in one"

@@ -148,7 +148,12 @@ class RequestState:
                 return  # the flushed text completed a stop string (never one of those stand-ins)
             self.text += flushed[len(whole):]
         if reason == STOP and isinstance(stop_reason, int) and stop_reason not in self.params.stop_token_ids:
-            self.eos_token_id, stop_reason = stop_reason, None  # the core's stop token was an EOS
+            # the core's stop token was an EOS. vLLM's stop_reason is None for the tokenizer's own
+            # EOS and the id for the model's others (generation_config's list), which it counts
+            # among the stop token ids
+            self.eos_token_id = stop_reason
+            if getattr(self.tokenizer, "eos_token_id", None) in (None, stop_reason):
+                stop_reason = None
         if reason == ABORT and isinstance(stop_reason, str):  # the core's words; vLLM's stop_reason is None
             self.abort_reason, stop_reason = stop_reason, None
         self.finish_reason, self.stop_reason = reason, stop_reason

@@ -108,10 +108,10 @@ class ResponseBuilder:
         sr = comp.stop_reason
         if isinstance(sr, str):
             f.stop_string = sr
+        elif comp.eos_token_id is not None:  # any of the model's EOS ids (offline, some keep stop_reason)
+            f.eos_token_id = comp.eos_token_id
         elif isinstance(sr, int) and not isinstance(sr, bool):
             f.stop_token_id = sr
-        elif comp.eos_token_id is not None:
-            f.eos_token_id = comp.eos_token_id
         f.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=comp.num_output_tokens,
                                   cached_tokens=out.num_cached_tokens))
         if comp.seed is not None:
