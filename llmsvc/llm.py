@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 from llmsvc.config import EngineConfig, parse_memory  # noqa: F401 - parse_memory: public here too
 from llmsvc.engine.chat_roles import developer_as_system
-from llmsvc.engine.chat_rules import check_chat_dicts, parsed_tool_calls, text_content
+from llmsvc.chat_content import joined_text
+from llmsvc.engine.chat_rules import check_chat_dicts, parsed_tool_calls
 from llmsvc.engine.validation import default_max_tokens
 from llmsvc.outputs import CONTEXT, LENGTH, RequestOutput
 from llmsvc.sampling_params import GENERATION_DEFAULTS, RequestOutputKind, SamplingParams
@@ -219,7 +220,8 @@ class LLM:
         tok = self.get_tokenizer()
         prompts = []
         for conv in convs:
-            conv = developer_as_system([parsed_tool_calls(text_content(m)) for m in conv], tok.chat_template)
+            conv = developer_as_system([parsed_tool_calls({**m, "content": joined_text(m["content"])}) for m in conv],
+                                      tok.chat_template)
             text = tok.apply_chat_template(conv, add_generation_prompt=add_gen, tokenize=False, **extra)
             # the template writes the special tokens itself (as the server and vLLM encode it)
             ids = tok(text, add_special_tokens=False)["input_ids"]

@@ -130,6 +130,14 @@ def test_client_builds_the_chat_fields():
     assert tok.chat.continue_final_message and tok.chat.HasField("add_generation_prompt")
 
 
+def test_client_joins_openai_text_content_parts_as_the_offline_chat_does():
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    req = build_generate_request(messages=[{"role": "user", "content": parts}, ("user", parts)])
+    assert [m.content for m in req.chat.messages] == ["Hi\nthere"] * 2
+    with pytest.raises(ValueError, match="must be text parts .* got 'image_url'"):
+        build_generate_request(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
 def test_over_grpc_tokenize_and_generate_take_the_chat_fields():
     with ServerThread(fake_engine_factory(max_model_len=256)) as srv, Client(srv.address, timeout=30) as c:
         messages = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "one,"}]

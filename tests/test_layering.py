@@ -13,10 +13,12 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["entry", "server", "client", "engine", "core", "structured", "executors", "worker", "models",
           "kernels", "shared"]
 SHARED = {"llmsvc.config", "llmsvc.speculative_config", "llmsvc.sampling_params", "llmsvc.wire", "llmsvc.outputs",
-          "llmsvc.engine_request", "llmsvc.sampling_fields", "llmsvc.sampling_params_error", "llmsvc.structured_params"}
+          "llmsvc.engine_request", "llmsvc.sampling_fields", "llmsvc.sampling_params_error", "llmsvc.structured_params",
+          "llmsvc.chat_content"}
 # the dependency-free declarations the client derives its flags from
 CLIENT_SHARED = {"llmsvc.sampling_params", "llmsvc.sampling_params.SamplingParams", "llmsvc.sampling_fields",
-                 "llmsvc.sampling_fields.declared", "llmsvc.sampling_params_error", "llmsvc.structured_params"}
+                 "llmsvc.sampling_fields.declared", "llmsvc.sampling_params_error", "llmsvc.structured_params",
+                 "llmsvc.chat_content", "llmsvc.chat_content.joined_text"}
 TORCH_FREE = ["llmsvc.engine", "llmsvc.core", "llmsvc.client", "llmsvc.server", "executors", "llmsvc.v1",
               "llmsvc.structured"]
 

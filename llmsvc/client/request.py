@@ -12,6 +12,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from llmsvc.chat_content import joined_text
 from llmsvc.v1 import llmsvc_pb2 as pb
 
 ChatMessages = Sequence[Mapping[str, str] | pb.ChatMessage | tuple[str, str]]
@@ -109,15 +110,15 @@ def _as_section(value, cls):
 
 
 def chat_messages(messages: ChatMessages) -> list[pb.ChatMessage]:
-    """Accept [{"role":..,"content":..}] (OpenAI's message dicts: also name, tool_call_id and
-    tool_calls [{"id", "function": {"name", "arguments"}}], arguments as JSON text or a dict),
-    [("role", "content")] or ChatMessage objects."""
+    """Accept [{"role":..,"content":..}] (OpenAI's message dicts: content a string or text parts,
+    also name, tool_call_id and tool_calls [{"id", "function": {"name", "arguments"}}], arguments
+    as JSON text or a dict), [("role", "content")] or ChatMessage objects."""
     out = []
     for m in messages:
         if isinstance(m, pb.ChatMessage):
             out.append(m)
         elif isinstance(m, Mapping):
-            msg = pb.ChatMessage(role=m["role"], content=m.get("content") or "")
+            msg = pb.ChatMessage(role=m["role"], content=joined_text(m.get("content")))
             for key in ("name", "tool_call_id"):
                 if m.get(key) is not None:
                     setattr(msg, key, m[key])
@@ -129,7 +130,7 @@ def chat_messages(messages: ChatMessages) -> list[pb.ChatMessage]:
             out.append(msg)
         else:
             role, content = m
-            out.append(pb.ChatMessage(role=role, content=content))
+            out.append(pb.ChatMessage(role=role, content=joined_text(content)))
     return out
 
 

@@ -1,7 +1,7 @@
 """What a chat request may hold, for every door (torch-free): the gRPC services check their
 proto messages against these facts (llmsvc.server.validation), the offline LLM.chat its dicts
 (check_chat_dicts), so a conversation one door refuses the other refuses too. Also the offline
-messages' normalising: text content parts joined, tool-call arguments parsed from JSON."""
+messages' tool-call arguments parsed from JSON (text content parts: llmsvc.chat_content)."""
 from __future__ import annotations
 
 import json
@@ -37,21 +37,6 @@ def check_chat_dicts(messages: list, template_kwargs: dict, tools: list | None) 
         raise InvalidRequestError("chat_template_kwargs", f"{', '.join(reserved)} cannot be set here "
                                   "(use the method's own arguments)")
     return out
-
-
-def text_content(message: dict) -> dict:
-    """OpenAI's content parts ([{"type": "text", "text": ...}, ...]) as one string, the parts
-    joined by newlines (vLLM's "string" content format); only text parts are supported."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"chat content parts must be text parts ({{'type': 'text', 'text': ...}}), got {kind!r}")
-        texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
 
 
 def parsed_tool_calls(message: dict) -> dict:
