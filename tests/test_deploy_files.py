@@ -65,6 +65,9 @@ def test_dockerfile_stages_copy_real_paths_and_run_the_cli():
     df = DockerfileParser(path=str(ROOT / "Dockerfile"))
     stages = [i["value"].split()[-1] for i in df.structure if i["instruction"] == "FROM"]
     assert stages == ["cpu", "cuda"]
+    # a plain `docker build -t llmsvc:cpu .` (deploy/k8s/llmsvc.yaml) takes torch's CPU build too
+    args = dict(i["value"].split("=", 1) for i in df.structure if i["instruction"] == "ARG" and "=" in i["value"])
+    assert args["TORCH_INDEX_URL"].endswith("/whl/cpu")
     targets = {s["build"]["target"] for s in compose()["services"].values()
                if "build" in s and "dockerfile" not in s["build"]}  # the gateway has its own
     assert targets <= set(stages)

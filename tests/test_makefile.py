@@ -31,6 +31,15 @@ def test_make_serve_installs_the_runtime_only(tmp_path):
     assert "npm" not in out and "[test]" not in out
 
 
+def test_torch_is_the_cpu_build_unless_asked_otherwise(tmp_path):
+    # PyPI's torch for Linux x86_64 is the CUDA build (and pins a triton the test extra's clashes with)
+    out = dry_run(tmp_path, "serve")
+    assert "pip install -q torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu" in out
+    r = subprocess.run(["make", "-n", "serve", "TORCH_INDEX_URL="], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert "pip install -q torch==2.13.0\n" in r.stdout and "extra-index-url" not in r.stdout
+
+
 def test_make_test_adds_the_test_extra(tmp_path):
     out = dry_run(tmp_path, "test")
     assert "torch==2.13.0" in out and "-e '.[test]'" in out and "pytest" in out
