@@ -8,6 +8,7 @@ STAMP   := $(VENV)/.installed
 # line as an extra index (its 2.13.0+cpu sorts above PyPI's 2.13.0). TORCH_INDEX_URL= (empty)
 # installs PyPI's CUDA build, for a GPU machine.
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+COMMA   := ,
 TORCH   := torch==2.13.0$(if $(TORCH_INDEX_URL), --extra-index-url $(TORCH_INDEX_URL))
 TSTAMP  := $(VENV)/.installed-test
 
@@ -27,8 +28,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 $(TSTAMP): $(STAMP)
-	# the test extra: pytest, hypothesis, grpcio-tools, triton (CPU interpreter), buf-bin (proto lint)
-	$(VPY) -m pip install -q -e '.[test]'
+	# the test extra: pytest, hypothesis, grpcio-tools, buf-bin (proto lint); with the CPU torch,
+	# triton for the kernel tests' interpreter (a CUDA torch brings its own)
+	$(VPY) -m pip install -q -e '.[test$(if $(TORCH_INDEX_URL),$(COMMA)triton-cpu)]'
 	touch $(TSTAMP)
 
 serve: setup

@@ -38,11 +38,16 @@ def test_torch_is_the_cpu_build_unless_asked_otherwise(tmp_path):
     r = subprocess.run(["make", "-n", "serve", "TORCH_INDEX_URL="], cwd=tmp_path, capture_output=True, text=True,
                        timeout=60)
     assert "pip install -q torch==2.13.0\n" in r.stdout and "extra-index-url" not in r.stdout
+    # the CPU torch brings no triton: the test extra adds the interpreter's; a CUDA torch has its own
+    assert "-e '.[test,triton-cpu]'" in dry_run(tmp_path, "test")
+    r = subprocess.run(["make", "-n", "test", "TORCH_INDEX_URL="], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert "-e '.[test]'" in r.stdout and "triton-cpu" not in r.stdout
 
 
 def test_make_test_adds_the_test_extra(tmp_path):
     out = dry_run(tmp_path, "test")
-    assert "torch==2.13.0" in out and "-e '.[test]'" in out and "pytest" in out
+    assert "torch==2.13.0" in out and "-e '.[test," in out and "pytest" in out
     assert "npm" not in out
 
 
