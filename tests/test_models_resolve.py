@@ -277,6 +277,32 @@ def test_a_permission_error_while_converting_is_a_configuration_error(tmp_path, 
         r.resolve_model_dir(str(gguf))
 
 
+
+@pytest.mark.parametrize("err", [(30, "Read-only file system"), (28, "No space left on device")])
+def test_a_read_only_or_full_cache_is_a_configuration_error(tmp_path, monkeypatch, err):
+    # a read-only volume (Kubernetes' readOnlyRootFilesystem, a `:ro` mount) or a full one
+    import llmsvc.models.resolve as r
+    monkeypatch.setenv("LLMSVC_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF not really")
+
+    def fails(path):
+        raise OSError(*err, path)
+    monkeypatch.setattr(r, "file_lock", fails)
+    with pytest.raises(ValueError, match=rf"model cache .* is not writable .*{err[1]}.*LLMSVC_CACHE"):
+        r.resolve_model_dir(str(gguf))
+
+
+def test_a_cache_path_through_a_file_is_a_configuration_error(tmp_path, monkeypatch):
+    import llmsvc.models.resolve as r
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("LLMSVC_CACHE", str(tmp_path / "afile" / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF not really")
+    with pytest.raises(ValueError, match=r"model cache .* is not writable .*Not a directory"):
+        r.resolve_model_dir(str(gguf))
+
+
 def test_chat_template_option_is_read_and_checked_before_loading(tmp_path):
     from llmsvc.models.tokenizer import read_chat_template
 

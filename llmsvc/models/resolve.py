@@ -16,6 +16,7 @@ imports neither.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import glob
 import importlib.util
 import json
@@ -94,6 +95,10 @@ def resolve_quantization(quantization: str, model: str | None, dtype: str, devic
     return "gguf" if gguf_file(model) is not None and dtype == "float32" and device != "cuda" else "none"
 
 
+# the errors of writing into a cache the operator has to fix: the server reports them in one line
+CACHE_UNWRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENOSPC, errno.EDQUOT})
+
+
 def resolve_model_dir(model: str | None = None) -> str:
     """Absolute HF-style directory for `model` (None = the default GGUF), converting a
     .gguf once into the cache. Raises FileNotFoundError / ValueError for anything else
@@ -137,10 +142,13 @@ def resolve_model_dir(model: str | None = None) -> str:
                                      f"{type(e).__name__}: {detail}") from None
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
-    except PermissionError as e:  # e.g. a root-owned volume mounted on a container's /cache
+    except OSError as e:
+        if e.errno not in CACHE_UNWRITABLE:
+            raise
+        # a root-owned volume on a container's /cache, a read-only one, a path through a file, a full disk
         raise ValueError(f"the model cache {root} is not writable by this user (uid {os.getuid()}): "
                          f"{e.strerror}: {e.filename}; the first start converts {os.path.basename(path)} "
-                         "into it: make it writable or point LLMSVC_CACHE elsewhere") from None
+                         "into it: make it a writable directory or point LLMSVC_CACHE elsewhere") from None
     return out
 
 
