@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,18 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 # weights quantized per channel at load, activations per token (CPU, models/int8_weights.py)
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
 MEMORY_SIZE_HELP = "K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000"
+
+
+def num_threads_env() -> int | None:
+    """LLMSVC_NUM_THREADS, the compute threads each worker gives torch (the Kubernetes manifest
+    sets it from the pod's CPU request); unset or empty: torch's default, every core. Anything
+    but a whole number >= 1 is a ValueError naming the variable."""
+    v = os.environ.get("LLMSVC_NUM_THREADS", "").strip()
+    if not v:
+        return None
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"LLMSVC_NUM_THREADS={v!r}: must be a whole number of threads >= 1")
+    return int(v)
 
 
 def parse_memory(value: int | str) -> int:

@@ -254,6 +254,9 @@ def run_serve(args, env=None, timeout=120):
     ([], {"LLMSVC_LOG_FORMAT": "xml"}, "LLMSVC_LOG_FORMAT='xml': must be one of text, json"),  # choices skipped
     ([], {"LLMSVC_ENABLE_LORA": "maybe"}, "LLMSVC_ENABLE_LORA='maybe': must be one of 1, true"),  # meant false
     ([], {"LLMSVC_MAX_LORAS": "0"}, "LLMSVC_MAX_LORAS='0': must be >= 1"),  # a traceback at parser construction
+    ([], {"LLMSVC_NUM_THREADS": "0"}, "LLMSVC_NUM_THREADS='0': must be a whole number of threads"),  # 3 tracebacks
+    ([], {"LLMSVC_NUM_THREADS": "abc"}, "LLMSVC_NUM_THREADS='abc': must be"),  # int()'s words, no name
+    (["--auth-token-file", "/nope"], None, "--auth-token-file: cannot read '/nope'"),  # "[Errno 2] ...: '/nope'"
 ])
 def test_bad_flag_or_env_value_is_a_usage_error(args, env, says):
     proc = run_serve(args, env)

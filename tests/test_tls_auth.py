@@ -205,8 +205,11 @@ def test_load_tokens_and_cli_security_options(tmp_path, monkeypatch):
     assert load_tokens(str(f), "gamma, delta,,") == ["alpha", "beta", "gamma", "delta"]
     assert load_tokens(None, None) == []
     (tmp_path / "empty").write_text("\n# nothing\n")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="--auth-token-file: .* holds no tokens"):
         load_tokens(str(tmp_path / "empty"))
+    # a missing file names the flag, as an unreadable TLS file does
+    with pytest.raises(ValueError, match="--admin-token-file: cannot read .*nope.*No such file"):
+        load_tokens(str(tmp_path / "nope"), flag="--admin-token-file")
     i = BearerTokenInterceptor(["alpha"])
     assert i.check((("authorization", "Bearer alpha"),)) is None
     assert i.check((("authorization", "bearer   alpha "),)) is None

@@ -35,17 +35,20 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerRefl
                  "/grpc.reflection.v1.ServerReflection/")
 
 
-def load_tokens(token_file: str | None = None, env_value: str | None = None) -> list[str]:
-    """Tokens from a file (one per line) plus a comma-separated string (normally $LLMSVC_AUTH_TOKENS)."""
+def load_tokens(token_file: str | None = None, env_value: str | None = None,
+                flag: str = "--auth-token-file") -> list[str]:
+    """Tokens from a file (one per line) plus a comma-separated string (normally $LLMSVC_AUTH_TOKENS).
+    A file that cannot be read or holds no token is a ValueError naming `flag`."""
     tokens: list[str] = []
     if token_file:
-        with open(os.path.expanduser(token_file), encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    tokens.append(line)
+        try:
+            with open(os.path.expanduser(token_file), encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{flag}: cannot read {token_file!r}: {getattr(e, 'strerror', None) or e}") from None
+        tokens = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
         if not tokens:
-            raise ValueError(f"auth token file {token_file!r} holds no tokens")
+            raise ValueError(f"{flag}: {token_file!r} holds no tokens")
     if env_value:
         tokens.extend(t.strip() for t in env_value.split(",") if t.strip())
     for t in tokens:

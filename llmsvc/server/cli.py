@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 
+from llmsvc.config import num_threads_env
 from llmsvc.server import event_loop
 from llmsvc.server.cli_flags import add_arguments  # noqa: F401 - `llmsvc serve`'s flags, declared there
 
@@ -95,7 +96,7 @@ def security_options(args) -> dict:
     if tls is not None:
         tls.server_credentials()  # fail at startup on unreadable files
     tokens = load_tokens(args.auth_token_file, os.environ.get(TOKENS_ENV))
-    admin = load_tokens(args.admin_token_file, os.environ.get(ADMIN_TOKENS_ENV))
+    admin = load_tokens(args.admin_token_file, os.environ.get(ADMIN_TOKENS_ENV), flag="--admin-token-file")
     return dict(tls=tls, auth_tokens=tokens or None, admin_tokens=admin or None)
 
 
@@ -157,6 +158,7 @@ def main(args) -> int:
     log = logging.getLogger("llmsvc.server")
     try:  # what can be checked before anything starts: one line, exit 2, no traceback
         config = build_config(args)  # sizes, multi-node flags, speculative config, LoRA names
+        num_threads_env()
         parse_label_keys(args.metrics_label_keys)
         security = {**security_options(args), **tracing_options(args)}
         loop = event_loop.resolve(args.event_loop)

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 
 import torch
 
-from llmsvc.config import EngineConfig
+from llmsvc.config import EngineConfig, num_threads_env
 from llmsvc.sampling_params import SamplingParams
 from llmsvc.wire import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmsvc.worker import host_malloc
@@ -49,9 +48,9 @@ class Worker:
     def init_device(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        threads = os.environ.get("LLMSVC_NUM_THREADS")
-        if threads:
-            torch.set_num_threads(int(threads))
+        threads = num_threads_env()
+        if threads is not None:
+            torch.set_num_threads(threads)
         torch.manual_seed(self.config.model_config.seed)
         if self.world_size > 1:
             import torch.distributed as dist
