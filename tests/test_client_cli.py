@@ -166,6 +166,11 @@ def test_error_lines_state_each_violation_once(capsys):
     print_error("llmsvc generate", SimpleNamespace())  # no violations: the one line
     assert len(capsys.readouterr().err.splitlines()) == 1
 
+    class NotFound(Exception):  # a message that is the violation's description alone
+        field_violations = [("lora_name", "no LoRA adapter named 'foo'; served: a")]
+    print_error("llmsvc generate", NotFound("NOT_FOUND: no LoRA adapter named 'foo'; served: a"))
+    assert len(capsys.readouterr().err.splitlines()) == 1
+
 
 def refused(capsys, *argv: str) -> str:
     """The last stderr line of a command argparse refuses (exit 2, before any call)."""

@@ -115,7 +115,9 @@ def channel_options_from_args(args: argparse.Namespace) -> tuple:
 def print_error(prog: str, err) -> None:
     """One line `prog: CODE: message`, then any field violations the message does not already
     state, on stderr."""
-    print(f"{prog}: {err}", file=sys.stderr)
+    text = str(err)
+    print(f"{prog}: {text}", file=sys.stderr)
     for field, description in getattr(err, "field_violations", []):
-        if f"{field}: {description}" not in str(err):
+        # stated as "field: description", or as the whole message (NOT_FOUND's, without the field)
+        if f"{field}: {description}" not in text and text.split(": ", 1)[-1] != description:
             print(f"  {field}: {description}", file=sys.stderr)
