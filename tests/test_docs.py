@@ -91,3 +91,36 @@ def test_no_tracked_file_points_outside_the_repository():
         if needle in text:
             bad.append(rel)
     assert not bad, f"files mentioning {needle!r}: {bad}"
+
+
+PY_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def undefined_names(code: str) -> set[str]:
+    """Names a snippet reads but neither imports, assigns, defines nor gets from builtins (a
+    snippet is run as written: it must stand on its own)."""
+    import ast
+    import builtins
+    tree = ast.parse(code)
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+            bound |= {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            bound.add(node.id)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - bound
+
+
+def test_undefined_names_are_found():
+    assert undefined_names("import json\nx = json.loads(s)\nprint(x, len([y for y in x]))") == {"s"}
+
+
+@pytest.mark.parametrize("doc", doc_files(), ids=lambda p: p.name)
+def test_python_snippets_name_only_what_they_define(doc):
+    for block in PY_BLOCK.findall(doc.read_text()):
+        assert not undefined_names(block), f"{doc.name}: a snippet uses {undefined_names(block)}:\n{block}"
