@@ -73,3 +73,22 @@ def test_transformers_imports_and_loads_a_model_with_our_kernels_on_the_path(tmp
 def test_resolver_is_torch_free_at_import(mod):
     out = _run(f"import sys, {mod}; print('torch' in sys.modules, 'transformers' in sys.modules)")
     assert out.strip() == "False False"
+
+
+def test_the_source_distribution_carries_the_proto(tmp_path):
+    # clients in other languages compile protos/, and tests/test_proto.py reads it
+    import shutil
+    import tarfile
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout.decode()
+    src = tmp_path / "src"
+    for rel in filter(None, files.split("\0")):
+        if os.path.isfile(os.path.join(REPO, rel)):
+            os.makedirs(src / os.path.dirname(rel), exist_ok=True)
+            shutil.copy(os.path.join(REPO, rel), src / rel)
+    out = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+                          "print(build_meta.build_sdist(sys.argv[1]))", str(tmp_path / "dist")],
+                         cwd=src, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with tarfile.open(tmp_path / "dist" / out.stdout.split()[-1]) as t:
+        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    assert {"protos/llmsvc/v1/llmsvc.proto", "buf.yaml", "tests/test_proto.py"} <= names
