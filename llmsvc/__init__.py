@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
-
 _LAZY = {
     "LLM": "llmsvc.llm",
     "LoRARequest": "llmsvc.llm",
@@ -20,10 +18,23 @@ _LAZY = {
     "EngineConfig": "llmsvc.config",
 }
 
-__all__ = list(_LAZY)
+__all__ = list(_LAZY)  # and __version__, read when first asked for
+
+
+def installed_version() -> str:
+    """pyproject.toml's version (the one place it is written), as the installed distribution
+    records it; a source tree on sys.path without an install has none."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("llmsvc")
+    except PackageNotFoundError:
+        return "0+unknown"
 
 
 def __getattr__(name: str):
+    if name == "__version__":  # read on first use: importlib.metadata walks sys.path
+        globals()[name] = installed_version()
+        return globals()[name]
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'llmsvc' has no attribute {name!r}")

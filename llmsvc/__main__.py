@@ -28,6 +28,11 @@ SERVER_COMMANDS = ("serve", "bench")
 SERVER_MODULES = ("torch", "transformers", "zmq", "prometheus_client")  # a few of the `server` extra's
 
 
+def _version() -> str:
+    import llmsvc
+    return llmsvc.__version__
+
+
 def missing_server_modules() -> list[str]:
     import importlib.util
 
@@ -37,6 +42,7 @@ def missing_server_modules() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="llmsvc", description="LLM inference engine served over gRPC")
+    parser.add_argument("--version", action="version", version=f"llmsvc {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     name = argv[0] if argv and argv[0] in COMMANDS else None
     if name in SERVER_COMMANDS and "-h" not in argv and "--help" not in argv and (missing := missing_server_modules()):

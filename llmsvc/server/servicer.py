@@ -10,7 +10,6 @@ ServerMetrics, when set), labelled by the allow-listed label keys.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 import uuid
@@ -47,14 +46,9 @@ async def off_loop_if_large(request, fn, *args):
     return fn(*args)
 
 
-@functools.lru_cache(maxsize=1)
 def _version() -> str:
-    """The installed package's version; read once, since importlib.metadata walks sys.path."""
-    try:
-        from importlib.metadata import version
-        return version("llmsvc")
-    except Exception:
-        return "0.1.0"
+    import llmsvc
+    return llmsvc.__version__
 
 
 @dataclass
