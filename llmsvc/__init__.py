@@ -21,20 +21,10 @@ _LAZY = {
 __all__ = list(_LAZY)  # and __version__, read when first asked for
 
 
-def installed_version() -> str:
-    """pyproject.toml's version (the one place it is written), as the installed distribution
-    records it; a source tree on sys.path without an install has none."""
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("llmsvc")
-    except PackageNotFoundError:
-        return "0+unknown"
-
-
 def __getattr__(name: str):
     if name == "__version__":  # read on first use: importlib.metadata walks sys.path
-        globals()[name] = installed_version()
-        return globals()[name]
+        from llmsvc.version import installed_version
+        return installed_version()
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'llmsvc' has no attribute {name!r}")

@@ -11,6 +11,9 @@ import importlib
 import os
 import sys
 
+from llmsvc.extras import require_server_extra
+from llmsvc.version import installed_version
+
 # gRPC's C core writes its own lines to stderr (a failed TLS handshake at INFO, each time a
 # probe speaks plaintext), outside the server's log format: only its errors, unless the
 # operator asks for more. Read once, when grpc is first imported: before any import of it.
@@ -25,30 +28,20 @@ COMMANDS = {
     "bench": ("llmsvc.bench.cli", "benchmark offline or over gRPC; the packaged standard workloads or custom ones"),
 }
 SERVER_COMMANDS = ("serve", "bench")
-SERVER_MODULES = ("torch", "transformers", "zmq", "prometheus_client")  # a few of the `server` extra's
-
-
-def _version() -> str:
-    import llmsvc
-    return llmsvc.__version__
-
-
-def missing_server_modules() -> list[str]:
-    import importlib.util
-
-    return [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="llmsvc", description="LLM inference engine served over gRPC")
-    parser.add_argument("--version", action="version", version=f"llmsvc {_version()}")
+    parser.add_argument("--version", action="version", version=f"llmsvc {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     name = argv[0] if argv and argv[0] in COMMANDS else None
-    if name in SERVER_COMMANDS and "-h" not in argv and "--help" not in argv and (missing := missing_server_modules()):
-        print(f"llmsvc {name} needs the server's dependencies ({', '.join(missing)} not installed): "
-              f"pip install 'llmsvc[server]' (from this repository: make serve)", file=sys.stderr)
-        return 2
+    if name in SERVER_COMMANDS and "-h" not in argv and "--help" not in argv:
+        try:
+            require_server_extra(f"llmsvc {name}")
+        except ImportError as e:
+            print(e, file=sys.stderr)
+            return 2
     for cmd, (_, help_) in COMMANDS.items():
         p = sub.add_parser(cmd, help=help_)
         if cmd == name:  # only the chosen command's module (and its dependencies) is imported

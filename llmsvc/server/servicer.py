@@ -30,6 +30,7 @@ from llmsvc.server.validation import (ModelLimits, check_abort_ids, check_abort_
                                       check_request_id)
 from llmsvc.v1 import llmsvc_pb2 as pb
 from llmsvc.v1 import llmsvc_pb2_grpc as pb_grpc
+from llmsvc.version import installed_version
 
 logger = logging.getLogger(__name__)
 API_VERSION = "llmsvc.v1"
@@ -44,11 +45,6 @@ async def off_loop_if_large(request, fn, *args):
     if request.ByteSize() > INLINE_PROMPT_BYTES:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
-
-
-def _version() -> str:
-    import llmsvc
-    return llmsvc.__version__
 
 
 @dataclass
@@ -253,7 +249,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
         return resp
 
     async def GetServerInfo(self, request, context):
-        resp = pb.GetServerInfoResponse(version=_version(), api_version=API_VERSION,
+        resp = pb.GetServerInfoResponse(version=installed_version(), api_version=API_VERSION,
                                         instance_id=self.state.instance_id,
                                         uptime_seconds=time.time() - self.state.start_time,
                                         device=self.state.device, draining=self.state.draining)

@@ -23,7 +23,7 @@ from llmsvc.sampling_params import SamplingParams
 from llmsvc.server import errors
 from llmsvc.server.door_outputs import door_outputs
 from llmsvc.server.logging_setup import request_id_var
-from llmsvc.server.servicer import (MAX_ABORT_IDS, ServerState, _version, log_cancelled, log_finished,
+from llmsvc.server.servicer import (MAX_ABORT_IDS, ServerState, log_cancelled, log_finished,
                                      off_loop_if_large)
 from llmsvc.server.validation import ModelLimits, check_abort_ids, check_request_id
 from llmsvc.server.vllm_engine.kv_events import CursorError, KVEventRelay, StreamEnded
@@ -34,6 +34,7 @@ from llmsvc.server.vllm_engine.proto import vllm_engine_pb2 as pb
 from llmsvc.server.vllm_engine.proto import vllm_engine_pb2_grpc as pb_grpc
 from llmsvc.server.vllm_engine.responses import ResponseBuilder
 from llmsvc.server.vllm_engine.tokenizer_bundle import TokenizerBundle, chunks
+from llmsvc.version import installed_version
 
 logger = logging.getLogger(__name__)
 SERVER_TYPE = "llmsvc-grpc"
@@ -239,7 +240,7 @@ class VllmEngineService(pb_grpc.VllmEngineServicer):
         if request.HasField("dp_rank") and request.dp_rank != 0:
             await errors.abort(context, errors.invalid("dp_rank", f"this server is one rank (0), got {request.dp_rank}"))
         stats = self.engine.get_stats() if self.engine is not None else None
-        return self.loads.response(stats, self.config, _version())
+        return self.loads.response(stats, self.config, installed_version())
 
     async def GetTokenizer(self, request, context):
         if self.bundle is None:
