@@ -3,7 +3,9 @@
 # TORCH_INDEX_URL: where the CPU image's torch comes from, PyTorch's CPU wheel index by default
 # (the plain PyPI torch wheel for Linux x86_64 is the multi-GB CUDA build); "" takes PyPI's.
 ARG PYTHON_IMAGE=python:3.11-slim
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+# the CUDA that PyPI's torch 2.13.0 is built for (its wheels bring the libraries): 13.0, which
+# needs a host driver of 580 or later
+ARG CUDA_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
 
 FROM ${PYTHON_IMAGE} AS cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
