@@ -11,6 +11,7 @@ first) from the pipe in submission order. No extra thread is involved.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -114,6 +115,10 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        # before multiprocessing's own exit hook, which SIGTERMs its daemon children and joins them:
+        # the workers ignore SIGTERM (worker_proc), so a script that never shut the executor down
+        # would wait there forever
+        atexit.register(self.shutdown)
         logger.info("executor %s started: ranks %s of %d in worker process(es) %s, %s, in %.1fs", self.name,
                     self.ranks, world_size, [p.pid for p in self.procs],
                     init_method if world_size > 1 else "pipes", time.perf_counter() - t0)
@@ -159,7 +164,15 @@ class MultiprocExecutor(Executor):
     def _call(self, method: str, *args, timeout: float | None = None):
         self._read_pending()
         self._send(method, args)
-        return self._reply(method, timeout)
+        try:
+            return self._reply(method, timeout)
+        except ExecutorError:
+            raise
+        except BaseException:
+            # interrupted (Ctrl-C) while rank 0 still works on the call: its reply comes later
+            # and must be read, and dropped, before the next call's
+            self._pending.append(_ReplyFuture(self))
+            raise
 
     def _send(self, method: str, args: tuple) -> None:
         if self._closed:
@@ -201,11 +214,13 @@ class MultiprocExecutor(Executor):
     def _read_pending(self, until: Future | None = None) -> None:
         """Read the replies of the non-blocking calls sent, oldest first, up to `until`."""
         while self._pending:
-            future = self._pending.popleft()
+            future = self._pending[0]  # left in line until its reply is read: an interrupt may come first
             try:
-                future.set_result(self._reply("execute_model"))
+                result = self._reply("execute_model")
             except ExecutorError as e:
-                future.set_exception(e)
+                self._pending.popleft().set_exception(e)
+            else:
+                self._pending.popleft().set_result(result)
             if future is until:
                 return
 
@@ -231,6 +246,7 @@ class MultiprocExecutor(Executor):
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.shutdown)
         for future in self._pending:  # steps still in flight: their replies are never read
             future.cancel()
         self._pending.clear()
