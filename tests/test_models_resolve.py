@@ -364,6 +364,23 @@ def test_tensor_parallel_size_must_fit_the_heads(heads, kv, tp, fits):
     assert f"tensor parallel size {tp} does not fit" in str(ei.value) and f"(sizes that fit: {fits})" in str(ei.value)
 
 
+@pytest.mark.parametrize("widths,tp,why,fits", [
+    # the default model: 9 heads, 3 KV heads, intermediate 1536; 9 passed the heads' check, then
+    # every rank failed to build its MLP ("3072 is not divisible by 9")
+    ({"intermediate_size": 1536}, 9, "intermediate_size 1536", "1, 3"),
+    ({"intermediate_size": 1536, "moe_intermediate_size": 100}, 3, "moe_intermediate_size 100", "1"),
+])
+def test_tensor_parallel_size_must_fit_the_mlp_widths(widths, tp, why, fits):
+    from types import SimpleNamespace
+
+    from llmsvc.models.tp_split import check_tensor_parallel
+    cfg = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, **widths)
+    with pytest.raises(ValueError, match=f"its {why} does not divide into {tp} equal parts") as ei:
+        check_tensor_parallel(cfg, tp)
+    assert f"(sizes that fit: {fits})" in str(ei.value)
+    check_tensor_parallel(cfg, 1)
+
+
 @pytest.mark.parametrize("engine_core", ["inline", "process"])
 def test_engine_refuses_a_tensor_parallel_size_that_does_not_fit(tmp_path, engine_core):
     from llmsvc.config import EngineConfig
