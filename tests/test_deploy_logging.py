@@ -139,3 +139,15 @@ def test_the_vllm_door_leaves_the_same_per_request_lines(caplog, log_requests):
     finished = [m for m in msgs if "request door-1 finished: length; 5 prompt tokens, 2 generated" in m]
     cancelled = [m for m in msgs if "request door-2 cancelled" in m]
     assert (len(finished), len(cancelled)) == ((1, 1) if log_requests else (0, 0)), msgs
+
+
+def test_a_cancel_while_draining_does_not_blame_the_client(caplog):
+    # the stop at the end of the shutdown grace cancels the calls still open: the line said
+    # "cancelled by the client or its deadline" for them
+    from llmsvc.server.servicer import log_cancelled
+    with caplog.at_level(logging.INFO, logger="llmsvc.server"):
+        log_cancelled("r1")
+        log_cancelled("r2", draining=True)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs == ["request r1 cancelled by the client or its deadline",
+                    "request r2 cancelled by the client, its deadline or the end of the shutdown grace"]

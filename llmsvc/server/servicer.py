@@ -65,8 +65,11 @@ def log_finished(rid: str, tracker, num_prompt_tokens: int, lora_name: str | Non
                 tracker.num_generated, f"; LoRA {lora_name}" if lora_name else "")
 
 
-def log_cancelled(rid: str) -> None:
-    logger.info("request %s cancelled by the client or its deadline", rid)
+def log_cancelled(rid: str, draining: bool = False) -> None:
+    """The INFO line of a Generate whose call ended early: while the server drains, the stop at
+    the end of the grace period may be what cancelled it, not the client."""
+    why = "the client, its deadline or the end of the shutdown grace" if draining else "the client or its deadline"
+    logger.info("request %s cancelled by %s", rid, why)
 
 
 class LlmService(pb_grpc.LlmServiceServicer):
@@ -151,7 +154,7 @@ class LlmService(pb_grpc.LlmServiceServicer):
             if tracker is not None:
                 tracker.cancelled()
             if self.log_requests:
-                log_cancelled(rid)
+                log_cancelled(rid, self.state.draining)
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes a status
             # a constraint that fails to compile is refused after admission (the compile runs

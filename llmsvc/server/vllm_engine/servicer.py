@@ -127,7 +127,7 @@ class VllmEngineService(pb_grpc.VllmEngineServicer):
             if tracker is not None:
                 tracker.cancelled()
             if self.log_requests:
-                log_cancelled(rid)
+                log_cancelled(rid, self.state.draining)
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes a status
             if tracker is not None:
