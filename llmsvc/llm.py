@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import threading
 import time
 from collections.abc import Sequence
 
@@ -45,6 +46,7 @@ class LLM:
 
         self.llm_engine = LLMEngine.from_config(config)
         self._closed = False
+        self._lock = threading.Lock()
         self._counter = itertools.count()
         self._lora_use: list[str] = []  # adapter names, least recently used first
 
@@ -54,7 +56,8 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (vLLM's name); False while requests hold KV blocks."""
         self._check_open()
-        return self.llm_engine.reset_prefix_cache()
+        with self._lock:
+            return self.llm_engine.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config defaults, as vLLM does."""
@@ -98,30 +101,33 @@ class LLM:
         loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
-        loras = self._resolve_loras(loras)
-        tok = self.get_tokenizer()
-        engine = self.llm_engine
-        self._compile_constraints(sampling_params)
-        ids = []
-        try:
-            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-                text, token_ids = _prompt_parts(prompt, tok)
-                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                if defaulted:  # a default that does not fit runs to the context, as over gRPC
-                    params.max_tokens = default_max_tokens(params.max_tokens, len(token_ids), params,
-                                                           engine.max_model_len)
-                rid = str(next(self._counter))
-                engine.add_request(rid, token_ids, params, prompt=text,
-                                   priority=0 if priority is None else priority[i],
-                                   cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
-                                   lora_name=loras[i])
-                ids.append(rid)
-            return self._run(ids, use_tqdm)
-        except BaseException:
-            engine.abort_request(ids)
-            while engine.has_unfinished_requests():  # drain the abort outputs; frees every block
-                engine.step()
-            raise
+        # one engine, stepped (and its adapters loaded) by one call at a time: calls from other
+        # threads wait their turn
+        with self._lock:
+            loras = self._resolve_loras(loras)
+            tok = self.get_tokenizer()
+            engine = self.llm_engine
+            self._compile_constraints(sampling_params)
+            ids = []
+            try:
+                for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+                    text, token_ids = _prompt_parts(prompt, tok)
+                    params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                    if defaulted:  # a default that does not fit runs to the context, as over gRPC
+                        params.max_tokens = default_max_tokens(params.max_tokens, len(token_ids), params,
+                                                               engine.max_model_len)
+                    rid = str(next(self._counter))
+                    engine.add_request(rid, token_ids, params, prompt=text,
+                                       priority=0 if priority is None else priority[i],
+                                       cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
+                                       lora_name=loras[i])
+                    ids.append(rid)
+                return self._run(ids, use_tqdm)
+            except BaseException:
+                engine.abort_request(ids)
+                while engine.has_unfinished_requests():  # drain the abort outputs; frees every block
+                    engine.step()
+                raise
 
     def _resolve_loras(self, requests: list) -> list[str | None]:
         """Adapter names for the prompts. A LoRARequest of an adapter not loaded yet loads it, as

@@ -261,3 +261,27 @@ def test_the_progress_bar_shows_the_output_rate_of_the_whole_run(fake_llm, monke
     (bar,) = bars
     assert (bar.total, bar.n) == (3, 3)
     assert bar.postfix == ["output: 2.0 toks/s", "output: 4.0 toks/s", "output: 6.0 toks/s"]  # 4, 8, 12 tokens
+
+
+def test_generate_from_several_threads_runs_each_call_whole(fake_llm):
+    # two threads stepping one engine took each other's outputs and failed the scheduler's
+    # assertions; calls now wait their turn
+    import threading
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64)
+    want = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d e"], SamplingParams(max_tokens=64),
+                                                         use_tqdm=False)]
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append([o.outputs[0].token_ids for o in
+                            llm.generate(["a b c", "d e"], SamplingParams(max_tokens=64), use_tqdm=False)])
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+    threads = [threading.Thread(target=run) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and results == [want] * 8
+    llm.shutdown()
