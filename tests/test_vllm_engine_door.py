@@ -169,8 +169,11 @@ def test_model_server_info_and_loads(srv):
     (load,) = loads.loads
     assert loads.dp_rank_count == 1 and load.max_total_num_tokens == 64 * 4 and load.max_running_requests == 8
     assert 0.0 <= load.token_usage <= 1.0 and load.cache_hit_rate > 0.0  # earlier tests shared prefixes
+    assert load.utilization == load.token_usage  # KV usage, as vLLM's and SGLang's servicers report it
     server = srv.vllm.GetServerInfo(vpb.GetServerInfoRequest())
     assert server.block_size == 4 and server.max_num_seqs == 8 and not server.is_paused
+    # vLLM's spellings: the model's torch dtype, and "auto" for a cache in that dtype
+    assert server.model_dtype.startswith("torch.") and server.kv_cache_dtype == "auto"
     with pytest.raises(grpc.RpcError) as ei:
         srv.vllm.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=PROMPT)))
     assert ei.value.code() == grpc.StatusCode.UNIMPLEMENTED and "Embed" in ei.value.details()

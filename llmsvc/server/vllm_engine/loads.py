@@ -67,7 +67,7 @@ class LoadTracker:
                 max_total_num_tokens=stats.num_kv_blocks * block_size, token_usage=stats.kv_cache_usage,
                 gen_throughput=self.throughput(stats.generation_tokens_total),
                 cache_hit_rate=stats.prefix_cache_hit_rate,
-                utilization=min(1.0, stats.num_running / max_seqs) if max_seqs else 0.0,
+                utilization=stats.kv_cache_usage,  # KV usage, as vLLM's and SGLang's servicers report it
                 max_running_requests=max_seqs))
         resp.loads.append(load)
         return resp

@@ -230,8 +230,8 @@ class VllmEngineService(pb_grpc.VllmEngineServicer):
             st, c = self.engine.get_stats(), self.config
             resp.active_requests = st.num_running + st.num_waiting
             resp.block_size = c.cache_config.block_size
-            resp.model_dtype = c.model_config.dtype
-            resp.kv_cache_dtype = c.model_config.dtype
+            resp.model_dtype = f"torch.{c.model_config.dtype}"  # vLLM's spelling, model_config.dtype's repr
+            resp.kv_cache_dtype = "auto"  # vLLM's cache_dtype for "the model's dtype", which the KV cache takes
             resp.max_num_seqs = c.scheduler_config.max_num_seqs
             resp.constrained_decoding_start = "first_token"
         return resp
