@@ -23,12 +23,13 @@ class Reader:
     def __init__(self, stub, start_seq: int = 0) -> None:
         self.call = stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(start_sequence_number=start_seq))
         self.q: queue.Queue = queue.Queue()
+        self.load_only: queue.Queue = queue.Queue()  # the load-only batches, apart from the events
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
         try:
             for batch in self.call:
-                self.q.put(batch)
+                (self.load_only if batch.load.load_only else self.q).put(batch)
         except grpc.RpcError as e:
             self.q.put(e)
 
@@ -256,3 +257,24 @@ def test_a_request_s_blocks_reach_the_relay_before_its_final_output(core, tmp_pa
     prompt = list(range(97, 97 + 3 * bs))  # three full blocks
     at_final, later = asyncio.run(asyncio.wait_for(_blocks_known_at_the_final_output(engine, prompt), 120))
     assert at_final == later and at_final >= 3, (at_final, later)
+
+
+def test_every_batch_carries_the_load_and_load_only_batches_keep_it_fresh(srv):
+    # a gateway routes on these records instead of polling GetLoads, and reads a stream gone
+    # quiet as a wedged engine: the load comes with each batch, and alone at least once a second
+    reader = Reader(srv.vllm)
+    snap = reader.next()
+    assert snap.load.sample >= 1 and snap.load.max_running_requests == 8 and snap.load.HasField("max_total_num_tokens")
+    beat = reader.load_only.get(timeout=5)  # an idle engine: a heartbeat, numbered as the last batch
+    assert beat.sequence_number == snap.sequence_number and not beat.events and beat.load.sample > snap.load.sample
+    assert beat.load.running_requests == 0 and beat.load.HasField("cache_hit_rate")
+    prompt = list(range(97, 97 + 3 * BS))
+    run(srv.vllm, prompt)
+    seen = reader.until(lambda ev: len(stored_blocks(ev)) >= 3)
+    assert all(b.HasField("load") and not b.load.load_only for b in seen)
+    samples = [b.load.sample for b in [snap, *seen]]
+    assert samples == sorted(set(samples))  # monotonic on the stream
+    loads = srv.vllm.GetLoads(vpb.GetLoadsRequest()).loads[0]
+    last = seen[-1].load
+    assert last.max_running_requests == loads.max_running_requests and 0.0 <= last.token_usage <= 1.0
+    reader.close()

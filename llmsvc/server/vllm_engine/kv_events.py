@@ -14,6 +14,11 @@ that falls QUEUE_BATCHES behind is ended with DATA_LOSS: either way the gateway 
 from 0. When the engine dies or the server stops, every stream ends (UNAVAILABLE), which is how
 a gateway learns within seconds to route elsewhere.
 
+Load records: every batch carries the engine's load (EngineLoad: the numbers GetLoads gives), and
+while anyone subscribes the relay sends a load-only batch when the load changed without a KV
+event and at least once a second, so a gateway routes on fresh numbers without polling GetLoads
+and tells a wedged engine from an idle one.
+
 Hashes: a block's hash is our chained prefix-cache hash (sha256 of the previous block's hash and
 this block's token ids), given as its first 8 bytes read as a signed big-endian int64; equal
 prefixes on any replica give equal hashes. Each stored block carries its token ids and
@@ -33,6 +38,8 @@ from llmsvc.server.vllm_engine.proto import common_pb2 as cpb
 logger = logging.getLogger(__name__)
 HISTORY_BATCHES = 1024  # batches kept for subscribers that reconnect with a cursor
 QUEUE_BATCHES = 4096  # batches a subscriber may fall behind before its stream ends (DATA_LOSS)
+BEAT_S = 0.1  # how often the load is looked at for a load-only batch (vLLM's servicer: ~100 ms)
+IDLE_BEAT_S = 1.0  # a load-only batch at least this often, changed or not: the engine is alive
 
 
 def block_hash64(h: bytes) -> int:
@@ -80,9 +87,16 @@ class KVEventRelay:
     with its new events from now on (AsyncEngine.follow_kv_events); `dead()`: an awaitable that
     resolves when the engine dies (AsyncEngine.wait_dead)."""
 
-    def __init__(self, follow: Callable[[Callable], Awaitable[None]], dead: Callable[[], Awaitable]) -> None:
+    def __init__(self, follow: Callable[[Callable], Awaitable[None]], dead: Callable[[], Awaitable],
+                 load: Callable[[bool], cpb.EngineLoad] | None = None) -> None:
+        """`load(full)`: the engine's load record now (LoadTracker.engine_load), put on every
+        batch; None: batches carry none."""
         self._follow = follow
         self._dead = dead
+        self._load = load
+        self._sample = 0  # load records numbered 1, 2, ... (monotonic on every stream)
+        self._sent_load: tuple = ()  # the routing core of the last record sent, and when
+        self._sent_at = 0.0
         self._cursor = 0  # the journal's last event read
         self._seq = 0  # the last batch number given
         self._event_id = 0
@@ -91,18 +105,22 @@ class KVEventRelay:
         self._block_size = 0
         self._subs: set[Subscription] = set()
         self._task: asyncio.Task | None = None
+        self._beat_task: asyncio.Task | None = None
         self.ended: StreamEnded | None = None
 
     async def start(self) -> None:
         """Turn the engine's recording on and follow it; every stream ends when the engine dies."""
         await self._follow(self.feed)
         self._task = asyncio.create_task(self._watch(), name="kv-event-relay")
+        if self._load is not None:
+            self._beat_task = asyncio.create_task(self._beat(), name="kv-event-load")
 
     async def stop(self, why: str = "the server is stopping") -> None:
         self._end_all(StreamEnded(why))
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, self._beat_task) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _end_all(self, why: StreamEnded) -> None:
         self.ended = self.ended or why
@@ -158,16 +176,49 @@ class KVEventRelay:
                 out.append(cpb.KvCacheEvent(event_id=self._event_id, cleared=cpb.KvCacheCleared()))
         return out
 
+    # ---- load records -----------------------------------------------------------------------
+    def _record(self, full: bool) -> cpb.EngineLoad | None:
+        """The next load record (None without a load source), noted as the last one sent."""
+        if self._load is None:
+            return None
+        load = self._load(full)
+        self._sample += 1
+        load.sample = self._sample
+        self._sent_load = (load.running_requests, load.waiting_requests, load.waiting_uncached_tokens,
+                           load.token_usage)
+        self._sent_at = time.monotonic()
+        return load
+
+    async def _beat(self) -> None:
+        """A load-only batch (numbered as the last batch sent, kept out of the history) whenever
+        the load changed without a KV event (an admission served from cache, a completion) and
+        at least every IDLE_BEAT_S: a subscriber routes on current numbers, and silence means a
+        wedged engine, not an idle one."""
+        while True:
+            await asyncio.sleep(BEAT_S)
+            if not self._subs:
+                continue
+            load = self._load(False)
+            core = (load.running_requests, load.waiting_requests, load.waiting_uncached_tokens, load.token_usage)
+            if core != self._sent_load or time.monotonic() - self._sent_at >= IDLE_BEAT_S:
+                record = self._record(True)
+                record.load_only = True
+                batch = cpb.KvEventBatch(sequence_number=self._seq, timestamp=time.time(), load=record)
+                for sub in self._subs:
+                    sub.put(batch)
+
     def _publish(self, events: list) -> None:
         self._seq += 1
-        batch = cpb.KvEventBatch(sequence_number=self._seq, timestamp=time.time(), events=events)
+        batch = cpb.KvEventBatch(sequence_number=self._seq, timestamp=time.time(), events=events,
+                                 load=self._record(False))
         self._history.append(batch)
         for s in self._subs:
             s.put(batch)
 
     def snapshot(self) -> cpb.KvEventBatch:
-        """Every live block, after a `cleared`, numbered as the last batch sent."""
-        batch = cpb.KvEventBatch(sequence_number=self._seq, timestamp=time.time())
+        """Every live block, after a `cleared`, numbered as the last batch sent (a stream's first
+        record: the load with its full telemetry)."""
+        batch = cpb.KvEventBatch(sequence_number=self._seq, timestamp=time.time(), load=self._record(True))
         batch.events.add(cleared=cpb.KvCacheCleared())
         for h, (tokens, parent) in self._live.items():
             ev = batch.events.add()

@@ -63,7 +63,8 @@ class VllmEngineService(pb_grpc.VllmEngineServicer):
         self.engine, self.tokenizer, self.config = async_engine, tokenizer, config
         self.limits = ModelLimits.from_config(config, getattr(async_engine.engine, "request_limits", None))
         self.bundle = TokenizerBundle(tokenizer, config.model_config.model_dir)
-        relay = KVEventRelay(async_engine.follow_kv_events, async_engine.wait_dead)
+        relay = KVEventRelay(async_engine.follow_kv_events, async_engine.wait_dead,
+                             lambda full: self.loads.engine_load(async_engine.get_stats(), config, full))
         try:
             await relay.start()
         except Exception as e:  # noqa: BLE001 - an engine without an event journal: no KV events
