@@ -17,8 +17,9 @@ class StructuredOutputsParams:
 
     json: a JSON Schema (dict, or its JSON text); regex: the whole output must match;
     choice: the output is exactly one of these strings; grammar: Lark or GBNF (EBNF) text;
-    json_object: any JSON object. `verify()` checks only what needs no compiling (the
-    grammar engine reports the rest when the constraint is compiled).
+    json_object: any JSON object; structural_tag: xgrammar's structural tag as JSON text (free
+    text with tagged, constrained regions; docs/structured-output.md). `verify()` checks only
+    what needs no compiling (the grammar engine reports the rest when the constraint is compiled).
     """
 
     json: str | dict | bool | None = None
@@ -26,8 +27,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
 
-    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, tuple):
@@ -77,3 +79,27 @@ class StructuredOutputsParams:
             raise SamplingParamsError(f"structured_outputs.{kind}", "must be a string")
         elif kind == "json_object" and value is not True:
             raise SamplingParamsError("structured_outputs.json_object", "must be True when set")
+        elif kind == "structural_tag":
+            _verify_structural_tag(value)
+
+
+def _verify_structural_tag(value: Any) -> None:
+    """JSON text of an object in one of xgrammar's two shapes, as vLLM takes them: legacy
+    {"structures": [...], "triggers": [...]}, or {"format": {...}}; "type", where given, is
+    "structural_tag". The formats inside are checked when it compiles."""
+    field = "structured_outputs.structural_tag"
+    if not isinstance(value, str):
+        raise SamplingParamsError(field, f"must be JSON text, got {type(value).__name__}")
+    try:
+        tag = json.loads(value)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise SamplingParamsError(field, f"is not valid JSON: {e}") from None
+    if not isinstance(tag, dict):
+        raise SamplingParamsError(field, f"must be a JSON object, got a JSON {type(tag).__name__}")
+    if tag.get("type", "structural_tag") != "structural_tag":
+        raise SamplingParamsError(field, f'has "type" {tag["type"]!r}; it must be "structural_tag"')
+    if "structures" in tag:
+        if not isinstance(tag["structures"], list) or not isinstance(tag.get("triggers"), list):
+            raise SamplingParamsError(field, 'in the legacy form must have "structures" and "triggers" lists')
+    elif not isinstance(tag.get("format"), dict):
+        raise SamplingParamsError(field, 'must have a "format" object (or legacy "structures" and "triggers")')

@@ -1,4 +1,4 @@
-"""Structured output (JSON Schema, regex, choice, grammar, JSON object) on llguidance.
+"""Structured output (JSON Schema, regex, choice, grammar, JSON object, structural tag) on llguidance.
 
 Torch-free, between the engine and the workers: the engine owns a StructuredOutputManager
 that compiles constraints in a thread pool and, each step, packs the allowed next tokens of
@@ -11,7 +11,8 @@ import importlib.util
 
 from llmsvc.structured.errors import ConstraintError
 
-# the StructuredOutputsParams kinds this build serves
+# the StructuredOutputsParams kinds llmsvc.v1 serves (GetModelInfo.supported_constraints); the
+# structural_tag kind, which only vLLM's engine proto and the offline API carry, is served beside them
 SUPPORTED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 

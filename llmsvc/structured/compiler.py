@@ -16,14 +16,17 @@ import llguidance.hf
 
 from llmsvc.sampling_params import StructuredOutputsParams
 from llmsvc.structured import errors as E
+from llmsvc.structured import structural_tag
+from llmsvc.structured.vocabulary import Vocabulary
 
 # JSON layout as Python's json.dumps writes it ("a": 1, "b": 2): no free whitespace, so the
 # model cannot pad a document forever, with the spacing models are trained on
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-_UNSATISFIABLE = {"json": E.INVALID_SCHEMA, "json_object": E.INVALID_SCHEMA, "regex": E.INVALID_REGEX,
-                  "choice": E.INVALID_CHOICE, "grammar": E.INVALID_GRAMMAR}
+# the reason for a constraint of each kind that compiles to nothing usable
+FAILURE_REASON = {"json": E.INVALID_SCHEMA, "json_object": E.INVALID_SCHEMA, "regex": E.INVALID_REGEX,
+                  "choice": E.INVALID_CHOICE, "grammar": E.INVALID_GRAMMAR, "structural_tag": E.INVALID_GRAMMAR}
 
 
 def build_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
@@ -35,10 +38,15 @@ def build_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: list[int]) -> 
                                         eos_token=list(eos_token_ids) or None)
 
 
-def grammar_text(params: StructuredOutputsParams) -> str:
+def grammar_text(params: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer | None = None) -> str:
     """llguidance grammar text for the constraint; raises ConstraintError for what it can tell
-    without a tokenizer (bad GBNF syntax)."""
+    without compiling (bad GBNF syntax, a malformed structural tag). Only structural tags read
+    `tokenizer`: its special tokens, spelled in a tag's strings, are matched as those tokens
+    (without it every string is plain text)."""
     kind = params.kind
+    if kind == "structural_tag":
+        return structural_tag.grammar(params.structural_tag, Vocabulary(tokenizer),
+                                      _checked_leaf)
     if kind == "json":
         schema = params.json
         if isinstance(schema, str) and schema.strip() in ("true", "false"):
@@ -83,38 +91,54 @@ def _gbnf_code_point(m: re.Match) -> str:
     return chr(cp)
 
 
+def _checked_leaf(kind: str, value) -> str:
+    """Grammar text of a structural tag's json / regex / grammar part, checked as a constraint of
+    that kind would be (ConstraintError of that kind otherwise)."""
+    text = grammar_text(StructuredOutputsParams(**{kind: value}))
+    err = llguidance.LLMatcher.validate_grammar(text)
+    if err:
+        raise _refusal(kind, err)
+    return text
+
+
 def compile_matcher(tokenizer: llguidance.LLTokenizer, params: StructuredOutputsParams) -> llguidance.LLMatcher:
     """A matcher in the start state, or ConstraintError saying why the constraint is unusable."""
     kind = params.kind
-    matcher = llguidance.LLMatcher(tokenizer, grammar_text(params), log_level=0,
+    matcher = llguidance.LLMatcher(tokenizer, grammar_text(params, tokenizer), log_level=0,
                                    limits=llguidance.LLParserLimits(verbose_errors=False))
-    if not matcher.is_error():
-        # a constraint no text satisfies ([a&&b], {"$ref": "#"}) shows only once asked for the
-        # first mask (it would allow only EOS): refuse it here, not as an empty "stop"
-        mask = matcher.compute_bitmask()
-        if matcher.is_error():
-            raise E.ConstraintError(kind, _UNSATISFIABLE[kind], "is not satisfiable: no output matches it")
-        # the lexer is built lazily: a pattern past its limits ("a{2000000}") fails on the first
-        # token consumed, so consume one the mask allows, on a copy, and refuse it here
-        probe = matcher.deep_copy()
-        if probe.consume_token(_first_allowed(mask)):
-            return matcher
-        raise E.ConstraintError(kind, _UNSATISFIABLE[kind], "is too large for the grammar engine: "
-                                + E.matcher_error(probe))
-    err = matcher.get_error()
+    if matcher.is_error():
+        raise _refusal(kind, matcher.get_error())
+    # a constraint no text satisfies ([a&&b], {"$ref": "#"}) shows only once asked for the
+    # first mask (it would allow only EOS): refuse it here, not as an empty "stop"
+    mask = matcher.compute_bitmask()
+    if matcher.is_error():
+        raise E.ConstraintError(kind, FAILURE_REASON[kind], "is not satisfiable: no output matches it")
+    # the lexer is built lazily: a pattern past its limits ("a{2000000}") fails on the first
+    # token consumed, so consume one the mask allows, on a copy, and refuse it here
+    probe = matcher.deep_copy()
+    if probe.consume_token(_first_allowed(mask)):
+        return matcher
+    raise E.ConstraintError(kind, FAILURE_REASON[kind], "is too large for the grammar engine: "
+                            + E.matcher_error(probe))
+
+
+def _refusal(kind: str, err: str) -> E.ConstraintError:
+    """The ConstraintError for the grammar engine's refusal `err` of a constraint of `kind`."""
     if kind in ("json", "json_object"):
         if "coerce_one_of" in err:  # llguidance's hint names an option of its own, not ours
-            raise E.ConstraintError(kind, E.UNSUPPORTED_SCHEMA_FEATURE, "uses oneOf with branches that can "
-                                    "match the same value, which cannot be enforced exactly; use anyOf")
+            return E.ConstraintError(kind, E.UNSUPPORTED_SCHEMA_FEATURE, "uses oneOf with branches that can "
+                                     "match the same value, which cannot be enforced exactly; use anyOf")
         if "Unimplemented" in err or "not supported" in err.lower():
-            raise E.ConstraintError(kind, E.UNSUPPORTED_SCHEMA_FEATURE, f"uses a JSON Schema feature that is "
-                                    f"not supported: {err}")
-        raise E.ConstraintError(kind, E.INVALID_SCHEMA, f"is not a usable JSON Schema: {err}")
+            return E.ConstraintError(kind, E.UNSUPPORTED_SCHEMA_FEATURE, f"uses a JSON Schema feature that is "
+                                     f"not supported: {err}")
+        return E.ConstraintError(kind, E.INVALID_SCHEMA, f"is not a usable JSON Schema: {err}")
     if kind == "regex":
-        raise E.ConstraintError(kind, E.INVALID_REGEX, f"is not a valid regular expression: {err}")
+        return E.ConstraintError(kind, E.INVALID_REGEX, f"is not a valid regular expression: {err}")
     if kind == "choice":
-        raise E.ConstraintError(kind, E.INVALID_CHOICE, f"cannot be compiled: {err}")
-    raise E.ConstraintError(kind, E.INVALID_GRAMMAR, f"is not a valid grammar: {err}")
+        return E.ConstraintError(kind, E.INVALID_CHOICE, f"cannot be compiled: {err}")
+    if kind == "structural_tag":
+        return E.ConstraintError(kind, E.INVALID_GRAMMAR, f"cannot be compiled: {err}")
+    return E.ConstraintError(kind, E.INVALID_GRAMMAR, f"is not a valid grammar: {err}")
 
 
 def _first_allowed(bitmask: bytes) -> int:

@@ -25,13 +25,10 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from llmsvc.sampling_params import StructuredOutputsParams
 from llmsvc.structured import errors as E
-from llmsvc.structured.compiler import build_tokenizer, compile_matcher
+from llmsvc.structured.compiler import FAILURE_REASON, build_tokenizer, compile_matcher
 from llmsvc.structured.request import StructuredRequest
 
 logger = logging.getLogger(__name__)
-
-_GENERIC_REASON = {"json": E.INVALID_SCHEMA, "json_object": E.INVALID_SCHEMA, "regex": E.INVALID_REGEX,
-                   "choice": E.INVALID_CHOICE, "grammar": E.INVALID_GRAMMAR}
 
 
 class StructuredOutputManager:
@@ -90,7 +87,7 @@ class StructuredOutputManager:
         except E.ConstraintError:
             raise
         except Exception as e:  # the grammar engine refused the spec some other way
-            raise E.ConstraintError(params.kind, _GENERIC_REASON[params.kind],
+            raise E.ConstraintError(params.kind, FAILURE_REASON[params.kind],
                                     f"cannot be compiled: {e}") from None
         finally:
             dt = time.perf_counter() - t0

@@ -20,19 +20,25 @@ keeps as many prompt tokens as leave room for one output token.
 
 Fields with no equivalent in this engine are refused (INVALID_ARGUMENT naming the field),
 never dropped: multimodal inputs and media references (text models only), KV-transfer
-parameters (no prefill/decode disaggregation), a data-parallel rank other than 0, and the
-`structural_tag` constraint.
+parameters (no prefill/decode disaggregation), and a data-parallel rank other than 0.
+
+The `structural_tag` constraint, which llmsvc.v1 does not carry, becomes the structural_tag
+kind of StructuredOutputsParams, as vLLM's own StructuredOutputsParams takes it.
 """
 from __future__ import annotations
+
+import grpc
 
 from llmsvc.core.errors import InvalidRequestError, PromptTooLongError
 from llmsvc.engine import validation as rules
 from llmsvc.engine_request import EngineRequest
-from llmsvc.sampling_params import RequestOutputKind
-from llmsvc.server.constraints import PROTO_FIELDS, structured_outputs_from_proto
+from llmsvc.sampling_params import RequestOutputKind, StructuredOutputsParams
+from llmsvc.sampling_params_error import SamplingParamsError
+from llmsvc.server.constraints import MAX_CONSTRAINT_CHARS, PROTO_FIELDS, structured_outputs_from_proto
 from llmsvc.server.errors import ServiceError, invalid, prompt_too_long
 from llmsvc.server.prompt import encode
 from llmsvc.server.validation import ModelLimits, fill_default_max_tokens
+from llmsvc.structured import errors as E
 from llmsvc.structured.errors import ConstraintError
 
 SP = "sampling_params"
@@ -41,6 +47,9 @@ SAME_NAMES = frozenset({
     "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
     "max_tokens", "min_tokens", "stop", "stop_token_ids", "skip_special_tokens", "spaces_between_special_tokens",
     "ignore_eos", "n", "logprobs", "prompt_logprobs", "seed", "include_stop_str_in_output", "logit_bias"})
+# StructuredOutputsParams kind -> this proto's constraint field: llmsvc.v1's, plus the structural
+# tag, which only this proto carries (under the kind's own name)
+CONSTRAINT_FIELDS = {**PROTO_FIELDS, "structural_tag": "structural_tag"}
 _UNSUPPORTED_REQUEST_FIELDS = {
     "mm_inputs": "this server runs text-only models: send token ids or text without media",
     "media_refs": "this server runs text-only models: send token ids or text without media",
@@ -63,9 +72,6 @@ def _refuse_unsupported(req) -> None:
         raise invalid("kv_transfer_params_json", _UNSUPPORTED_REQUEST_FIELDS["kv_transfer_params"])
     if req.HasField("data_parallel_rank") and req.data_parallel_rank != 0:
         raise invalid("data_parallel_rank", f"this server is one data-parallel rank (0), got {req.data_parallel_rank}")
-    if req.sampling_params.WhichOneof("constraint") == "structural_tag":
-        raise invalid(f"{SP}.structural_tag", "structural tags are not served; use json_schema, regex, grammar, "
-                                              "choice or json_object")
 
 
 def prompt_ids(req, tokenizer, limits: ModelLimits) -> list[int]:
@@ -119,10 +125,7 @@ def to_engine_request(req, request_id: str, tokenizer, limits: ModelLimits) -> E
     (vLLM proto paths) for what cannot be translated."""
     _refuse_unsupported(req)
     sp = req.sampling_params
-    try:
-        structured = structured_outputs_from_proto(sp, limits.supported_constraints)
-    except ServiceError as e:
-        raise _repath_constraint(e) from None
+    structured = _structured_outputs(sp, limits)
     ids = prompt_ids(req, tokenizer, limits)
     try:
         params = rules.make_sampling_params(structured_outputs=structured, **_sampling_kwargs(sp, limits))
@@ -130,6 +133,26 @@ def to_engine_request(req, request_id: str, tokenizer, limits: ModelLimits) -> E
         raise vllm_error(e, input_field(req)) from None
     fill_default_max_tokens(params, len(ids), limits)
     return EngineRequest(request_id, ids, params, prompt=req.text if req.WhichOneof("input") == "text" else None)
+
+
+def _structured_outputs(sp, limits: ModelLimits) -> StructuredOutputsParams | None:
+    """The request's constraint, checked as far as it can be without compiling (as llmsvc.v1's)."""
+    if sp.WhichOneof("constraint") != "structural_tag":
+        try:
+            return structured_outputs_from_proto(sp, limits.supported_constraints)
+        except ServiceError as e:
+            raise _repath_constraint(e) from None
+    field = f"{SP}.structural_tag"
+    if not limits.supported_constraints:  # no grammar engine in this build: as for every other kind
+        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, f"{field}: structured output is not supported by this server")
+    text = sp.structural_tag
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise invalid(field, f"must be at most {MAX_CONSTRAINT_CHARS} characters, got {len(text)}",
+                      "CONSTRAINT_TOO_LARGE")
+    try:
+        return StructuredOutputsParams(structural_tag=text)
+    except SamplingParamsError as e:
+        raise invalid(field, e.why, E.INVALID_JSON if "not valid JSON" in e.why else E.INVALID_GRAMMAR) from None
 
 
 def _repath_constraint(e: ServiceError) -> ServiceError:
@@ -161,7 +184,7 @@ def vllm_error(exc: BaseException, prompt_field: str) -> BaseException:
     if isinstance(exc, PromptTooLongError):
         return prompt_too_long(exc.prompt_tokens, exc.max_model_len, exc.message, field=prompt_field)
     if isinstance(exc, ConstraintError):
-        return invalid(f"{SP}.{PROTO_FIELDS[exc.kind]}", exc.message, exc.reason)
+        return invalid(f"{SP}.{CONSTRAINT_FIELDS[exc.kind]}", exc.message, exc.reason)
     if isinstance(exc, InvalidRequestError):
         return invalid(proto_path(exc.field, prompt_field), exc.message)
     return exc
