@@ -229,9 +229,9 @@ def test_smg_tool_call_tags(tok, build, call, bad):
     assert run(tok, auto, "Sure, " + call) == "complete"  # tool_choice "auto": text, then calls
     assert run(tok, auto, "Just text.") == "complete"
     assert run(tok, required, bad) == "rejected"
-    # a trigger that is a special token and then more (Kimi-K3's "<|open|>tools<|sep|>") is not
-    # forced in free text, which may hold special tokens: only the first tag is forced ("required")
-    assert run(tok, auto, bad) == ("complete" if build is smg_kimi_k3 else "rejected")
+    # a trigger that is a special token and then more (Kimi-K3's "<|open|>tools<|sep|>") keeps its
+    # special token out of free text, so it starts a tag there too (it was not enforced)
+    assert run(tok, auto, bad) == "rejected"
 
 
 # ---- errors -----------------------------------------------------------------------------------------
@@ -310,3 +310,59 @@ def test_vllm_door_generates_under_a_structural_tag():
         assert "format.content.json_schema" in ei.value.details()
     finally:
         s.stop()
+
+
+# ---- against xgrammar's semantics: shapes a differential run found wrong --------------------------
+def seq(*elements):
+    return {"type": "sequence", "elements": list(elements)}
+
+
+def const(v):
+    return {"type": "const_string", "value": v}
+
+
+TEXT = {"type": "any_text"}
+
+
+@pytest.mark.parametrize("fmt, text, outcome", [
+    # free text then a tag: the text ends at the tag's begin (it ran on and never ended)
+    (seq(TEXT, tag("<a>", TEXT, "</a>")), "x<a>y</a>", "complete"),
+    # optional / plus / star of free text is free text (the tag could never close)
+    (tag("<a>", {"type": "optional", "content": TEXT}, "</a>"), "<a>x</a>", "complete"),
+    (tag("<a>", {"type": "star", "content": TEXT}, "</a>"), "<a></a>", "complete"),
+    # an alternative holding free text, then a literal: each alternative takes the literal
+    (tag("<a>", seq({"type": "or", "elements": [TEXT, const("q")]}, const("!")), "</a>"), "<a>q!</a>", "complete"),
+    (tag("<a>", seq({"type": "or", "elements": [TEXT, const("q")]}, const("!")), "</a>"), "<a>zz!</a>", "complete"),
+    # the string after the text starts with a special token: text never holds that token
+    (seq(TEXT, const("<|tool_call_end|>")), "abc<|tool_call_end|>", "complete"),
+    (tag("<|open|>think<|sep|>", TEXT, "<|close|>think<|sep|>"), "<|open|>think<|sep|>a<|close|>think<|sep|>",
+     "complete"),
+    (tag("<|open|>think<|sep|>", TEXT, "<|close|>think<|sep|>"), "<|open|>think<|sep|>a<|close|>think<|sep|>b",
+     "rejected"),
+    # a plain exclude held in a special token's text keeps the token out ("<|": every <|...|>)
+    ({"type": "any_text", "excludes": ["<|"]}, "a<|tool_call_end|>b", "rejected"),
+    ({"type": "any_text", "excludes": ["<|"]}, "a < | b", "complete"),
+    # repeat of at most 0: nothing; an empty const_string: nothing
+    (seq(const("A"), {"type": "repeat", "min": 0, "max": 0, "content": const("B")}), "A", "complete"),
+    (seq(const(""), const("A")), "A", "complete"),
+])
+def test_shapes_that_agree_with_xgrammar_now(tok, fmt, text, outcome):
+    assert run(tok, st(fmt), text) == outcome
+
+
+@pytest.mark.parametrize("fmt", [
+    seq(TEXT, js(CITY)),  # where would the text end?
+    {"type": "plus", "content": seq(const("-"), TEXT)},  # text followed by its own repetition
+])
+def test_free_text_followed_by_no_known_string_is_refused(tok, fmt):
+    with pytest.raises(ConstraintError, match="free text must be followed by a string") as ei:
+        compile_matcher(tok, st(fmt))
+    assert ei.value.reason == "INVALID_GRAMMAR"
+
+
+def test_an_excluded_special_tokens_spelling_is_excluded_as_text(tok):
+    # the spelling as plain text: tokenized in pieces, or the tokenizer would find the special token
+    ids = [t for piece in ("a <", "|tool_call_end", "|> b") for t in tok.tokenize_str(piece, parse_special=False)]
+    assert all(compile_matcher(tok, st({"type": "any_text", "excludes": ["zzz"]})).consume_token(t) for t in ids)
+    m = compile_matcher(tok, st({"type": "any_text", "excludes": ["<|tool_call_end|>"]}))
+    assert not all(m.consume_token(t) for t in ids)

@@ -13,10 +13,13 @@ llguidance lexes (xgrammar parses bytes), which shapes the translation:
   lexeme could not give back the string's first bytes once it had taken them.
 - A string is split into the model's special tokens and plain text (vocabulary.py): a special
   token is matched as that token (`<[id]>`), never as its spelling. Free text may hold special
-  tokens (SMG relies on "<|tool_calls_section_end|>" after Kimi-K2's calls), except one that is
-  by itself a trigger or an exclude. A trigger that is a special token followed by more
-  ("<|open|>tools<|sep|>") cannot be kept out of free text that way, so it dispatches only
-  where the output takes its tag (a tag required first, by at_least_one, is still forced).
+  tokens (SMG relies on "<|tool_calls_section_end|>" after Kimi-K2's calls), except any that a
+  trigger, an exclude or the string after the text names (Kimi-K3's "<|open|>tools<|sep|>"
+  keeps "<|open|>" out: stricter than xgrammar, which allows "<|open|>" before other text) or
+  whose text holds a plain exclude ("<|" keeps out every "<|...|>" token); a special token's
+  spelling as plain text is excluded wherever the token is.
+- Free text must end the output or be followed by a known string; followed by anything else
+  (a JSON value, a repetition of itself) it could not tell where it ends, and is refused.
 - JSON Schema, regex and grammar leaves are compiled as constraints of their own kinds
   (`leaf`) and become named sub-grammars, so JSON is laid out as for the json kind.
 Each format becomes the expression for "this format, then `tail`" (the strings that must
@@ -34,6 +37,9 @@ KIND = "structural_tag"
 SUPPORTED = ("const_string", "json_schema", "regex", "grammar", "any_text", "sequence", "or", "optional",
              "plus", "star", "repeat", "tag", "triggered_tags", "tags_with_separator")
 _TEXT = "(?s:.*)"
+# the tail of a format followed by something that is not a known string (a JSON value, a
+# repetition of itself): free text there could not tell where it ends, so it is refused
+UNKNOWN = ["\x00unknown"]
 
 
 def grammar(text: str, vocab: Vocabulary, leaf: Callable[[str, Any], str]) -> str:
@@ -64,7 +70,7 @@ def _regex_escape(s: str) -> str:
 
 class _Translator:
     def __init__(self, vocab: Vocabulary, leaf) -> None:
-        self.split, self.special_ids, self.leaf = vocab.split, vocab.special_ids, leaf
+        self.split, self.special_ids, self.spelling, self.leaf = vocab.split, vocab.special_ids, vocab.spelling, leaf
         self.lines: list[str] = []
         self.subgrammars: list[dict] = []
         self._names = 0
@@ -79,20 +85,30 @@ class _Translator:
                         for p in self.split(s))
 
     def tail_expr(self, tail: list[str] | None) -> str:
-        """Lark for one of the `tail` strings ("" for none)."""
+        """Lark for one of the `tail` strings ("" for none, and for UNKNOWN: its follower writes itself)."""
+        if tail is UNKNOWN:
+            return ""
         alts = sorted({self.literal(s) for s in tail or []} - {""})
         if not alts:
             return ""
         expr = alts[0] if len(alts) == 1 else "(" + " | ".join(alts) + ")"
         return f"({expr})?" if "" in tail else expr
 
-    def text(self, excludes: list[str], tail: list[str] | None) -> str:
+    def text(self, excludes: list[str], tail: list[str] | None, path: str = "") -> str:
         """Free text, then one of `tail`. Free text is plain text and special tokens (a model's
-        reply may hold some, as "<|tool_calls_section_end|>"), never holding an exclude: a plain
-        one anywhere, a special token that is one by itself at all."""
+        reply may hold some, as "<|tool_calls_section_end|>"), never holding an exclude. A special
+        token that an exclude or a following string names is kept out of free text altogether,
+        and so is one whose text holds a plain exclude (xgrammar reads tokens as their text); a
+        special token's spelling in plain text is excluded where the token itself is."""
+        if tail is UNKNOWN:
+            raise _fail(path, "free text must be followed by a string (a const_string, its tag's end "
+                              "or a trigger) or end the output: what follows it here is not one")
         spelled = [self.split(s) for s in excludes if s]
-        plain = sorted({p[0] for p in spelled if len(p) == 1 and isinstance(p[0], str)})
-        banned = {p[0] for p in spelled if len(p) == 1 and isinstance(p[0], int)}
+        banned = {x for p in spelled + [self.split(s) for s in tail or []] for x in p if isinstance(x, int)}
+        plain = {p[0] for p in spelled if len(p) == 1 and isinstance(p[0], str)}
+        plain |= {self.spelling(t) for p in spelled for t in p if isinstance(t, int)}
+        banned |= {t for t in self.special_ids if any(x in self.spelling(t) for x in plain)}
+        plain = sorted(plain)
         term = self._name("T")
         body = f"/{_TEXT}/" + (f" & ~/{_TEXT}(?:{'|'.join(map(_regex_escape, plain))}){_TEXT}/" if plain else "")
         opt = self._name("t")
@@ -129,7 +145,7 @@ class _Translator:
         return f"{expr} {self.tail_expr(tail)}".strip()
 
     def _const_string(self, f, path, tail, ends):
-        return self._then(self.literal(_str(f, "value", path)), tail)
+        return self._then(self.literal(_str(f, "value", path, allow_empty=True)), tail)
 
     def _sub(self, kind: str, value: Any, path: str) -> str:
         try:
@@ -163,21 +179,25 @@ class _Translator:
     def _any_text(self, f, path, tail, ends):
         if f.get("max_tokens") is not None or f.get("max_chars") is not None:
             raise _fail(path, "max_tokens and max_chars budgets are not supported")
-        return self.text(_strs(f, "excludes", path, []) + ends, tail)
+        return self.text([x for x in _strs(f, "excludes", path, []) if x] + ends, tail, path)
 
     def _sequence(self, f, path, tail, ends):
         elements = _formats(f, path)
         out, i, n = [], 0, len(elements)
         while i < n:
             nxt = elements[i + 1] if i + 1 < n else None
-            if _is_text(elements[i]) and _is_literal(nxt):
-                # free text, then a literal: the text's lazy lexeme ends at that literal
-                out.append(self.format(elements[i], f"{path}.elements[{i}]", [nxt["value"]], ends))
+            lead, rest = _leading_string(nxt)
+            if lead:
+                # an element, then a string (a const_string, a tag's begin): the element takes it
+                # as its tail (free text's lazy lexeme ends at it); the tag goes on after it
+                out.append(self.format(elements[i], f"{path}.elements[{i}]", [lead], ends))
+                if rest is not None:
+                    out.append(self.format(rest, f"{path}.elements[{i + 1}]", tail if i + 2 == n else UNKNOWN, ends))
                 i += 2
-                if i == n:
+                if i == n and rest is None:
                     out.append(self.tail_expr(tail))
                 continue
-            out.append(self.format(elements[i], f"{path}.elements[{i}]", tail if i == n - 1 else None, ends))
+            out.append(self.format(elements[i], f"{path}.elements[{i}]", tail if i == n - 1 else UNKNOWN, ends))
             i += 1
         return " ".join(x for x in out if x)
 
@@ -186,7 +206,10 @@ class _Translator:
         return "(" + " | ".join(alts) + ")"
 
     def _repeat_of(self, f, path, tail, ends, op):
-        return self._then(f"({self.format(f.get('content'), path + '.content', None, ends)}){op}", tail)
+        content = f.get("content")
+        if _is_text(content) and content.get("type") == "any_text":  # any_text repeated is any_text
+            return self.format(content, path + ".content", tail, ends)
+        return self._then(f"({self.format(content, path + '.content', UNKNOWN, ends)}){op}", tail)
 
     def _optional(self, f, path, tail, ends):
         return self._repeat_of(f, path, tail, ends, "?")
@@ -201,6 +224,8 @@ class _Translator:
         lo, hi = f.get("min"), f.get("max")
         if not (_int(lo) and _int(hi) and lo >= 0 and (hi == -1 or hi >= lo)):
             raise _fail(path, '"min" and "max" must be integers with 0 <= min <= max (max -1: no limit)')
+        if hi == 0:  # never: only what follows
+            return self.tail_expr(tail)
         return self._repeat_of(f, path, tail, ends, f"{{{lo},{'' if hi == -1 else hi}}}")
 
     def _tag(self, f, path, tail, ends):
@@ -235,9 +260,9 @@ class _Translator:
                 raise _fail(p, f"begin {begin!r} must start with exactly one trigger, not {len(matching)}")
             groups[matching[0]].append(self.format(dict(t, begin=begin[len(matching[0]):]), p, None, ends))
         excludes = triggers + _strs(f, "excludes", path, []) + ends
-        dispatch = "(" + " | ".join(f"{self.text(excludes, [tr])} ({' | '.join(groups[tr])})"
+        dispatch = "(" + " | ".join(f"{self.text(excludes, [tr], path)} ({' | '.join(groups[tr])})"
                                     for tr in triggers if groups[tr]) + ")"
-        rest = self.text(excludes, tail)
+        rest = self.text(excludes, tail, path)
         if stop_after_first:  # text, and at most one tag to end it
             return f"({rest} | {self._then(dispatch, tail)})"
         return f"{any_tag} {dispatch}* {rest}".strip()
@@ -258,9 +283,16 @@ def _is_text(f) -> bool:
     return isinstance(f, dict) and f.get("type") in ("any_text", "triggered_tags")
 
 
-def _is_literal(f) -> bool:
-    return isinstance(f, dict) and f.get("type") == "const_string" and isinstance(f.get("value"), str) \
-        and bool(f["value"])
+def _leading_string(f) -> tuple[str, dict | None]:
+    """(the string format `f` starts with, what follows it: None for a const_string, the tag
+    with an empty begin for a tag); ("", None) when it starts with no known string."""
+    if not isinstance(f, dict):
+        return "", None
+    if f.get("type") == "const_string" and isinstance(f.get("value"), str):
+        return f["value"], None
+    if f.get("type", "tag") == "tag" and isinstance(f.get("begin"), str) and f["begin"]:
+        return f["begin"], dict(f, begin="")
+    return "", None
 
 
 def _int(v) -> bool:

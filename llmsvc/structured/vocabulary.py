@@ -17,6 +17,10 @@ class Vocabulary:
         self.tokenizer = tokenizer
         self.special_ids = _special_ids(tokenizer) if tokenizer is not None else ()
 
+    def spelling(self, token_id: int) -> str:
+        """A special token's text ("<|tool_call_end|>")."""
+        return self.tokenizer.decode_str([token_id])
+
     def split(self, s: str) -> list:
         """[plain text | special token id, ...] spelling `s`."""
         if self.tokenizer is None or not s:
