@@ -31,9 +31,10 @@ import json
 from typing import Any, Callable
 
 from llmsvc.structured import errors as E
+from llmsvc.structured.structural_tag_spec import (KIND, elements_field, fail, flag_field, is_int, is_text,
+                                                   leading_string, string_field, strings_field, tag_parts)
 from llmsvc.structured.vocabulary import Vocabulary, token_set
 
-KIND = "structural_tag"
 SUPPORTED = ("const_string", "json_schema", "regex", "grammar", "any_text", "sequence", "or", "optional",
              "plus", "star", "repeat", "tag", "triggered_tags", "tags_with_separator")
 _TEXT = "(?s:.*)"
@@ -56,10 +57,6 @@ def grammar(text: str, vocab: Vocabulary, leaf: Callable[[str, Any], str]) -> st
     start = t.format(fmt, path, tail=None, ends=[])
     return json.dumps({"grammars": [{"name": KIND, "lark_grammar": "\n".join([f"start: {start}", *t.lines])},
                                     *t.subgrammars]})
-
-
-def _fail(path: str, why: str, reason: str = E.INVALID_GRAMMAR) -> E.ConstraintError:
-    return E.ConstraintError(KIND, reason, f"{path}: {why}")
 
 
 def _regex_escape(s: str) -> str:
@@ -101,7 +98,7 @@ class _Translator:
         and so is one whose text holds a plain exclude (xgrammar reads tokens as their text); a
         special token's spelling in plain text is excluded where the token itself is."""
         if tail is UNKNOWN:
-            raise _fail(path, "free text must be followed by a string (a const_string, its tag's end "
+            raise fail(path, "free text must be followed by a string (a const_string, its tag's end "
                               "or a trigger) or end the output: what follows it here is not one")
         spelled = [self.split(s) for s in excludes if s]
         banned = {x for p in spelled + [self.split(s) for s in tail or []] for x in p if isinstance(x, int)}
@@ -135,26 +132,26 @@ class _Translator:
         """Lark for format `f` followed by one of the `tail` strings; `ends`: the end strings of
         the nearest enclosing tag, which free text inside it never contains."""
         if not isinstance(f, dict):
-            raise _fail(path, f"must be a format object, got {type(f).__name__}")
+            raise fail(path, f"must be a format object, got {type(f).__name__}")
         kind = f.get("type", "tag")  # a typeless object is a tag
         if kind not in SUPPORTED:
-            raise _fail(path, f"format type {kind!r} is not supported (supported: {', '.join(SUPPORTED)})")
+            raise fail(path, f"format type {kind!r} is not supported (supported: {', '.join(SUPPORTED)})")
         return getattr(self, f"_{kind}")(f, path, tail, ends)
 
     def _then(self, expr: str, tail) -> str:
         return f"{expr} {self.tail_expr(tail)}".strip()
 
     def _const_string(self, f, path, tail, ends):
-        return self._then(self.literal(_str(f, "value", path, allow_empty=True)), tail)
+        return self._then(self.literal(string_field(f, "value", path, allow_empty=True)), tail)
 
     def _sub(self, kind: str, value: Any, path: str) -> str:
         try:
             text = self.leaf(kind, value)
         except E.ConstraintError as e:
-            raise _fail(path, e.message, e.reason) from None
+            raise fail(path, e.message, e.reason) from None
         except ValueError as e:  # the leaf's own parameter check (SamplingParamsError)
             reason = E.INVALID_SCHEMA if kind == "json" else E.INVALID_GRAMMAR
-            raise _fail(path, str(e).removeprefix(f"structured_outputs.{kind} "), reason) from None
+            raise fail(path, str(e).removeprefix(f"structured_outputs.{kind} "), reason) from None
         # a leaf is llguidance's JSON form (one grammar), or Lark text as the grammar kind gives it
         entry = json.loads(text)["grammars"][0] if text.lstrip().startswith("{") else {"lark_grammar": text}
         entry["name"] = self._name("g")
@@ -163,30 +160,30 @@ class _Translator:
 
     def _json_schema(self, f, path, tail, ends):
         if f.get("style", "json") != "json" or f.get("any_order"):
-            raise _fail(path, 'only "style": "json" with properties in order is supported')
+            raise fail(path, 'only "style": "json" with properties in order is supported')
         if "json_schema" not in f:
-            raise _fail(path, 'needs "json_schema"')
+            raise fail(path, 'needs "json_schema"')
         schema = f["json_schema"]
         value = schema if isinstance(schema, dict) else json.dumps(schema)  # true / false / not a schema: as text
         return self._then(self._sub("json", value, path + ".json_schema"), tail)
 
     def _regex(self, f, path, tail, ends):
-        return self._then(self._sub("regex", _str(f, "pattern", path), path + ".pattern"), tail)
+        return self._then(self._sub("regex", string_field(f, "pattern", path), path + ".pattern"), tail)
 
     def _grammar(self, f, path, tail, ends):
-        return self._then(self._sub("grammar", _str(f, "grammar", path), path + ".grammar"), tail)
+        return self._then(self._sub("grammar", string_field(f, "grammar", path), path + ".grammar"), tail)
 
     def _any_text(self, f, path, tail, ends):
         if f.get("max_tokens") is not None or f.get("max_chars") is not None:
-            raise _fail(path, "max_tokens and max_chars budgets are not supported")
-        return self.text([x for x in _strs(f, "excludes", path, []) if x] + ends, tail, path)
+            raise fail(path, "max_tokens and max_chars budgets are not supported")
+        return self.text([x for x in strings_field(f, "excludes", path, []) if x] + ends, tail, path)
 
     def _sequence(self, f, path, tail, ends):
-        elements = _formats(f, path)
+        elements = elements_field(f, path)
         out, i, n = [], 0, len(elements)
         while i < n:
             nxt = elements[i + 1] if i + 1 < n else None
-            lead, rest = _leading_string(nxt)
+            lead, rest = leading_string(nxt)
             if lead:
                 # an element, then a string (a const_string, a tag's begin): the element takes it
                 # as its tail (free text's lazy lexeme ends at it); the tag goes on after it
@@ -202,12 +199,12 @@ class _Translator:
         return " ".join(x for x in out if x)
 
     def _or(self, f, path, tail, ends):
-        alts = [self.format(el, f"{path}.elements[{i}]", tail, ends) for i, el in enumerate(_formats(f, path))]
+        alts = [self.format(el, f"{path}.elements[{i}]", tail, ends) for i, el in enumerate(elements_field(f, path))]
         return "(" + " | ".join(alts) + ")"
 
     def _repeat_of(self, f, path, tail, ends, op):
         content = f.get("content")
-        if _is_text(content) and content.get("type") == "any_text":  # any_text repeated is any_text
+        if is_text(content) and content.get("type") == "any_text":  # any_text repeated is any_text
             return self.format(content, path + ".content", tail, ends)
         return self._then(f"({self.format(content, path + '.content', UNKNOWN, ends)}){op}", tail)
 
@@ -222,31 +219,31 @@ class _Translator:
 
     def _repeat(self, f, path, tail, ends):
         lo, hi = f.get("min"), f.get("max")
-        if not (_int(lo) and _int(hi) and lo >= 0 and (hi == -1 or hi >= lo)):
-            raise _fail(path, '"min" and "max" must be integers with 0 <= min <= max (max -1: no limit)')
+        if not (is_int(lo) and is_int(hi) and lo >= 0 and (hi == -1 or hi >= lo)):
+            raise fail(path, '"min" and "max" must be integers with 0 <= min <= max (max -1: no limit)')
         if hi == 0:  # never: only what follows
             return self.tail_expr(tail)
         return self._repeat_of(f, path, tail, ends, f"{{{lo},{'' if hi == -1 else hi}}}")
 
     def _tag(self, f, path, tail, ends):
-        begin, end = _tag_parts(f, path)
+        begin, end = tag_parts(f, path)
         content = self.format(f.get("content"), path + ".content", end, [e for e in end if e])
         return self._then(f"{self.literal(begin)} {content}".strip(), tail)
 
     def _tags(self, f, path) -> list[tuple[str, dict]]:
         tags = f.get("tags")
         if not isinstance(tags, list) or not tags:
-            raise _fail(path, 'needs a non-empty "tags" list')
+            raise fail(path, 'needs a non-empty "tags" list')
         for i, t in enumerate(tags):
             if not isinstance(t, dict) or t.get("type", "tag") != "tag":
-                raise _fail(f"{path}.tags[{i}]", "must be a tag object")
+                raise fail(f"{path}.tags[{i}]", "must be a tag object")
         return [(f"{path}.tags[{i}]", t) for i, t in enumerate(tags)]
 
     def _triggered_tags(self, f, path, tail, ends):
-        triggers = _strs(f, "triggers", path, None)
+        triggers = strings_field(f, "triggers", path, None)
         if not triggers or not all(triggers):
-            raise _fail(path, 'needs a non-empty "triggers" list of non-empty strings')
-        at_least_one, stop_after_first = _flag(f, "at_least_one", path), _flag(f, "stop_after_first", path)
+            raise fail(path, 'needs a non-empty "triggers" list of non-empty strings')
+        at_least_one, stop_after_first = flag_field(f, "at_least_one", path), flag_field(f, "stop_after_first", path)
         tags = self._tags(f, path)
         # the whole tags, where one must come first (no text before it)
         any_tag = "(" + " | ".join(self.format(t, p, None, ends) for p, t in tags) + ")" if at_least_one else ""
@@ -254,12 +251,12 @@ class _Translator:
             return self._then(any_tag, tail)
         groups: dict[str, list[str]] = {t: [] for t in triggers}  # trigger -> the rest of its tags
         for p, t in tags:
-            begin, _ = _tag_parts(t, p)
+            begin, _ = tag_parts(t, p)
             matching = [tr for tr in triggers if begin.startswith(tr)]
             if len(matching) != 1:
-                raise _fail(p, f"begin {begin!r} must start with exactly one trigger, not {len(matching)}")
+                raise fail(p, f"begin {begin!r} must start with exactly one trigger, not {len(matching)}")
             groups[matching[0]].append(self.format(dict(t, begin=begin[len(matching[0]):]), p, None, ends))
-        excludes = triggers + _strs(f, "excludes", path, []) + ends
+        excludes = triggers + strings_field(f, "excludes", path, []) + ends
         dispatch = "(" + " | ".join(f"{self.text(excludes, [tr], path)} ({' | '.join(groups[tr])})"
                                     for tr in triggers if groups[tr]) + ")"
         rest = self.text(excludes, tail, path)
@@ -268,74 +265,12 @@ class _Translator:
         return f"{any_tag} {dispatch}* {rest}".strip()
 
     def _tags_with_separator(self, f, path, tail, ends):
-        sep = _str(f, "separator", path, allow_empty=True)
+        sep = string_field(f, "separator", path, allow_empty=True)
         one = "(" + " | ".join(self.format(t, p, None, ends) for p, t in self._tags(f, path)) + ")"
-        if _flag(f, "stop_after_first", path):
+        if flag_field(f, "stop_after_first", path):
             body = one
         else:
             body = f"{one} ({self.literal(sep) if sep else ''} {one})*"
-        if not _flag(f, "at_least_one", path):
+        if not flag_field(f, "at_least_one", path):
             body = f"({body})?"
         return self._then(body, tail)
-
-
-def _is_text(f) -> bool:
-    return isinstance(f, dict) and f.get("type") in ("any_text", "triggered_tags")
-
-
-def _leading_string(f) -> tuple[str, dict | None]:
-    """(the string format `f` starts with, what follows it: None for a const_string, the tag
-    with an empty begin for a tag); ("", None) when it starts with no known string."""
-    if not isinstance(f, dict):
-        return "", None
-    if f.get("type") == "const_string" and isinstance(f.get("value"), str):
-        return f["value"], None
-    if f.get("type", "tag") == "tag" and isinstance(f.get("begin"), str) and f["begin"]:
-        return f["begin"], dict(f, begin="")
-    return "", None
-
-
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _str(f: dict, key: str, path: str, allow_empty: bool = False) -> str:
-    v = f.get(key)
-    if not isinstance(v, str) or not (v or allow_empty):
-        raise _fail(path, f'needs "{key}": a {"" if allow_empty else "non-empty "}string')
-    return v
-
-
-def _strs(f: dict, key: str, path: str, default):
-    v = f.get(key, default)
-    if v is None or not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise _fail(path, f'"{key}" must be a list of strings')
-    return list(v)
-
-
-def _flag(f: dict, key: str, path: str) -> bool:
-    v = f.get(key, False)
-    if not isinstance(v, bool):
-        raise _fail(path, f'"{key}" must be true or false')
-    return v
-
-
-def _formats(f: dict, path: str) -> list:
-    v = f.get("elements")
-    if not isinstance(v, list) or not v:
-        raise _fail(path, 'needs a non-empty "elements" list')
-    return v
-
-
-def _tag_parts(f: dict, path: str) -> tuple[str, list[str]]:
-    """(begin, [end, ...]) of a tag; a token-format begin or end is not supported."""
-    begin, end = f.get("begin"), f.get("end")
-    if not isinstance(begin, str):
-        raise _fail(path, 'a tag needs "begin": a string (token formats are not supported)')
-    if isinstance(end, str):
-        end = [end]
-    if not isinstance(end, list) or not end or not all(isinstance(e, str) for e in end):
-        raise _fail(path, 'a tag needs "end": a string or a non-empty list of strings')
-    if "content" not in f:
-        raise _fail(path, 'a tag needs "content"')
-    return begin, end
