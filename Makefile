@@ -6,10 +6,12 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 # PyPI's torch for Linux x86_64 is the multi-GB CUDA build: PyTorch's CPU index comes first in
 # line as an extra index (its 2.13.0+cpu sorts above PyPI's 2.13.0). TORCH_INDEX_URL= (empty)
-# installs PyPI's CUDA build, for a GPU machine.
+# installs PyPI's CUDA build, for a GPU machine. Only torch itself comes through that index
+# (--no-deps): its dependencies come with the next install, from the package index alone, so a
+# machine that cannot reach PyTorch's index waits out its retries once, not once per dependency.
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 COMMA   := ,
-TORCH   := torch==2.13.0$(if $(TORCH_INDEX_URL), --extra-index-url $(TORCH_INDEX_URL))
+TORCH   := torch==2.13.0$(if $(TORCH_INDEX_URL), --no-deps --extra-index-url $(TORCH_INDEX_URL))
 TSTAMP  := $(VENV)/.installed-test
 
 .PHONY: setup setup-test serve test test-all test-isa test-emulated proto clean peer-vllm

@@ -34,7 +34,9 @@ def test_make_serve_installs_the_runtime_only(tmp_path):
 def test_torch_is_the_cpu_build_unless_asked_otherwise(tmp_path):
     # PyPI's torch for Linux x86_64 is the CUDA build (and pins a triton the test extra's clashes with)
     out = dry_run(tmp_path, "serve")
-    assert "pip install -q torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu" in out
+    assert "pip install -q torch==2.13.0 --no-deps --extra-index-url https://download.pytorch.org/whl/cpu" in out
+    # torch's own dependencies come with the project's install (pip resolves an installed torch's)
+    assert out.index("torch==2.13.0") < out.index("-e '.[server]'")
     r = subprocess.run(["make", "-n", "serve", "TORCH_INDEX_URL="], cwd=tmp_path, capture_output=True, text=True,
                        timeout=60)
     assert "pip install -q torch==2.13.0\n" in r.stdout and "extra-index-url" not in r.stdout
