@@ -308,6 +308,13 @@ def test_vllm_door_generates_under_a_structural_tag():
         (violation,) = rpc_details(ei.value)["BadRequest"].field_violations
         assert violation.field == "sampling_params.structural_tag"
         assert "format.content.json_schema" in ei.value.details()
+        # over the size every constraint kind is held to (1 MiB of text)
+        huge = vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=[104]), sampling_params=vpb.SamplingParams(
+            max_tokens=4, structural_tag=json.dumps({"format": {"type": "const_string", "value": "x" * (1 << 20)}})))
+        with pytest.raises(grpc.RpcError) as ei:
+            list(door.Generate(huge))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert rpc_details(ei.value)["ErrorInfo"].reason == "CONSTRAINT_TOO_LARGE"
     finally:
         s.stop()
 

@@ -46,7 +46,7 @@ def structured_outputs_from_proto(sampling, supported: tuple[str, ...]) -> Struc
         for i, c in enumerate(choices):
             if not c:
                 raise invalid(f"sampling.choice.choices[{i}]", "must not be empty", E.INVALID_CHOICE)
-        _check_size(name, sum(len(c) for c in choices))
+        check_size(name, sum(len(c) for c in choices))
         return StructuredOutputsParams(choice=choices)
     if which == "json_object":
         if not sampling.json_object:
@@ -54,7 +54,7 @@ def structured_outputs_from_proto(sampling, supported: tuple[str, ...]) -> Struc
                           E.INVALID_SCHEMA)
         return StructuredOutputsParams(json_object=True)
     text = getattr(sampling, which)
-    _check_size(name, len(text))
+    check_size(name, len(text))
     if which == "json_schema":
         try:
             schema = json.loads(text)
@@ -72,6 +72,7 @@ def structured_outputs_from_proto(sampling, supported: tuple[str, ...]) -> Struc
     return StructuredOutputsParams(**{which: text})
 
 
-def _check_size(name: str, n: int) -> None:
+def check_size(name: str, n: int) -> None:
+    """INVALID_ARGUMENT (CONSTRAINT_TOO_LARGE) on `name` for a constraint of over MAX_CONSTRAINT_CHARS."""
     if n > MAX_CONSTRAINT_CHARS:
         raise invalid(name, f"must be at most {MAX_CONSTRAINT_CHARS} characters, got {n}", "CONSTRAINT_TOO_LARGE")

@@ -31,7 +31,7 @@ import json
 from typing import Any, Callable
 
 from llmsvc.structured import errors as E
-from llmsvc.structured.structural_tag_spec import (KIND, elements_field, fail, flag_field, is_int, is_text,
+from llmsvc.structured.structural_tag_spec import (KIND, elements_field, fail, flag_field, is_int,
                                                    leading_string, string_field, strings_field, tag_parts)
 from llmsvc.structured.vocabulary import Vocabulary, token_set
 
@@ -59,6 +59,11 @@ def grammar(text: str, vocab: Vocabulary, leaf: Callable[[str, Any], str]) -> st
                                     *t.subgrammars]})
 
 
+def _pieces(pieces: list) -> str:
+    """Lark for Vocabulary.split's pieces in order: text as a string literal, a special token as `<[id]>`."""
+    return " ".join(f"<[{p}]>" if isinstance(p, int) else json.dumps(p, ensure_ascii=False) for p in pieces)
+
+
 def _regex_escape(s: str) -> str:
     """`s` literally in a Lark /regex/ (Rust syntax): ASCII punctuation as \\x{..}, so neither
     a regex operator nor the closing slash."""
@@ -78,8 +83,7 @@ class _Translator:
 
     def literal(self, s: str) -> str:
         """Lark for the exact string ("" for none): special tokens as tokens, the rest as text."""
-        return " ".join(f"<[{p}]>" if isinstance(p, int) else json.dumps(p, ensure_ascii=False)
-                        for p in self.split(s))
+        return _pieces(self.split(s))
 
     def tail_expr(self, tail: list[str] | None) -> str:
         """Lark for one of the `tail` strings ("" for none, and for UNKNOWN: its follower writes itself)."""
@@ -121,9 +125,7 @@ class _Translator:
             if pieces and isinstance(pieces[0], str):  # text, then this string: one lazy lexeme
                 head = self._name("h")
                 self.lines.append(f"{head}[lazy]: {term} {json.dumps(pieces[0], ensure_ascii=False)}")
-                rest = " ".join(json.dumps(p, ensure_ascii=False) if isinstance(p, str) else f"<[{p}]>"
-                                for p in pieces[1:])
-                alts.append(f"{f'({opt}? {special})* ' if special else ''}{head} {rest}".strip())
+                alts.append(f"{f'({opt}? {special})* ' if special else ''}{head} {_pieces(pieces[1:])}".strip())
             else:  # nothing, or a special token, follows: text cannot run into it
                 alts.append(f"{opt}? {f'({special} {opt}?)* ' if special else ''}{self.literal(s)}".strip())
         return alts[0] if len(alts) == 1 else "(" + " | ".join(alts) + ")"
@@ -204,7 +206,7 @@ class _Translator:
 
     def _repeat_of(self, f, path, tail, ends, op):
         content = f.get("content")
-        if is_text(content) and content.get("type") == "any_text":  # any_text repeated is any_text
+        if isinstance(content, dict) and content.get("type") == "any_text":  # any_text repeated is any_text
             return self.format(content, path + ".content", tail, ends)
         return self._then(f"({self.format(content, path + '.content', UNKNOWN, ends)}){op}", tail)
 

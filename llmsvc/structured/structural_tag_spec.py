@@ -11,10 +11,6 @@ def fail(path: str, why: str, reason: str = E.INVALID_GRAMMAR) -> E.ConstraintEr
     return E.ConstraintError(KIND, reason, f"{path}: {why}")
 
 
-def is_text(f) -> bool:
-    return isinstance(f, dict) and f.get("type") in ("any_text", "triggered_tags")
-
-
 def leading_string(f) -> tuple[str, dict | None]:
     """(the string format `f` starts with, what follows it: None for a const_string, the tag
     with an empty begin for a tag); ("", None) when it starts with no known string."""

@@ -34,7 +34,7 @@ from llmsvc.engine import validation as rules
 from llmsvc.engine_request import EngineRequest
 from llmsvc.sampling_params import RequestOutputKind, StructuredOutputsParams
 from llmsvc.sampling_params_error import SamplingParamsError
-from llmsvc.server.constraints import MAX_CONSTRAINT_CHARS, PROTO_FIELDS, structured_outputs_from_proto
+from llmsvc.server.constraints import PROTO_FIELDS, check_size, structured_outputs_from_proto
 from llmsvc.server.errors import ServiceError, invalid, prompt_too_long
 from llmsvc.server.prompt import encode
 from llmsvc.server.validation import ModelLimits, fill_default_max_tokens
@@ -146,9 +146,7 @@ def _structured_outputs(sp, limits: ModelLimits) -> StructuredOutputsParams | No
     if not limits.supported_constraints:  # no grammar engine in this build: as for every other kind
         raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, f"{field}: structured output is not supported by this server")
     text = sp.structural_tag
-    if len(text) > MAX_CONSTRAINT_CHARS:
-        raise invalid(field, f"must be at most {MAX_CONSTRAINT_CHARS} characters, got {len(text)}",
-                      "CONSTRAINT_TOO_LARGE")
+    check_size(field, len(text))
     try:
         return StructuredOutputsParams(structural_tag=text)
     except SamplingParamsError as e:
