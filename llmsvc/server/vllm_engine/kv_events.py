@@ -42,6 +42,11 @@ BEAT_S = 0.1  # how often the load is looked at for a load-only batch (vLLM's se
 IDLE_BEAT_S = 1.0  # a load-only batch at least this often, changed or not: the engine is alive
 
 
+def _routing_core(load: cpb.EngineLoad) -> tuple:
+    """What a gateway routes on: a change in it is worth a load-only batch."""
+    return load.running_requests, load.waiting_requests, load.waiting_uncached_tokens, load.token_usage
+
+
 def block_hash64(h: bytes) -> int:
     return int.from_bytes(h[:8], "big", signed=True)
 
@@ -179,13 +184,12 @@ class KVEventRelay:
     # ---- load records -----------------------------------------------------------------------
     def _record(self, full: bool) -> cpb.EngineLoad | None:
         """The next load record (None without a load source), noted as the last one sent."""
-        if self._load is None:
-            return None
-        load = self._load(full)
+        return None if self._load is None else self._numbered(self._load(full))
+
+    def _numbered(self, load: cpb.EngineLoad) -> cpb.EngineLoad:
         self._sample += 1
         load.sample = self._sample
-        self._sent_load = (load.running_requests, load.waiting_requests, load.waiting_uncached_tokens,
-                           load.token_usage)
+        self._sent_load = _routing_core(load)
         self._sent_at = time.monotonic()
         return load
 
@@ -198,10 +202,9 @@ class KVEventRelay:
             await asyncio.sleep(BEAT_S)
             if not self._subs:
                 continue
-            load = self._load(False)
-            core = (load.running_requests, load.waiting_requests, load.waiting_uncached_tokens, load.token_usage)
-            if core != self._sent_load or time.monotonic() - self._sent_at >= IDLE_BEAT_S:
-                record = self._record(True)
+            load = self._load(True)
+            if _routing_core(load) != self._sent_load or time.monotonic() - self._sent_at >= IDLE_BEAT_S:
+                record = self._numbered(load)
                 record.load_only = True
                 batch = cpb.KvEventBatch(sequence_number=self._seq, timestamp=time.time(), load=record)
                 for sub in self._subs:
